@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvscope bench`; one module each (see engine/commands/bench.py)."""

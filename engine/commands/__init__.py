@@ -1,0 +1,1 @@
+"""One module per `kvscope` subcommand; see engine/cli.py."""

@@ -1,0 +1,17 @@
+"""`kvscope bench NAME`: benchmarks that print measured numbers. Each lives in
+``engine/bench/NAME.py`` and exposes ``register(subparsers)`` like a subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+
+import engine.bench
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark and print measured numbers")
+    bench_sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for info in sorted(pkgutil.iter_modules(engine.bench.__path__), key=lambda m: m.name):
+        importlib.import_module(f"engine.bench.{info.name}").register(bench_sub)

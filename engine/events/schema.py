@@ -1,0 +1,88 @@
+"""The kvscope event protocol: what a batch and each event look like on the wire.
+
+Torch-free. A *batch* is one engine step:
+
+    {"v": PROTOCOL_VERSION, "epoch": str, "step": int, "time": float (unix seconds),
+     "events": [event, ...], "stats": {...}}
+
+The publisher adds "seq" (strictly increasing per epoch) and "epoch". An *event* is a
+self-describing map ``{"kind": KIND, ...fields}``. Block ids are plain ints, per tier,
+``0 <= id < num_blocks``; bulk changes carry lists of ids. Sequence ids are strings.
+Readers ignore fields they do not know and count (then ignore) kinds they do not know,
+so adding a field or a kind never breaks a reader. What each kind *means* is defined in
+one place only: ``engine.events.state.KVState.apply``.
+
+Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id lists):
+
+    tier_init    tier, num_blocks, block_size, format    (re)create a tier, all blocks free
+    seq_add      seq, prompt_tokens, priority=0, parent=None   new sequence, status waiting
+    seq_start    seq                                     waiting -> running (first schedule)
+    alloc        tier, seq, blocks                       fresh blocks appended to seq's table
+    hit          tier, seq, blocks, tokens               cached blocks shared into seq's table
+    store        tier, blocks, hashes                    full blocks enter the prefix cache
+    evict        tier, blocks                            blocks leave the prefix cache
+    free         tier, seq, blocks                       seq drops its whole block table
+    fork         tier, seq, parent, blocks               child shares all of parent's blocks
+    cow          tier, seq, logical, src, dst            copy-on-write: table[logical[i]] src->dst
+    seq_tokens   seqs, num_tokens                        token counts of sequences that changed
+    seq_preempt  seq, mode ("recompute" | "swap")        running -> waiting | swapped
+    seq_resume   seq                                     waiting | swapped -> running
+    seq_finish   seq, reason ("stop" | "length" | "abort")   sequence leaves (table empty)
+    swap_out     seq, src, dst                           seq's table moves gpu src -> cpu dst
+    swap_in      seq, src, dst                           seq's table moves cpu src -> gpu dst
+    offload      src, dst, hashes                        cached gpu blocks written to host dst
+    host_hit     seq, src, dst, tokens                   host-cached src loaded into gpu dst
+    quantize     tier, blocks, format                    (reserved) per-block format change
+
+``stats`` is a free-form map; known keys: running, waiting, swapped, scheduled_tokens,
+prefill_tokens, decode_tokens, hit_tokens, query_tokens, step_time_s, preemptions,
+evictions, and "tiers": {tier: {"total", "used", "cached", "free"}}.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 1
+
+TIERS = ("gpu", "cpu")
+SEQ_STATUSES = ("waiting", "running", "swapped")
+FINISH_REASONS = ("stop", "length", "abort")
+PREEMPT_MODES = ("recompute", "swap")
+KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4")
+
+# Event kinds. Names are the wire strings.
+TIER_INIT = "tier_init"
+SEQ_ADD = "seq_add"
+SEQ_START = "seq_start"
+ALLOC = "alloc"
+HIT = "hit"
+STORE = "store"
+EVICT = "evict"
+FREE = "free"
+FORK = "fork"
+COW = "cow"
+SEQ_TOKENS = "seq_tokens"
+SEQ_PREEMPT = "seq_preempt"
+SEQ_RESUME = "seq_resume"
+SEQ_FINISH = "seq_finish"
+SWAP_OUT = "swap_out"
+SWAP_IN = "swap_in"
+OFFLOAD = "offload"
+HOST_HIT = "host_hit"
+QUANTIZE = "quantize"
+
+EVENT_KINDS = (
+    TIER_INIT, SEQ_ADD, SEQ_START, ALLOC, HIT, STORE, EVICT, FREE, FORK, COW, SEQ_TOKENS,
+    SEQ_PREEMPT, SEQ_RESUME, SEQ_FINISH, SWAP_OUT, SWAP_IN, OFFLOAD, HOST_HIT, QUANTIZE,
+)
+
+# Per-block state codes, as the inspector's uint8 block map uses them. Derived from a
+# block's ref count and whether it holds a prefix-cache hash (see KVState.block_codes).
+BLOCK_FREE = 0  # ref 0, no hash: reused first
+BLOCK_CACHED = 1  # ref 0, hashed: evictable, revivable by a prefix hit
+BLOCK_USED = 2  # ref 1
+BLOCK_SHARED = 3  # ref > 1
+BLOCK_STATE_NAMES = ("free", "cached", "used", "shared")
+
+
+class ProtocolError(ValueError):
+    """A batch or event that does not follow the protocol (or does not fit the state)."""

@@ -1,0 +1,1 @@
+"""Shared test configuration. Area-specific fixtures live in tests/<area>/conftest.py."""
