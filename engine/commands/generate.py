@@ -1,0 +1,46 @@
+"""`kvscope generate PROMPT...`: answer prompts with the model (chat template by default)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.model.errors import ModelLoadError
+
+    try:
+        from engine import LLM, SamplingParams
+
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"kvscope generate: {exc}")
+        return 1
+    if args.raw:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    else:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        if len(args.prompts) > 1:
+            print(f"> {prompt}")
+        print(out.outputs[0].text.strip())
+        if len(args.prompts) > 1:
+            print()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate answers to prompts and print them")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF dir")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(func=_generate)

@@ -1,0 +1,121 @@
+"""ModelConfig: the shape of a Llama-family model, independent of the file it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.model.errors import ModelLoadError
+
+# HF `model_type` values whose weights and forward are the Llama layout kvscope implements.
+# Qwen2 differs only by q/k/v biases; Mistral (without sliding window) is plain Llama.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# RoPE variants implemented in engine/model/rope.py.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Invariants: hidden_size == num_heads * head_dim is NOT assumed (head_dim is explicit);
+    num_heads % num_kv_heads == 0 (GQA groups); rope_scaling is None or has a 'rope_type'
+    in SUPPORTED_ROPE_TYPES."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {self.architecture!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ModelLoadError(
+                    f"unsupported rope scaling {rope_type!r} "
+                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _eos_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
+    """Build a ModelConfig from an HF config.json dict (transformers 4.x or 5.x spelling)."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{source}: unsupported architecture {model_type!r} "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if model_type in ("mistral", "qwen2") and cfg.get("use_sliding_window", False) and cfg.get(
+        "sliding_window"
+    ):
+        raise ModelLoadError(f"{source}: sliding-window attention is not supported")
+    # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
+    rope = dict(cfg.get("rope_parameters") or {})
+    legacy_scaling = cfg.get("rope_scaling")
+    if legacy_scaling:
+        rope.update(legacy_scaling)
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+    try:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ModelConfig(
+            architecture=model_type,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            # Qwen2 always has q/k/v biases; its config does not say so.
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{source}: config lacks required key {exc.args[0]!r}") from exc
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{source}: {exc}") from exc

@@ -1,0 +1,186 @@
+"""Read a GGUF file: its config, its tensors (dequantized, renamed to the HF layout) and its
+tokenizer metadata. Every failure becomes a ModelLoadError naming the file (and tensor)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+
+# GGUF architectures that carry the Llama layout. llama.cpp permutes Q/K rows only for the
+# ones it converts through its LlamaModel (llama, mistral); Qwen2 keeps HF's row order.
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: Path) -> Any:
+    """Open a GGUF file; a missing, corrupt or truncated file raises ModelLoadError."""
+    import gguf
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors...
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") \
+            from exc
+
+
+def _field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {key!r}")
+        return default
+    try:
+        return field.contents()
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is unreadable: {exc}") from exc
+
+
+def gguf_architecture(reader: Any, path: Path) -> str:
+    arch = _field(reader, "general.architecture", path)
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(_GGUF_ARCHS)})"
+        )
+    return arch
+
+
+def gguf_config(reader: Any, path: Path) -> ModelConfig:
+    arch = gguf_architecture(reader, path)
+
+    def get(key: str, default: Any = ...) -> Any:
+        return _field(reader, f"{arch}.{key}", path, default)
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0)
+                   or hidden // num_heads)
+    vocab = get("vocab_size", None)
+    if vocab is None:
+        vocab = len(_field(reader, "tokenizer.ggml.tokens", path))
+    rope_scaling = None
+    scaling_type = get("rope.scaling.type", None)
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling_type!r}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Llama 3.1 GGUFs carry their frequency factors as a tensor; not implemented here.
+        raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' (rope frequency factors) "
+                             "is not supported")
+    tensor_names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", path, None)
+    eot = _field(reader, "tokenizer.ggml.eot_token_id", path, None)
+    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    return ModelConfig(
+        architecture=_GGUF_ARCHS[arch],
+        num_layers=int(get("block_count")),
+        hidden_size=hidden,
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(vocab),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(get("context_length", 2048)),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (rows of each head interleaved for its rope)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(reader: Any, path: Path, config: ModelConfig,
+                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor in `dtype`) for every tensor the forward uses.
+
+    Unknown tensor names are skipped (a GGUF may carry extras); missing ones are caught by
+    the model's loader, which knows what it needs.
+    """
+    import gguf
+
+    arch = gguf_architecture(reader, path)
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} ({t.tensor_type.name}) cannot be dequantized: {exc}"
+            ) from exc
+        array = np.asarray(array, dtype=np.float32)
+        expected_elems = int(np.prod([int(d) for d in t.shape]))
+        if array.size != expected_elems:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} holds {array.size} values, "
+                                 f"its header says {expected_elems} (truncated?)")
+        if arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = _unpermute(array, config.num_heads)
+        elif arch in _PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = _unpermute(array, config.num_kv_heads)
+        if not array.flags.writeable:  # F32 tensors come straight from the read-only memmap
+            array = array.copy()
+        yield name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+
+def gguf_tokenizer_metadata(reader: Any, path: Path) -> dict[str, Any]:
+    """The tokenizer fields a Tokenizer needs, with GGUF's key names shortened."""
+    meta: dict[str, Any] = {
+        "model": _field(reader, "tokenizer.ggml.model", path),
+        "pre": _field(reader, "tokenizer.ggml.pre", path, None),
+        "tokens": _field(reader, "tokenizer.ggml.tokens", path),
+        "merges": _field(reader, "tokenizer.ggml.merges", path, None),
+        "token_type": _field(reader, "tokenizer.ggml.token_type", path, None),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", path, None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", path, None),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", path, False)),
+        "chat_template": _field(reader, "tokenizer.chat_template", path, None),
+    }
+    return meta

@@ -1,0 +1,161 @@
+"""The Llama-family forward in plain torch: RMSNorm, RoPE, GQA attention through an
+AttentionBackend, SwiGLU MLP. Q/K/V and gate/up are fused at load time into one matmul each
+(fewer, bigger matmuls), so the HF checkpoint layout exists only while loading."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import AttentionBackend
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.rope import RotaryEmbedding
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers: normalize in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF-named tensor the forward needs, with its shape."""
+    h, i = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (config.q_size, h),
+            p + "self_attn.k_proj.weight": (config.kv_size, h),
+            p + "self_attn.v_proj.weight": (config.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, config.q_size),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if config.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (config.q_size,),
+                p + "self_attn.k_proj.bias": (config.kv_size,),
+                p + "self_attn.v_proj.bias": (config.kv_size,),
+            }
+    return shapes
+
+
+class LlamaModel:
+    """Stateless apart from weights: all per-sequence state lives in the AttentionBackend."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                    embed.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @classmethod
+    def from_tensors(cls, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+                     source: str, device: torch.device | str) -> LlamaModel:
+        """Build from (HF name, tensor) pairs; names not in expected_shapes are ignored.
+        A missing tensor or a wrong shape raises ModelLoadError naming `source` and the tensor."""
+        shapes = expected_shapes(config)
+        found: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors:
+            if name not in shapes:
+                continue
+            if tuple(tensor.shape) != shapes[name]:
+                raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {shapes[name]} from the config")
+            found[name] = tensor
+        missing = [name for name in shapes if name not in found]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ModelLoadError(f"{source}: missing tensor {missing[0]!r}{more}")
+
+        def take(name: str) -> torch.Tensor:
+            return found.pop(name).to(device).contiguous()
+
+        layers = []
+        for n in range(config.num_layers):
+            p = f"model.layers.{n}."
+            qkv = torch.cat([found.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([found.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                bias = bias.to(device)
+            gate_up = torch.cat([found.pop(p + "mlp.gate_proj.weight"),
+                                 found.pop(p + "mlp.up_proj.weight")])
+            layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=qkv.to(device), qkv_bias=bias,
+                o_proj=take(p + "self_attn.o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=gate_up.to(device),
+                down=take(p + "mlp.down_proj.weight"),
+            ))
+        embed = take("model.embed_tokens.weight")
+        lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
+        return cls(config, embed, layers, take("model.norm.weight"), lm_head)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: LongTensor [T] (tokens of several sequences may be flattened
+        together; the backend knows which is which). Returns the final-normed hidden [T, hidden]."""
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        hidden = self.embed[input_ids]
+        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
+        for idx, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = RotaryEmbedding.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = RotaryEmbedding.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            out = attn(idx, q, k, v)
+            hidden = hidden + F.linear(out.reshape(num_tokens, cfg.q_size), layer.o_proj)
+            x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T', hidden] (only the rows to sample) -> logits [T', vocab] in float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,74 @@
+"""The model side's entry point: a model argument ("smollm2", a .gguf file, an HF directory)
+becomes (LlamaModel, Tokenizer | None, ModelConfig)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.llama import LlamaModel
+from engine.model.pull import resolve_model
+from engine.model.tokenizer import Tokenizer
+
+
+def _kind(path: Path) -> str:
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: directory has no config.json (not an HF model dir)")
+        return "hf"
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a model directory")
+    raise ModelLoadError(f"{path}: no such model file or directory")
+
+
+def read_config(name_or_path: str | os.PathLike) -> tuple[Path, ModelConfig]:
+    """The resolved path and config, without loading weights."""
+    path = resolve_model(name_or_path)
+    if _kind(path) == "hf":
+        from engine.model.hf_loader import hf_config
+
+        return path, hf_config(path)
+    from engine.model.gguf_loader import gguf_config, open_gguf
+
+    return path, gguf_config(open_gguf(path), path)
+
+
+def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32
+               ) -> tuple[LlamaModel, Tokenizer | None, ModelConfig]:
+    """Load weights (dequantized/cast to `dtype`) onto `device`, and the tokenizer.
+
+    The tokenizer is None only for an HF directory without tokenizer.json (e.g. a random test
+    model). Every bad input raises ModelLoadError naming the file and, where relevant, tensor.
+    """
+    path = resolve_model(name_or_path)
+    if _kind(path) == "hf":
+        from engine.model.hf_loader import hf_config, hf_tensors
+
+        config = hf_config(path)
+        model = LlamaModel.from_tensors(config, hf_tensors(path, dtype), str(path), device)
+        tokenizer = None
+        if (path / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
+        return model, tokenizer, config
+
+    from engine.model.gguf_loader import (
+        gguf_config,
+        gguf_tensors,
+        gguf_tokenizer_metadata,
+        open_gguf,
+    )
+
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(reader, path), str(path))
+    model = LlamaModel.from_tensors(config, gguf_tensors(reader, path, config, dtype), str(path),
+                                    device)
+    return model, tokenizer, config

@@ -1,0 +1,44 @@
+"""What generation returns, shaped like vLLM's RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request. `token_ids` includes a final EOS/stop token when one
+    ended the completion (its text does not). `logprobs`, when the request asked for them, holds
+    per generated token a {token_id: logprob} map of the chosen token plus the top-k."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic seconds) of one request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = field(default=None)

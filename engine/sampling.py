@@ -1,0 +1,153 @@
+"""SamplingParams (vLLM's names, defaults and validation) and the batched sampler.
+
+Reproducibility: each request samples with its own torch.Generator and draws exactly one
+vocabulary-sized block of random numbers per step, so a seeded request produces the same tokens
+whatever other requests share its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+
+@dataclass(init=False)
+class SamplingParams:
+    """temperature == 0 means greedy (top_k/top_p/min_p are then irrelevant). top_k <= 0 and
+    top_p == 1 and min_p == 0 disable those filters. `logprobs` = k returns the chosen token's
+    logprob plus the k most likely per step (raw logits, before temperature, as vLLM)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    logprobs: int | None
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+
+    def __init__(self, **kwargs: Any) -> None:
+        defaults: dict[str, Any] = {
+            "n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
+            "stop": None, "stop_token_ids": None, "max_tokens": 16, "ignore_eos": False,
+            "logprobs": None, "skip_special_tokens": True, "include_stop_str_in_output": False,
+        }
+        unknown = sorted(set(kwargs) - set(defaults))
+        if unknown:
+            raise TypeError(f"SamplingParams got unknown argument(s) {', '.join(unknown)}; "
+                            f"accepted: {', '.join(defaults)}")
+        values = defaults | kwargs
+        stop = values["stop"]
+        values["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        values["stop_token_ids"] = list(values["stop_token_ids"] or [])
+        for name, value in values.items():
+            setattr(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"SamplingParams: {message}")
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        need(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        need(isinstance(self.temperature, int | float) and self.temperature >= 0,
+             f"temperature must be >= 0, got {self.temperature!r}")
+        need(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
+             f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(is_int(self.top_k), f"top_k must be an int (0 or -1 disables), got {self.top_k!r}")
+        need(self.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        need(isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1,
+             f"min_p must be in [0, 1], got {self.min_p!r}")
+        need(self.seed is None or is_int(self.seed), f"seed must be an int, got {self.seed!r}")
+        need(is_int(self.max_tokens) and self.max_tokens >= 1,
+             f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        need(all(isinstance(s, str) and s for s in self.stop),
+             f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+             f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        need(isinstance(self.ignore_eos, bool),
+             f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token under the raw distribution
+    top_logprobs: list[dict[int, float] | None]  # per row, when that row asked for logprobs
+
+
+def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (on what top-k left), then min-p. One row [V]."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens strictly more likely already reach top_p; the most
+        # likely token always survives.
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> SampleResult:
+    """logits [B, V] float32, one row per sequence to sample; params/generators per row.
+    A non-greedy row needs a generator (its only source of randomness)."""
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen: list[int] = []
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            chosen.append(int(torch.argmax(logits[row])))
+            continue
+        if gen is None:
+            raise ValueError("a non-greedy request needs a torch.Generator")
+        probs = torch.softmax(_filter_logits(logits[row].float(), p), dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, using exactly V draws.
+        noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
+        noise.clamp_min_(1e-10)  # a 0 draw would make 0/0 = nan for a filtered-out token
+        chosen.append(int(torch.argmax(probs / noise)))
+    index = torch.tensor(chosen, device=logits.device)
+    picked = raw_logprobs.gather(1, index[:, None])[:, 0].tolist()
+    top: list[dict[int, float] | None] = []
+    for row, p in enumerate(params):
+        if p.logprobs is None:
+            top.append(None)
+            continue
+        entry = {chosen[row]: picked[row]}
+        if p.logprobs > 0:
+            values, ids = torch.topk(raw_logprobs[row], p.logprobs)
+            entry |= dict(zip(ids.tolist(), values.tolist(), strict=True))
+        top.append(entry)
+    return SampleResult(chosen, picked, top)
