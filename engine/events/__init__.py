@@ -1,11 +1,17 @@
-"""kvscope's event stream: schema, KVState mirror, sinks (and, as they land, the codec,
-publisher, subscriber and recordings). Importable without torch."""
+"""kvscope's event stream: schema, KVState mirror, sinks, codec, the engine-side
+EventStream (publisher + recorder), the Subscriber and recordings. Importable without
+torch (numpy, msgpack, pyzmq and zstandard only)."""
 
+from engine.events.codec import Codec
+from engine.events.recording import Recording, RecordingError, RecordingWarning, RecordingWriter
 from engine.events.schema import PROTOCOL_VERSION, ProtocolError
 from engine.events.sink import EventSink, ListSink, NullSink
 from engine.events.state import KVState, SeqState, TierState
+from engine.events.stream import EventStream
+from engine.events.subscriber import Subscriber
 
 __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "EventSink", "ListSink", "NullSink",
-    "KVState", "SeqState", "TierState",
+    "KVState", "SeqState", "TierState", "Codec", "EventStream", "Subscriber",
+    "Recording", "RecordingWriter", "RecordingError", "RecordingWarning",
 ]

@@ -27,7 +27,12 @@ class NullSink:
 
 
 class ListSink:
-    """Collects events in order; ``drain()`` hands over the step's events."""
+    """Collects events in order; ``drain()`` hands over the step's events.
+
+    List-valued fields are copied at emit time: an emitter may go on mutating the list
+    it passed (``seq.block_table.append(...)`` next step) while the event still waits in
+    a queue to be encoded on another thread (the EventStream's publisher).
+    """
 
     enabled = True
 
@@ -35,6 +40,9 @@ class ListSink:
         self.events: list[dict[str, Any]] = []
 
     def emit(self, kind: str, **fields: Any) -> None:
+        for key, value in fields.items():
+            if type(value) is list:
+                fields[key] = value.copy()
         fields["kind"] = kind
         self.events.append(fields)
 

@@ -16,7 +16,6 @@ A batch is applied atomically: if any event in it is rejected, the state is unch
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +73,7 @@ class KVState:
         self.stats: dict[str, Any] = {}
         self.kind_counts: dict[str, int] = {}  # cumulative events applied, by kind
         self.unknown_kinds: int = 0
+        self._undo: list[tuple] | None = None  # a list only while apply() runs
 
     # ------------------------------------------------------------------ reading
     def block_codes(self, tier: str) -> np.ndarray:
@@ -185,6 +185,23 @@ class KVState:
             raise ProtocolError(f"malformed snapshot: {e!r}") from e
         return st
 
+    @classmethod
+    def from_canonical(cls, canon: dict[str, Any]) -> KVState:
+        """A KVState from ``canonical()``/``kv_state()`` form (what canonical() leaves out,
+        such as priorities, parents and counters, starts at its defaults)."""
+        snap = {
+            "v": S.PROTOCOL_VERSION, "step": -1,
+            "tiers": {
+                name: {"num_blocks": t["num_blocks"], "block_size": t["block_size"],
+                       "format": t["format"], "ref": t["ref"],
+                       "hashed": [b for b, h in enumerate(t["hash"]) if h is not None],
+                       "hashes": [h for h in t["hash"] if h is not None]}
+                for name, t in canon["tiers"].items()
+            },
+            "seqs": [{"seq": sid, **s} for sid, s in canon["seqs"].items()],
+        }
+        return cls.from_snapshot(snap)
+
     def clone(self) -> KVState:
         """An independent copy: arrays, dicts and block tables are copied, not shared."""
         st = KVState()
@@ -200,7 +217,11 @@ class KVState:
 
     # ----------------------------------------------------------------- apply
     def apply(self, batch: dict[str, Any]) -> None:
-        """Apply one step's batch. Atomic: on ProtocolError the state is unchanged."""
+        """Apply one step's batch. Atomic: on ProtocolError the state is unchanged.
+
+        Atomicity comes from an undo log (what each handler is about to overwrite), so
+        a batch costs time in proportion to what it touches, not to the cache's size.
+        """
         if not isinstance(batch, dict) or batch.get("v") != S.PROTOCOL_VERSION:
             raise ProtocolError(
                 f"batch protocol version {getattr(batch, 'get', lambda _k: None)('v')!r}, "
@@ -209,21 +230,65 @@ class KVState:
         events = batch.get("events", [])
         if not isinstance(events, list):
             raise ProtocolError("batch 'events' is not a list")
-        backup = self.clone()
+        self._begin()
         try:
             for ev in events:
                 self._apply_event(ev)
         except ProtocolError:
-            self.__dict__.update(backup.__dict__)
+            self._rollback()
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            self.__dict__.update(backup.__dict__)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+            self._rollback()
             raise ProtocolError(f"malformed event: {e!r}") from e
+        self._undo = None
         self.step = int(batch.get("step", self.step + 1))
         self.time = float(batch.get("time", self.time))
         stats = batch.get("stats")
         if isinstance(stats, dict):
             self.stats = stats
+
+    # ------------------------------------------------------------- undo log
+    # Every mutation inside apply() first logs what it overwrites: _seq saves a sequence's
+    # fields the first time a batch touches it, _save_ref the old ref counts of the blocks
+    # about to change, _save_hash an old hash entry, _save_item a tier or sequence about
+    # to appear or disappear, _save_attr one field. _rollback replays the log backwards,
+    # restoring objects in place, so entries logged in any order compose.
+    def _begin(self) -> None:
+        self._undo = []
+        self._touched: set[str] = set()
+        self._saved_counts = (dict(self.kind_counts), self.unknown_kinds)
+
+    def _save_ref(self, t: TierState, blocks: list[int]) -> None:
+        if self._undo is not None:
+            self._undo.append((_REF, t.ref, blocks, t.ref[blocks]))
+
+    def _save_hash(self, t: TierState, b: int) -> None:
+        if self._undo is not None:
+            self._undo.append((_ITEM, t.hashes, b, t.hashes.get(b, _MISSING)))
+
+    def _save_item(self, d: dict, key: Any) -> None:
+        if self._undo is not None:
+            self._undo.append((_ITEM, d, key, d.get(key, _MISSING)))
+
+    def _save_attr(self, obj: Any, name: str) -> None:
+        if self._undo is not None:
+            self._undo.append((_ATTR, obj, name, getattr(obj, name)))
+
+    def _rollback(self) -> None:
+        undo, self._undo = self._undo or [], None
+        for op, target, key, old in reversed(undo):
+            if op is _REF:
+                target[key] = old
+            elif op is _ITEM:
+                if old is _MISSING:
+                    target.pop(key, None)
+                else:
+                    target[key] = old
+            elif op is _SEQ:
+                target.__dict__.update(old)
+            else:
+                setattr(target, key, old)
+        self.kind_counts, self.unknown_kinds = self._saved_counts
 
     def _tier(self, name: Any) -> TierState:
         t = self.tiers.get(name)
@@ -232,9 +297,15 @@ class KVState:
         return t
 
     def _seq(self, sid: Any) -> SeqState:
+        """The sequence, saved to the undo log the first time this batch touches it."""
         s = self.seqs.get(sid)
         if s is None:
             raise ProtocolError(f"unknown sequence {sid!r}")
+        if self._undo is not None and sid not in self._touched:
+            self._touched.add(sid)
+            saved = s.__dict__.copy()
+            saved["block_table"] = list(s.block_table)
+            self._undo.append((_SEQ, s, None, saved))
         return s
 
     def _apply_event(self, ev: dict[str, Any]) -> None:
@@ -254,12 +325,14 @@ class KVState:
         n, bs = int(ev["num_blocks"]), int(ev["block_size"])
         if n < 0 or bs < 1:
             raise ProtocolError(f"tier {name}: bad size {n} blocks x {bs} tokens")
+        self._save_item(self.tiers, name)
         self.tiers[name] = TierState(name, n, bs, str(ev.get("format", "auto")))
 
     def _seq_add(self, ev: dict[str, Any]) -> None:
         sid = ev["seq"]
         if not isinstance(sid, str) or sid in self.seqs:
             raise ProtocolError(f"seq_add: bad or duplicate sequence id {sid!r}")
+        self._save_item(self.seqs, sid)
         self.seqs[sid] = SeqState(
             seq_id=sid, prompt_tokens=int(ev.get("prompt_tokens", 0)),
             priority=int(ev.get("priority", 0)), parent=ev.get("parent"),
@@ -277,6 +350,7 @@ class KVState:
                 raise ProtocolError(f"alloc: {t.name} block {b} is not free")
         if len(set(blocks)) != len(blocks):
             raise ProtocolError("alloc: duplicate block ids")
+        self._save_ref(t, blocks)
         t.ref[blocks] = 1
         s.block_table.extend(blocks)
 
@@ -287,6 +361,7 @@ class KVState:
         for b in blocks:
             if b not in t.hashes:
                 raise ProtocolError(f"hit: {t.name} block {b} is not cached")
+        self._save_ref(t, blocks)
         np.add.at(t.ref, blocks, 1)
         s.block_table.extend(blocks)
         s.hit_tokens += int(ev.get("tokens", 0))
@@ -297,6 +372,7 @@ class KVState:
         if len(blocks) != len(hashes):
             raise ProtocolError("store: blocks and hashes differ in length")
         for b, h in zip(blocks, hashes, strict=True):
+            self._save_hash(t, b)
             t.hashes[b] = int(h)
 
     def _evict(self, ev: dict[str, Any]) -> None:
@@ -306,12 +382,14 @@ class KVState:
             if t.ref[b] != 0 or b not in t.hashes:
                 raise ProtocolError(f"evict: {t.name} block {b} is not a cached free block")
         for b in blocks:
+            self._save_hash(t, b)
             del t.hashes[b]
 
     def _free(self, ev: dict[str, Any]) -> None:
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), list(ev["blocks"])
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
+        self._save_ref(t, blocks)
         np.subtract.at(t.ref, blocks, 1)
         s.block_table = []
         s.num_tokens = 0
@@ -322,6 +400,7 @@ class KVState:
         if parent.tier != t.name or blocks != parent.block_table or s.block_table:
             raise ProtocolError(f"fork: {s.seq_id} cannot share {parent.seq_id}'s blocks")
         s.tier = t.name
+        self._save_ref(t, blocks)
         np.add.at(t.ref, blocks, 1)
         s.block_table = blocks
         s.num_tokens = parent.num_tokens
@@ -337,6 +416,7 @@ class KVState:
                 raise ProtocolError(f"cow: {s.seq_id}[{i}] is not block {a}")
             if t.ref[b] != 0 or b in t.hashes:
                 raise ProtocolError(f"cow: destination block {b} is not free")
+            self._save_ref(t, [a, b])
             s.block_table[i] = b
             t.ref[a] -= 1
             t.ref[b] = 1
@@ -346,7 +426,12 @@ class KVState:
         if len(seqs) != len(counts):
             raise ProtocolError("seq_tokens: seqs and num_tokens differ in length")
         for sid, n in zip(seqs, counts, strict=True):
-            self._seq(sid).num_tokens = int(n)
+            # the hot path of every decode step: log one field, not the whole sequence
+            s = self.seqs.get(sid)
+            if s is None:
+                raise ProtocolError(f"unknown sequence {sid!r}")
+            self._save_attr(s, "num_tokens")
+            s.num_tokens = int(n)
 
     def _seq_preempt(self, ev: dict[str, Any]) -> None:
         s, mode = self._seq(ev["seq"]), ev["mode"]
@@ -362,6 +447,7 @@ class KVState:
         s = self._seq(ev["seq"])
         if s.block_table:
             raise ProtocolError(f"seq_finish: {s.seq_id} still holds blocks (free it first)")
+        self._save_item(self.seqs, s.seq_id)
         del self.seqs[s.seq_id]
 
     def _move(self, ev: dict[str, Any], src_tier: str, dst_tier: str) -> None:
@@ -372,6 +458,8 @@ class KVState:
         b.check_ids(dst)
         if s.tier != src_tier or src != s.block_table or len(dst) != len(src):
             raise ProtocolError(f"{ev['kind']}: {s.seq_id} does not hold {src_tier} {src}")
+        self._save_ref(a, src)
+        self._save_ref(b, dst)
         np.subtract.at(a.ref, src, 1)
         np.add.at(b.ref, dst, 1)
         s.tier, s.block_table = dst_tier, dst
@@ -391,6 +479,7 @@ class KVState:
         for b, h in zip(dst, hashes, strict=True):
             if host.ref[b] != 0:
                 raise ProtocolError(f"offload: host block {b} is in use")
+            self._save_hash(host, b)
             host.hashes[b] = int(h)
 
     def _host_hit(self, ev: dict[str, Any]) -> None:
@@ -406,6 +495,8 @@ class KVState:
                 raise ProtocolError(f"host_hit: host block {a} is not cached")
             if dev.ref[b] != 0 or b in dev.hashes:
                 raise ProtocolError(f"host_hit: gpu block {b} is not free")
+            self._save_ref(dev, [b])
+            self._save_hash(dev, b)
             dev.ref[b] = 1
             dev.hashes[b] = host.hashes[a]
         s.block_table.extend(dst)
@@ -417,8 +508,13 @@ class KVState:
         s.tier = t.name
 
 
+_MISSING = object()  # undo-log marker: "this key did not exist"
+_REF, _ITEM, _SEQ, _ATTR = "ref", "item", "seq", "attr"  # undo-log entry kinds
+
+
 def _copy_seq(s: SeqState) -> SeqState:
-    c = copy.copy(s)
+    c = SeqState.__new__(SeqState)
+    c.__dict__.update(s.__dict__)
     c.block_table = list(s.block_table)
     return c
 

@@ -1,0 +1,151 @@
+"""The ZeroMQ side of the event stream: a PUB socket for batches and heartbeats, and a
+ROUTER socket that answers snapshot and replay requests.
+
+Used only from the EventStream's publisher thread (ZeroMQ sockets belong to one thread;
+they are created and bound in the constructor so that bind errors reach the caller, and
+handed over when the thread starts).
+
+Requests arrive as one msgpack frame from a DEALER: ``{"v", "type": "get_snapshot", "id"}``
+or ``{"v", "type": "replay", "from": seq, "id"}``; every reply echoes ``id``. A replay
+reply is the buffered batch payloads (byte-identical to what PUB sent) followed by a
+``replay_end`` with ``ok`` False when any requested seq is no longer buffered.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from engine.events import codec as C
+from engine.events.schema import ProtocolError
+
+log = logging.getLogger(__name__)
+
+_TCP = re.compile(r"^tcp://(?P<host>[^:]+|\[[^\]]+\]):(?P<port>\d+|\*)$")
+
+
+def snapshot_endpoint_for(endpoint: str) -> str:
+    """The default snapshot/replay endpoint: the PUB port + 1 (ephemeral stays ephemeral)."""
+    m = _TCP.match(endpoint)
+    if m is None:
+        raise ValueError(f"cannot derive a snapshot endpoint from {endpoint!r}; pass one")
+    port = m["port"]
+    if port in ("*", "0"):
+        return f"tcp://{m['host']}:*"
+    return f"tcp://{m['host']}:{int(port) + 1}"
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    endpoint = re.sub(r":0$", ":*", endpoint)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise OSError(f"cannot bind event endpoint {endpoint}: {e}") from e
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Publisher:
+    """PUB + ROUTER sockets, the replay ring, heartbeats. One thread only."""
+
+    def __init__(self, endpoint: str, snapshot_endpoint: str | None, epoch: str, *,
+                 replay_size: int = 4096, heartbeat_s: float = 1.0, sndhwm: int = 10000) -> None:
+        self.epoch = epoch
+        self.heartbeat_s = heartbeat_s
+        self.codec = C.Codec(max_bytes=1 << 20)  # requests are tiny
+        self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_size)
+        self.last_seq = 0
+        self.snapshots_served = 0
+        self.replays_served = 0
+        self.request_errors = 0
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        for s in (self._pub, self._router):
+            s.setsockopt(zmq.LINGER, 200)
+        self._pub.setsockopt(zmq.SNDHWM, sndhwm)
+        self._router.setsockopt(zmq.SNDHWM, replay_size + 16)
+        try:
+            self.endpoint = _bind(self._pub, endpoint)
+            self.snapshot_endpoint = _bind(
+                self._router, snapshot_endpoint or snapshot_endpoint_for(endpoint))
+        except BaseException:
+            self.close()
+            raise
+        self._last_send = time.monotonic()
+
+    def publish(self, seq: int, payload: bytes) -> None:
+        """Send one encoded batch (never blocks: PUB drops for a subscriber at its HWM)."""
+        self._pub.send_multipart([C.TOPIC, C.encode_seq(seq), payload], copy=False)
+        self.ring.append((seq, payload))
+        self.last_seq = seq
+        self._last_send = time.monotonic()
+
+    def heartbeat_if_idle(self) -> None:
+        now = time.monotonic()
+        if now - self._last_send >= self.heartbeat_s:
+            msg = C.make_heartbeat(self.epoch, self.last_seq, time.time())
+            self._pub.send_multipart(self.codec.encode_frames(msg))
+            self._last_send = now
+
+    def serve_requests(self, snapshot: Callable[[], dict[str, Any] | None]) -> int:
+        """Answer every waiting request. ``snapshot()`` returns KVState.snapshot() as of
+        ``last_seq``, or None when the publisher's state is not trustworthy right now."""
+        served = 0
+        while self._router.poll(0, zmq.POLLIN):
+            frames = self._router.recv_multipart()
+            served += 1
+            ident, body = frames[0], frames[-1]
+            try:
+                if len(frames) < 2:
+                    raise ProtocolError("empty request")
+                req = self.codec.decode(body)
+            except ProtocolError as e:
+                self.request_errors += 1
+                self._reply(ident, C.make_request(C.MSG_ERROR, reason=f"bad request: {e}"))
+                continue
+            rid = req.get("id")
+            if req["type"] == C.MSG_GET_SNAPSHOT:
+                state = snapshot()
+                if state is None:
+                    self._reply(ident, C.make_request(
+                        C.MSG_ERROR, id=rid, reason="publisher state unavailable (lost batches)"))
+                    continue
+                self._reply(ident, {**C.make_snapshot(self.epoch, self.last_seq, state),
+                                    "id": rid})
+                self.snapshots_served += 1
+            elif req["type"] == C.MSG_REPLAY:
+                self._replay(ident, int(req["from"]), rid)
+            else:
+                self.request_errors += 1
+                self._reply(ident, C.make_request(
+                    C.MSG_ERROR, id=rid, reason=f"cannot serve a {req['type']!r} request"))
+        return served
+
+    def _replay(self, ident: bytes, start: int, rid: Any) -> None:
+        wanted = [(s, p) for s, p in self.ring if s >= start]
+        expected = max(0, self.last_seq - start + 1)
+        ok = len(wanted) == expected  # a hole (lost batch) or aged out: cannot replay
+        end: dict[str, Any] = {"epoch": self.epoch, "ok": ok, "from": start,
+                               "to": self.last_seq, "id": rid}
+        if ok:
+            for _, payload in wanted:
+                self._router.send_multipart([ident, payload], copy=False)
+            self.replays_served += 1
+        else:
+            oldest = self.ring[0][0] if self.ring else None
+            end["reason"] = f"seq {start}..{self.last_seq} not all buffered (oldest {oldest})"
+        self._reply(ident, C.make_request(C.MSG_REPLAY_END, **end))
+
+    def _reply(self, ident: bytes, msg: dict[str, Any]) -> None:
+        self._router.send_multipart([ident, self.codec.encode(msg)])
+
+    def close(self) -> None:
+        for s in (self._pub, self._router):
+            s.close()
+        self._ctx.term()

@@ -1,0 +1,330 @@
+"""Subscriber: rebuilds a KVState from a live EventStream (the ZeroMQ Clone pattern).
+
+    sub = Subscriber("tcp://127.0.0.1:5557")      # snapshot endpoint defaults to port+1
+    while ...:
+        for update in sub.poll(timeout=0.1):       # applied, in order
+            ...                                    # update["type"]: "batch" | "snapshot"
+        sub.state                                  # the mirror (a KVState)
+    sub.close()
+
+Or on a thread of its own (what the inspector's receiver does):
+
+    sub.start(callback)        # callback(updates) on the subscriber's thread
+    with sub.lock:             # the GUI thread reads the mirror under the lock
+        codes = sub.state.block_codes("gpu")
+    sub.close()
+
+Protocol (see ``codec``): SUB is connected first, then a snapshot is requested over a
+DEALER; batches that arrive meanwhile are buffered, those with seq <= the snapshot's seq
+are dropped and the rest applied in seq order. A seq gap asks for a replay of the
+missing batches (and falls back to a fresh snapshot when the publisher no longer has
+them); a new epoch (publisher restart) or a batch the mirror rejects also leads to a
+fresh snapshot. Malformed messages are counted (``errors``) and skipped.
+
+Updates: ``{"type": "batch", ...the batch}`` after each applied batch and
+``{"type": "snapshot", "epoch", "seq", "step"}`` after a snapshot replaced the whole
+state (redraw everything). ``on_apply(update, state)``, if given, runs right after each
+one, before the next is applied (the recorder uses it to keyframe the exact state).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from engine.events import codec as C
+from engine.events.publisher import snapshot_endpoint_for
+from engine.events.schema import ProtocolError
+from engine.events.state import KVState
+
+Update = dict[str, Any]
+
+WAITING, CONNECTED, STALE = "waiting", "connected", "stale"
+
+
+class Subscriber:
+    """A live KVState mirror of one publisher. Not thread-safe except as documented: after
+    ``start()`` only the subscriber's thread polls; others read ``state`` under ``lock``."""
+
+    def __init__(self, endpoint: str, snapshot_endpoint: str | None = None, *,
+                 on_apply: Callable[[Update, KVState], None] | None = None,
+                 stale_after_s: float = 3.0, request_timeout_s: float = 2.0,
+                 max_bytes: int = C.DEFAULT_MAX_BYTES, max_buffered: int = 100_000) -> None:
+        self.endpoint = endpoint
+        self.snapshot_endpoint = snapshot_endpoint or snapshot_endpoint_for(endpoint)
+        self.state = KVState()
+        self.lock = threading.Lock()
+        self.codec = C.Codec(max_bytes)
+        self.on_apply = on_apply
+        self.stale_after_s = stale_after_s
+        self.request_timeout_s = request_timeout_s
+        self.max_buffered = max_buffered
+        # counters (read them as properties/attributes)
+        self.epoch: str | None = None
+        self.last_seq = 0
+        self.gaps = 0  # seq gaps seen on the live stream
+        self.replays = 0  # gaps filled by replay
+        self.resyncs = 0  # snapshots installed after the first (gap, restart, bad batch)
+        self.restarts = 0  # publisher restarts (epoch changes) seen
+        self.apply_errors = 0  # well-formed batches the mirror rejected
+        self.publisher_dropped = 0  # batches the publisher says it dropped
+        self.batches_applied = 0
+        self.events_applied = 0
+        # protocol state
+        self._synced = False  # a snapshot has been installed for self.epoch
+        self._pending_req: tuple[str, int, float] | None = None  # (type, id, sent at)
+        self._ids = itertools.count(1)
+        self._buffer: dict[int, dict[str, Any]] = {}  # seq -> batch, waiting to be applied
+        self._last_heard = 0.0
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        for s in (self._sub, self._dealer):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # hostile sizes die in libzmq
+        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._sub.setsockopt(zmq.SUBSCRIBE, C.TOPIC)
+        self._sub.connect(endpoint)  # subscribe first ...
+        self._dealer.connect(self.snapshot_endpoint)
+        self._request_snapshot()  # ... then ask for the snapshot
+
+    # ------------------------------------------------------------------ status
+    @property
+    def status(self) -> str:
+        """"waiting" (no snapshot yet), "connected", or "stale" (silent > stale_after_s:
+        the publisher sends a heartbeat every ~1 s, so silence means it is gone)."""
+        if not self._synced:
+            return WAITING
+        return CONNECTED if time.monotonic() - self._last_heard < self.stale_after_s else STALE
+
+    @property
+    def events_per_s(self) -> float:
+        """Events applied per second over the last ~2 s."""
+        now = time.monotonic()
+        while self._rate and now - self._rate[0][0] > 2.0:
+            self._rate.popleft()
+        if not self._rate:
+            return 0.0
+        span = max(now - self._rate[0][0], 0.5)
+        return sum(n for _, n in self._rate) / span
+
+    @property
+    def errors(self) -> int:
+        """Malformed messages skipped plus batches the mirror rejected."""
+        return self.codec.num_errors + self.apply_errors
+
+    # -------------------------------------------------------------------- poll
+    def poll(self, timeout: float = 0.0) -> list[Update]:
+        """Wait up to ``timeout`` s for messages, handle all that are waiting, and return
+        the updates applied, in order."""
+        updates: list[Update] = []
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._dealer, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout * 1000)))
+        # Replies first: a snapshot must be installed before buffered batches drain.
+        if ready.get(self._dealer) or self._dealer.poll(0):
+            for frames in _drain(self._dealer, 10_000):
+                self._on_reply(frames, updates)
+        if ready.get(self._sub) or self._sub.poll(0):
+            for frames in _drain(self._sub, 10_000):
+                self._on_pub(frames, updates)
+        self._check_request_timeout()
+        return updates
+
+    def start(self, callback: Callable[[list[Update]], None] | None = None,
+              interval: float = 0.05) -> None:
+        """Poll on a background thread, calling ``callback(updates)`` when non-empty."""
+        if self._thread is not None:
+            raise RuntimeError("subscriber already started")
+
+        def run() -> None:
+            while not self._stop.is_set():
+                updates = self.poll(interval)
+                if updates and callback is not None:
+                    callback(updates)
+
+        self._thread = threading.Thread(target=run, name="kvscope-subscriber", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if not self._ctx.closed:
+            self._sub.close()
+            self._dealer.close()
+            self._ctx.term()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ PUB messages
+    def _on_pub(self, frames: list[bytes], updates: list[Update]) -> None:
+        try:
+            seq, msg = self.codec.decode_frames(frames)
+        except ProtocolError:
+            return  # counted; a lost batch shows up as a gap at the next good one
+        self._last_heard = time.monotonic()
+        if self._synced and msg["epoch"] != self.epoch:
+            self.restarts += 1  # a new publisher: everything we hold is from the old one
+            self._synced = False
+            self._buffer.clear()
+            self._request_snapshot()
+        if msg["type"] == C.MSG_HEARTBEAT:
+            if self._synced and seq > self.last_seq and self._pending_req is None:
+                self.gaps += 1  # batches went missing and nothing newer came to show it
+                self._request_replay()
+            return
+        self._buffer_batch(msg)
+        self._drain_buffer(updates)
+
+    def _buffer_batch(self, msg: dict[str, Any]) -> None:
+        if self._synced and msg["seq"] <= self.last_seq:
+            return
+        if len(self._buffer) >= self.max_buffered:
+            # Too far behind to catch up by replay: start over from a snapshot.
+            self._buffer.clear()
+            self._synced = False
+            self._request_snapshot()
+        self._buffer[msg["seq"]] = msg
+
+    def _drain_buffer(self, updates: list[Update]) -> None:
+        """Apply buffered batches that continue last_seq; on a gap ask for a replay."""
+        if not self._synced:
+            return
+        while self._buffer:
+            nxt = self.last_seq + 1
+            batch = self._buffer.pop(nxt, None)
+            if batch is None:
+                stale = [s for s in self._buffer if s <= self.last_seq]
+                for s in stale:
+                    del self._buffer[s]
+                if self._buffer and self._pending_req is None:
+                    self.gaps += 1
+                    self._request_replay()
+                return
+            if batch["epoch"] != self.epoch:
+                continue
+            if not self._apply(batch, updates):
+                return
+
+    def _apply(self, batch: dict[str, Any], updates: list[Update]) -> bool:
+        with self.lock:
+            try:
+                self.state.apply(batch)
+            except ProtocolError:
+                self.apply_errors += 1
+                ok = False
+            else:
+                ok = True
+                self.last_seq = batch["seq"]
+                n = len(batch["events"])
+                self.batches_applied += 1
+                self.events_applied += n
+                self._rate.append((time.monotonic(), n))
+                dropped = batch.get("stats", {}).get("dropped_batches")
+                if isinstance(dropped, int):
+                    self.publisher_dropped = dropped
+                if self.on_apply is not None:
+                    self.on_apply(batch, self.state)
+        if not ok:  # our mirror and the publisher disagree: start over
+            self._synced = False
+            self._request_snapshot()
+            return False
+        updates.append(batch)
+        return True
+
+    # ------------------------------------------------------------ DEALER replies
+    def _on_reply(self, frames: list[bytes], updates: list[Update]) -> None:
+        try:
+            msg = self.codec.decode(frames[-1])
+        except ProtocolError:
+            return
+        self._last_heard = time.monotonic()
+        mtype = msg["type"]
+        if mtype == C.MSG_BATCH:  # a replayed batch
+            if self._synced and msg["epoch"] == self.epoch:
+                self._buffer_batch(msg)
+            return
+        pending = self._pending_req
+        if pending is None or msg.get("id") != pending[1]:
+            return  # a late answer to a request we gave up on
+        self._pending_req = None
+        if mtype == C.MSG_SNAPSHOT:
+            self._install(msg, updates)
+        elif mtype == C.MSG_REPLAY_END:
+            if msg["ok"] and msg["epoch"] == self.epoch:
+                self.replays += 1
+                self._drain_buffer(updates)
+            else:
+                self._synced = False
+                self._request_snapshot()
+        else:  # error (e.g. publisher state unavailable): ask again after the timeout
+            self._pending_req = (C.MSG_GET_SNAPSHOT, -1, time.monotonic())
+
+    def _install(self, msg: dict[str, Any], updates: list[Update]) -> None:
+        try:
+            state = KVState.from_snapshot(msg["state"])
+        except ProtocolError:
+            self.codec.errors["snapshot"] += 1
+            self._request_snapshot()
+            return
+        update = {"type": C.MSG_SNAPSHOT, "epoch": msg["epoch"], "seq": msg["seq"],
+                  "step": state.step}
+        with self.lock:
+            if self.epoch is not None:
+                self.resyncs += 1
+            self.state, self.epoch, self.last_seq = state, msg["epoch"], msg["seq"]
+            self._synced = True
+            if self.on_apply is not None:
+                self.on_apply(update, self.state)
+        for s in [s for s, b in self._buffer.items() if b["epoch"] != self.epoch]:
+            del self._buffer[s]
+        updates.append(update)
+        self._drain_buffer(updates)
+
+    # ---------------------------------------------------------------- requests
+    def _request_snapshot(self) -> None:
+        self._send_request(C.MSG_GET_SNAPSHOT)
+
+    def _request_replay(self) -> None:
+        self._send_request(C.MSG_REPLAY, **{"from": self.last_seq + 1})
+
+    def _send_request(self, mtype: str, **fields: Any) -> None:
+        rid = next(self._ids)
+        try:
+            self._dealer.send(self.codec.encode(C.make_request(mtype, id=rid, **fields)),
+                              zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no route yet: the timeout below asks again
+        self._pending_req = (mtype, rid, time.monotonic())
+
+    def _check_request_timeout(self) -> None:
+        pending = self._pending_req
+        if pending is not None and time.monotonic() - pending[2] > self.request_timeout_s:
+            self._synced = False  # whatever we asked for never came: start over
+            self._request_snapshot()
+
+
+def _drain(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
+    out = []
+    for _ in range(limit):
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out
