@@ -1,0 +1,197 @@
+"""Pure-torch versions of the paged-cache kernels: the CPU engine path and the tests' oracle.
+
+Cache layout per layer: K and V ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
+A token's slot is ``block * block_size + offset``; slot -1 marks a padding token.
+
+These run the engine on CPU (30 layers x 32 concurrent sequences), so they are vectorised:
+decode gathers every sequence's pages with one advanced index and runs one batched matmul;
+only prefill segments (q_len > 1) loop, once per sequence, through SDPA. Unlike the Triton
+kernels they read tensor values to validate them (cheap on CPU) and raise ValueError before
+writing anything.
+
+Quantized page formats will add keyword-only arguments (``k_scale``, ``v_scale``); the
+positional argument lists here are the stable interface.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import validate
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value ``[T, Hkv, D]`` into the pages at ``slot_mapping[T]``, in place.
+
+    Slots < 0 are padding and skipped. Values are cast to the cache dtype. Two tokens must
+    not share a slot (which one wins would be unspecified).
+    """
+    validate.check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    validate.check_index_range("slot_mapping", slots, num_blocks * block_size)
+    # One index_put per cache through the (block, offset) pair: valid for any cache strides,
+    # unlike a flattened view, which would silently copy a non-contiguous cache.
+    index = (slots // block_size, slots % block_size)
+    k_cache.index_put_(index, key[keep].to(k_cache.dtype))
+    v_cache.index_put_(index, value[keep].to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, scale: float, *,
+                    out: torch.Tensor | None = None, max_seq_len: int | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of ``q [T, Hq, D]`` over each sequence's paged K/V.
+
+    Sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (q_len >= 1), the last
+    q_len of its ``seq_lens[b]`` tokens; its keys live in pages ``block_tables[b, :]``.
+    Query i of b sees key positions < context_len + i + 1, context_len = seq_len - q_len.
+    Query head h reads KV head h // (Hq // Hkv). Softmax in fp32; returns q's dtype (written
+    into ``out`` when given). ``max_seq_len`` and ``num_splits`` only tune the Triton
+    backend; they are accepted here so both backends share one signature.
+    """
+    del max_seq_len, num_splits
+    validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    num_blocks, block_size = k_cache.shape[:2]
+    cu = cu_seqlens_q.long()
+    lens = seq_lens.long()
+    q_lens = cu[1:] - cu[:-1]
+    _check_lengths(q, cu, q_lens, lens, block_tables, block_size, num_blocks)
+    result = torch.empty_like(q) if out is None else out
+    if out is not None and (out.shape != q.shape or out.device != q.device):
+        raise ValueError(f"out {tuple(out.shape)} on {out.device} must match q "
+                         f"{tuple(q.shape)} on {q.device}")
+
+    is_decode = q_lens == 1
+    if bool(is_decode.all()):  # pure decode batch: row b is token b
+        result.copy_(_decode(q, k_cache, v_cache, block_tables, lens, scale))
+        return result
+    decode_rows = is_decode.nonzero().flatten()
+    if decode_rows.numel():
+        tokens = cu[decode_rows]
+        result[tokens] = _decode(q[tokens], k_cache, v_cache, block_tables[decode_rows],
+                                 lens[decode_rows], scale).to(result.dtype)
+    for b in (~is_decode).nonzero().flatten().tolist():
+        start, end = int(cu[b]), int(cu[b + 1])
+        result[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[b],
+                                         int(lens[b]), scale).to(result.dtype)
+    return result
+
+
+def _check_lengths(q: torch.Tensor, cu: torch.Tensor, q_lens: torch.Tensor, lens: torch.Tensor,
+                   block_tables: torch.Tensor, block_size: int, num_blocks: int) -> None:
+    if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must run from 0 to T={q.shape[0]}, "
+                         f"got {int(cu[0])}..{int(cu[-1])}")
+    if bool((q_lens < 1).any()):
+        raise ValueError(f"every sequence needs q_len >= 1, got q_lens {q_lens.tolist()}")
+    if bool((lens < q_lens).any()):
+        raise ValueError(f"seq_lens {lens.tolist()} shorter than q_lens {q_lens.tolist()}")
+    pages = (lens + block_size - 1) // block_size
+    if int(pages.max()) > block_tables.shape[1]:
+        raise ValueError(f"a sequence needs {int(pages.max())} pages but block_tables has "
+                         f"{block_tables.shape[1]} columns")
+    used = torch.arange(block_tables.shape[1], device=lens.device)[None, :] < pages[:, None]
+    validate.check_index_range("block_tables", block_tables[used], num_blocks)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q [n, Hq, D], all n sequences in one gather per cache.
+
+    Keys stay in the gathered [n, L, Hkv, D] layout; a short loop over KV heads hands BLAS
+    strided [n, L, D] views (leading dimension Hkv*D), which avoids the transpose copy that
+    a [n, Hkv, L, D] permute would force (measured 2x faster on 2 CPU cores).
+    """
+    n, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    group = num_heads // num_kv_heads
+    max_len = int(lens.max())
+    pages = block_tables[:, : (max_len + block_size - 1) // block_size].long()
+    # Pages past a sequence's end may hold any id (padding); clamp so the gather stays in
+    # range, the length mask below hides them.
+    pages = pages.clamp(0, num_blocks - 1).flatten()
+    dtype = _compute_dtype(k_cache)
+    k = k_cache.index_select(0, pages).to(dtype).view(n, -1, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, pages).to(dtype).view(n, -1, num_kv_heads, head_dim)
+    qg = q.to(dtype).view(n, num_kv_heads, group, head_dim)
+    beyond = torch.arange(k.shape[1], device=q.device)[None, None, :] >= lens[:, None, None]
+    heads = []
+    for h in range(num_kv_heads):
+        scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).float()  # [n, G, L]
+        scores.mul_(scale).masked_fill_(beyond, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        heads.append(torch.bmm(probs, v[:, :, h]))  # [n, G, D]
+    return torch.stack(heads, dim=1).view(n, num_heads, head_dim)
+
+
+def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """One sequence's q_len > 1 queries [q_len, Hq, D] against its first seq_len keys."""
+    q_len = q.shape[0]
+    block_size = k_cache.shape[1]
+    pages = table[: (seq_len + block_size - 1) // block_size].long()
+    dtype = _compute_dtype(k_cache)
+    # [Hkv, L, D]
+    k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)
+    v = v_cache.index_select(0, pages).flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)
+    context_len = seq_len - q_len
+    query_pos = torch.arange(q_len, device=q.device)[:, None] + context_len
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos  # [q_len, L]
+    # SDPA keeps the [q_len, L] scores out of memory for long prompts; fp32 on CPU.
+    o = F.scaled_dot_product_attention(q.to(dtype).transpose(0, 1), k, v, attn_mask=visible,
+                                       scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _compute_dtype(cache: torch.Tensor) -> torch.dtype:
+    """fp32 on CPU (half matmuls are slow there); the page dtype on GPU (fp32 accumulate)."""
+    return torch.float32 if cache.device.type == "cpu" else cache.dtype
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copy page ``src`` to page ``dst`` for each row of ``block_mapping [N, 2]``, every layer.
+
+    All sources are read before any destination is written (a snapshot), which is what the
+    Triton kernel computes too as long as no dst is also a src (true for copy-on-write: dst
+    pages are freshly allocated).
+    """
+    validate.check_copy_blocks(k_caches, v_caches, block_mapping)
+    if block_mapping.numel() == 0:
+        return
+    for cache in (*k_caches, *v_caches):
+        validate.check_index_range("block_mapping", block_mapping, cache.shape[0])
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    for cache in (*k_caches, *v_caches):
+        cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy pages ``src[m[i, 0]]`` -> ``dst[m[i, 1]]`` across devices (GPU <-> CPU) or within one.
+
+    Batched: one gather on the source device, one transfer, one scatter on the destination;
+    never one copy per block. Host staging is pinned when the destination is a GPU so the
+    upload runs at full PCIe/NVLink speed. Call once per cache tensor (K and V of a layer).
+    """
+    validate.check_block_mapping(block_mapping)
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
+                         f"{dst.dtype} must have the same page shape and dtype")
+    if block_mapping.numel() == 0:
+        return
+    mapping = block_mapping.cpu().long()
+    validate.check_index_range("block_mapping[:, 0]", mapping[:, 0], src.shape[0])
+    validate.check_index_range("block_mapping[:, 1]", mapping[:, 1], dst.shape[0])
+    src_idx = mapping[:, 0].to(src.device)
+    dst_idx = mapping[:, 1].to(dst.device)
+    if src.device.type == "cpu" and dst.device.type == "cuda":
+        staged = torch.empty((len(mapping), *src.shape[1:]), dtype=src.dtype, pin_memory=True)
+        torch.index_select(src, 0, src_idx, out=staged)
+        dst.index_copy_(0, dst_idx, staged.to(dst.device, non_blocking=True))
+    else:
+        dst.index_copy_(0, dst_idx, src.index_select(0, src_idx).to(dst.device))

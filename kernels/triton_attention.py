@@ -1,0 +1,322 @@
+"""Triton paged attention: one prefill/mixed kernel and a split-K decode path.
+
+Both read K/V straight from the pages: each tile of BLOCK_N key positions looks up its
+physical page per key through the block table, so any block_size works and BLOCK_N stays a
+tl.dot-friendly power of two. GQA: the GROUP query heads that share a KV head are rows of
+the same tile, so each K/V tile is loaded once for all of them.
+
+- ``_prefill_kernel``: grid (query tiles over the whole batch, Hkv). A tile is BLOCK_Q query
+  tokens of one sequence x GROUP heads = BLOCK_M rows. The causal rule key < context_len +
+  query_pos + 1 is applied per row; the key loop stops at the tile's last visible key.
+- ``_decode_split_kernel`` + ``_decode_reduce_kernel``: when every q_len == 1 (T == B), grid
+  (B, Hkv, num_splits); each split scans a slice of the context and writes its normalised
+  partial output and log2-sum-exp; the reduction rescales and sums the splits per head.
+  Splits past the sequence's end write lse = -inf and weigh nothing.
+
+Offsets are int64; every load is masked, and page ids outside [0, num_blocks) read as zero
+instead of out of bounds. Softmax runs in base 2 with the scale folded into log2(e).
+Invariant kept by the caller (checked by the reference, not here, to avoid a device sync):
+cu_seqlens_q runs 0..T, every q_len >= 1, seq_len >= q_len, tables cover seq_len.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import validate
+
+LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# A row max that is finite even before any key is seen: exp2(-inf - (-inf)) would be NaN.
+_NEG_BIG = -1.0e30
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_head,
+                 start_n, kv_end, num_blocks, block_size,
+                 stride_kb, stride_ks, stride_kh, stride_kd,
+                 stride_vb, stride_vs, stride_vh, stride_vd,
+                 visible_upto, scale_log2,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 UPCAST: tl.constexpr, CAUSAL: tl.constexpr):
+    """One online-softmax step over key positions [start_n, start_n + BLOCK_N) < kv_end.
+
+    ``visible_upto`` [rows]: a row sees key positions <= it (only used when CAUSAL).
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_range = offs_n < kv_end
+    page = tl.load(table_row_ptr + (offs_n // block_size).to(tl.int64) * stride_bt_i,
+                   mask=in_range, other=0)
+    valid = in_range & (page >= 0) & (page < num_blocks)
+    page = page.to(tl.int64)
+    within = (offs_n % block_size).to(tl.int64)
+    d_mask = offs_d < HEAD_DIM
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k_off = page * stride_kb + within * stride_ks + kv_head * stride_kh
+    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :].to(tl.int64) * stride_kd,
+                mask=kv_mask, other=0.0)
+    v_off = page * stride_vb + within * stride_vs + kv_head * stride_vh
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :].to(tl.int64) * stride_vd,
+                mask=kv_mask, other=0.0)
+    if UPCAST:  # fp32 math: fp32 pages, or the interpreter (whose bf16 tl.dot is broken)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    keep = in_range[None, :]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= visible_upto[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    scale_log2, num_seqs, num_blocks, block_size,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt_b, stride_bt_i,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Sequence b owns tiles [cu[b] // BLOCK_Q + b, ...): an upper bound on tiles before it
+    # that needs no host-side prefix sum; the grid is T // BLOCK_Q + B tiles, some empty.
+    seqs = tl.arange(0, BLOCK_B)
+    cu_all = tl.load(cu_seqlens_q_ptr + seqs, mask=seqs < num_seqs, other=0)
+    first_tile = cu_all // BLOCK_Q + seqs
+    b = tl.sum(((first_tile <= tile) & (seqs < num_seqs)).to(tl.int32), axis=0) - 1
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    tile_q = (tile - (q_start // BLOCK_Q + b)) * BLOCK_Q
+    if tile_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = tile_q + rows // GROUP  # query index within the sequence
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + token).to(tl.int64)
+    q_off = q_rows * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    visible_upto = context_len + token  # inclusive
+    kv_end = context_len + tl.minimum(tile_q + BLOCK_Q, q_len)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG_BIG
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt_b
+    for start_n in range(0, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_head,
+            start_n, kv_end, num_blocks, block_size,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            visible_upto, scale_log2, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, True)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    o_off = q_rows * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(out_ptr + o_off[:, None] + offs_d[None, :].to(tl.int64) * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    scale_log2, num_blocks, block_size, split_len, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt_b, stride_bt_i,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q_off = b.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh  # token b: T == B
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
+                mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + _NEG_BIG
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt_b
+    for start_n in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_head,
+            start_n, end, num_blocks, block_size,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            m_i, scale_log2, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, False)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if SINGLE_SPLIT:
+        o_off = b.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :].to(tl.int64) * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # part_out [B, Hq, num_splits, HEAD_DIM] and part_lse [B, Hq, num_splits], contiguous
+        part_row = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + head) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=io_mask)
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, num_splits,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    s_mask = splits < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    part_row = (b.to(tl.int64) * tl.num_programs(1) + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part_row, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)  # finite: split 0 always holds key 0
+    weight = tl.where(lse > float("-inf"), tl.math.exp2(lse - lse_max), 0.0)
+    part = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    o_off = b.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(out_ptr + o_off + offs_d.to(tl.int64) * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, scale: float, *,
+                    out: torch.Tensor | None = None, max_seq_len: int | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Triton paged attention; same contract as ``kernels.reference.paged_attention``."""
+    validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.device != q.device:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} on {q.device}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    upcast = _INTERPRET or k_cache.dtype == torch.float32 or q.dtype == torch.float32
+    common = dict(
+        scale_log2=scale * LOG2E, num_blocks=num_blocks, block_size=block_size,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
+        stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
+        stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
+        stride_bt_b=block_tables.stride(0), stride_bt_i=block_tables.stride(1),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_D=triton.next_power_of_2(head_dim),
+        UPCAST=upcast,
+    )
+    if num_tokens == num_seqs:  # every q_len == 1 (each sequence has at least one query)
+        _decode(q, k_cache, v_cache, out, block_tables, seq_lens, common,
+                max_seq_len, num_splits)
+    else:
+        _prefill(q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, common)
+    return out
+
+
+def _prefill(q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, common) -> None:
+    num_seqs = block_tables.shape[0]
+    group = common["GROUP"]
+    rows = 16 if _INTERPRET else 64
+    block_q = max(1, rows // group)
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_n = 16 if _INTERPRET else 64
+    grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[2])
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, num_seqs=num_seqs,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_B=triton.next_power_of_2(num_seqs + 1), **common)
+
+
+def _decode(q, k_cache, v_cache, out, block_tables, seq_lens, common, max_seq_len,
+            num_splits) -> None:
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_n = 16 if _INTERPRET else 64
+    if max_seq_len is None:  # the table width bounds every sequence; no device sync
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(q.device, num_seqs, num_kv_heads, max_seq_len, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    single = num_splits == 1
+    parts = (num_seqs, num_heads, num_splits)
+    part_out = q.new_empty((*parts, head_dim) if not single else (1,), dtype=torch.float32)
+    part_lse = q.new_empty(parts if not single else (1,), dtype=torch.float32)
+    block_g = max(16, triton.next_power_of_2(common["GROUP"]))
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
+        split_len=split_len, num_splits=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
+        SINGLE_SPLIT=single, **common)
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, num_splits,
+            out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=common["BLOCK_D"])
+
+
+def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int,
+                       max_seq_len: int, block_n: int) -> int:
+    """Enough (seq, kv head, split) programs to fill the GPU ~4 times over, but no split
+    shorter than 4 key tiles (below that the reduction costs more than it saves)."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4  # interpreter: every program costs ~0.5 ms, keep them few
+    wanted = math.ceil(target / (num_seqs * num_kv_heads))
+    longest_useful = max(1, max_seq_len // (4 * block_n))
+    return max(1, min(wanted, longest_useful, 128))

@@ -1,0 +1,47 @@
+"""Kernel tests run the Triton kernels on CUDA when there is a GPU, else under the Triton
+interpreter on CPU.
+
+How the interpreter gets switched on, and why it does not leak: Triton decides between the
+compiled and the interpreted kernel when ``@triton.jit`` decorates it, i.e. when
+``kernels.triton_attention`` / ``kernels.triton_cache`` are first imported. No test module
+imports them at collection time (everything goes through the ``kernels`` dispatch), so this
+package-scoped fixture sets ``TRITON_INTERPRET=1``, imports them, and restores the
+environment when the last kernel test is done. Other test areas only ever reach the torch
+reference on CPU, which never imports Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="package", autouse=True)
+def triton_interpreter_on_cpu():
+    if HAS_CUDA:
+        yield
+        return
+    if "kernels.triton_attention" in sys.modules and not getattr(
+            sys.modules["kernels.triton_attention"], "_INTERPRET", False):
+        pytest.fail("kernels' Triton modules were imported before TRITON_INTERPRET=1 was set; "
+                    "their kernels cannot run on CPU in this process")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import kernels.triton_backend  # noqa: F401  (decorate the kernels as interpreted)
+
+    yield
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the Triton kernels run: the GPU when present, else CPU (the interpreter)."""
+    return "cuda" if HAS_CUDA else "cpu"
