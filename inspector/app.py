@@ -1,0 +1,132 @@
+"""The inspector's entry point: build the QApplication and the window for one source.
+
+Interactive, an error (unreadable file, bad endpoint, protocol mismatch) shows in the
+window's banner. With ``screenshot`` it renders offscreen, saves a PNG and returns an
+exit code: 0 saved, 2 bad input (message on stderr), 3 no data from a live endpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "sample.kvtrace"
+
+
+class InspectError(Exception):
+    """Input the inspector cannot show; the message is for the user, as is."""
+
+
+def open_recording(path: str | os.PathLike) -> tuple[Any, list[str]]:
+    """(Recording, warnings as text). Raises InspectError with a clear message."""
+    from engine.events.recording import Recording, RecordingError, RecordingWarning
+
+    p = Path(path)
+    if not p.is_file():
+        raise InspectError(f"{p}: no such recording file")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RecordingWarning)
+        try:
+            rec = Recording(p)
+        except (RecordingError, ValueError, OSError) as e:
+            raise InspectError(str(e)) from None
+    notes = [str(w.message) for w in caught if issubclass(w.category, RecordingWarning)]
+    if not rec.steps:
+        raise InspectError(f"{p}: the recording holds no engine steps")
+    return rec, notes
+
+
+def make_app(offscreen: bool = False) -> Any:
+    if offscreen:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    from PySide6.QtWidgets import QApplication
+
+    from inspector import theme
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("kvscope inspector")
+    theme.apply(app)
+    return app
+
+
+def run(recording: str | None = None, connect: str | None = None,
+        screenshot: str | None = None, step: int | None = None, wait_s: float = 5.0) -> int:
+    app = make_app(offscreen=screenshot is not None)
+    from inspector.window import MainWindow
+
+    win = MainWindow()
+    try:
+        if connect:
+            code = _open_live(app, win, connect, screenshot, wait_s)
+        else:
+            code = _open_replay(app, win, recording, screenshot, step)
+    except InspectError as e:
+        if screenshot is not None:
+            print(f"kvscope inspect: {e}", file=sys.stderr)
+            return 2
+        win.show_error(str(e))
+        code = None
+    if code is not None:
+        return code
+    win.show()
+    return int(app.exec())
+
+
+def _open_replay(app: Any, win: Any, recording: str | None, screenshot: str | None,
+                 step: int | None) -> int | None:
+    path = Path(recording) if recording else SAMPLE
+    rec, notes = open_recording(path)
+    win.open_replay(rec, path.name)
+    for note in notes:
+        win.show_error(note)
+    if step is not None:
+        if not rec.steps[0] <= step <= rec.steps[-1]:
+            raise InspectError(
+                f"step {step} is outside {path.name} (steps {rec.steps[0]}..{rec.steps[-1]})")
+        win.replay.seek_step(step)
+    elif screenshot is not None:
+        win.replay.to_end()
+    if screenshot is None:
+        return None
+    return _save(app, win, screenshot)
+
+
+def _open_live(app: Any, win: Any, endpoint: str, screenshot: str | None,
+               wait_s: float) -> int | None:
+    from inspector.sources.live import LiveSource
+
+    live = LiveSource(endpoint, win.model)  # raises InspectError on a malformed endpoint
+    win.attach_live(live, endpoint)
+    live.start()
+    if screenshot is None:
+        app.aboutToQuit.connect(live.stop)
+        return None
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not live.has_state:
+        app.processEvents()
+        time.sleep(0.02)
+    app.processEvents()
+    live.stop()
+    if not live.has_state:
+        print(f"kvscope inspect: no state from {endpoint} within {wait_s:g} s "
+              f"({live.status_text()}); is an engine publishing there?", file=sys.stderr)
+        return 3
+    return _save(app, win, screenshot)
+
+
+def _save(app: Any, win: Any, path: str) -> int:
+    win.resize(1600, 1000)
+    win.show()
+    for _ in range(3):
+        app.processEvents()
+    try:
+        win.export_png(path)
+    except OSError as e:
+        print(f"kvscope inspect: {e}", file=sys.stderr)
+        return 2
+    print(f"saved {path}")
+    return 0

@@ -1,0 +1,182 @@
+"""MainWindow: the block map, sequences, timelines and event log around one
+InspectorModel, a replay bar or live status, an error banner and export actions.
+
+Errors (unreadable recording, wrong endpoint, protocol mismatch) show in the banner and
+the status bar; nothing here raises into Qt's event loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QSplitter,
+    QStatusBar,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from inspector.model import InspectorModel
+from inspector.sources.replay import ReplayController
+from inspector.views.block_map import BlockMapView
+from inspector.views.event_log import EventLogView
+from inspector.views.replay_bar import ReplayBar
+from inspector.views.sequences import SequencesView
+from inspector.views.timelines import TimelinesView
+
+STATUS_FIELDS = ("source", "epoch", "seq", "loss", "rate", "position")
+
+
+class MainWindow(QMainWindow):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = InspectorModel()
+        self.replay: ReplayController | None = None
+        self.live: Any = None
+        self.replay_bar: ReplayBar | None = None
+        self.setWindowTitle("kvscope inspector")
+        self.resize(1600, 1000)
+
+        self.banner = QLabel()
+        self.banner.setObjectName("banner")
+        self.banner.setWordWrap(True)
+        self.banner.hide()
+        self.block_map = BlockMapView(self.model)
+        self.timelines = TimelinesView(self.model)
+        self.sequences = SequencesView(self.model)
+        self.event_log = EventLogView(self.model)
+        self.timelines.seek_requested.connect(self._seek_from_timeline)
+
+        left = QSplitter(Qt.Orientation.Vertical)
+        left.addWidget(self.block_map)
+        left.addWidget(self.timelines)
+        left.setSizes([560, 400])
+        right = QTabWidget()
+        right.addTab(self.sequences, "Sequences")
+        right.addTab(self.event_log, "Event log")
+        self.right_tabs = right
+        main = QSplitter(Qt.Orientation.Horizontal)
+        main.addWidget(left)
+        main.addWidget(right)
+        main.setSizes([1000, 600])
+        central = QWidget()
+        self._central = QVBoxLayout(central)
+        self._central.setContentsMargins(4, 4, 4, 4)
+        self._central.addWidget(self.banner)
+        self._central.addWidget(main, 1)
+        self.setCentralWidget(central)
+
+        self.status = QStatusBar()
+        self.status.setSizeGripEnabled(False)
+        self.setStatusBar(self.status)
+        self.status_labels: dict[str, QLabel] = {}
+        for name in STATUS_FIELDS:
+            lab = QLabel("")
+            self.status_labels[name] = lab
+            self.status.addPermanentWidget(lab)
+        self._build_menu()
+        self.model.cursor_changed.connect(self._on_cursor)
+
+    # --------------------------------------------------------------- sources
+    def open_replay(self, recording: Any, label: str) -> None:
+        """Show a recording (anything with steps/state_at/batches), at its first step."""
+        self.replay = ReplayController(recording, self.model)
+        self.replay.error.connect(self.show_error)
+        self.replay_bar = ReplayBar(self.replay)
+        self._central.addWidget(self.replay_bar)
+        self.setWindowTitle(f"kvscope inspector — {label}")
+        self.set_status(source=f"<b>replay</b> {label}",
+                        epoch=f"epoch {self.replay.epoch or '—'}",
+                        rate=f"{self.replay.num_steps:,} steps")
+        if self.replay.num_steps:
+            self.replay.seek_index(0)
+        else:
+            self.show_error(f"{label}: the recording holds no steps")
+
+    def attach_live(self, live: Any, label: str) -> None:
+        self.live = live
+        self.timelines.follow.setChecked(True)
+        self.setWindowTitle(f"kvscope inspector — live {label}")
+
+    # ------------------------------------------------------------ reporting
+    def show_error(self, text: str) -> None:
+        """A clear message in the banner and status bar; the window keeps working."""
+        self.banner.setText(f"⚠  {text}")
+        self.banner.show()
+        self.status.showMessage(text)
+
+    def clear_error(self) -> None:
+        self.banner.hide()
+        self.status.clearMessage()
+
+    def set_status(self, **fields: str) -> None:
+        for name, text in fields.items():
+            self.status_labels[name].setText(text)
+
+    def _on_cursor(self, step: int) -> None:
+        if self.replay is not None:
+            self.set_status(position=f"step {self.replay.step:,} · +{self.replay.elapsed():.2f} s")
+
+    def _seek_from_timeline(self, step: int) -> None:
+        if self.replay is not None:
+            self.replay.pause()
+            self.replay.seek_step(step)
+
+    # ---------------------------------------------------------------- export
+    def _build_menu(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        view_menu = self.menuBar().addMenu("&View")
+
+        def action(menu: Any, text: str, slot: Any, shortcut: str | None = None) -> QAction:
+            a = QAction(text, self)
+            a.triggered.connect(slot)
+            if shortcut:
+                a.setShortcut(QKeySequence(shortcut))
+            menu.addAction(a)
+            return a
+
+        action(file_menu, "Export window as PNG…", lambda: self._ask_png(self), "Ctrl+E")
+        action(file_menu, "Export block map as PNG…", lambda: self._ask_png(self.block_map))
+        action(file_menu, "Export timelines as PNG…", lambda: self._ask_png(self.timelines))
+        action(file_menu, "Export timelines as CSV…", self._ask_csv)
+        file_menu.addSeparator()
+        action(file_menu, "Quit", self.close, "Ctrl+Q")
+        a = action(view_menu, "Colour blocks by owner", lambda on: self.block_map.by_owner
+                   .setChecked(on), "O")
+        a.setCheckable(True)
+        self.block_map.by_owner.toggled.connect(a.setChecked)
+        play = QAction("Play / pause", self)
+        play.setShortcut(QKeySequence(Qt.Key.Key_Space))
+        play.triggered.connect(lambda: self.replay.toggle() if self.replay else None)
+        self.addAction(play)
+
+    def export_png(self, path: str | Path, widget: QWidget | None = None) -> None:
+        """Save a PNG of the window (default) or one of its views."""
+        if not (widget or self).grab().save(str(path), "PNG"):
+            raise OSError(f"could not write PNG {path}")
+
+    def export_csv(self, path: str | Path) -> None:
+        self.model.timeline.write_csv(path)
+
+    def _ask_png(self, widget: QWidget) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export PNG", "kvscope.png", "PNG (*.png)")
+        if path:
+            self._guarded(lambda: self.export_png(path, widget))
+
+    def _ask_csv(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export CSV", "timelines.csv", "CSV (*.csv)")
+        if path:
+            self._guarded(lambda: self.export_csv(path))
+
+    def _guarded(self, fn: Any) -> None:
+        try:
+            fn()
+        except OSError as e:
+            self.show_error(str(e))
