@@ -1,0 +1,11 @@
+"""The paged KV cache's bookkeeping: block pools, block tables, prefix cache, eviction.
+
+Pure Python (no torch, no tensors): the runner turns the manager's decisions into tensor
+work. Start with ``KVCacheManager`` (manager.py), whose docstring is the API contract.
+"""
+
+from engine.cache.errors import CacheError
+from engine.cache.eviction import POLICIES, make_policy
+from engine.cache.manager import KVCacheManager, slot_mapping
+
+__all__ = ["CacheError", "KVCacheManager", "POLICIES", "make_policy", "slot_mapping"]

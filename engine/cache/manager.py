@@ -1,0 +1,563 @@
+"""KVCacheManager: the bookkeeping of kvscope's paged KV cache (pure Python, no tensors).
+
+The scheduler drives it; the runner turns what it returns (slot mappings, block tables,
+copy orders) into tensor work. Every state change is reported to ``sink`` as the events of
+``engine.events.schema`` (meaning: ``engine.events.state.KVState.apply``), so that a
+KVState fed with them equals ``snapshot()`` after every engine step.
+
+The scheduler's flow, per sequence::
+
+    add_sequence(sid, prompt_ids, priority=, cache_salt=)   # waiting, no blocks
+    k = match_prefix(sid)            # admission: share cached blocks, k tokens computed
+    if can_allocate(sid, n, watermark):                      # n = prompt tokens - k
+        slots = allocate_slots(sid, n)                       # or None: nothing changed
+        start(sid)                   # (resume(sid) after a preemption)
+    else:
+        free(sid)                    # undo the shared prefix; stays waiting
+    ... each decode step: allocate_slots(sid, 1) -> [slot] for the token fed this step,
+        then, after sampling, append_token_ids(sid, [new_id])
+    preempt(sid)                     # recompute: blocks freed, back to waiting; token ids
+                                     # kept, so match_prefix can re-share them later
+    finish(sid, "stop")              # frees and forgets the sequence
+    ... end of every step: take_copy_orders() for the runner, flush_step_events()
+
+Rules:
+- Blocks are allocated on demand, never reserved: a sequence holds
+  ceil(num_tokens / block_size) blocks, so waste is at most its last block's tail.
+- A slot is ``block_id * block_size + offset``; ``allocate_slots`` returns one per new
+  token position, in order.
+- Prefix caching: a block is indexed (``store``) as soon as it is full of slots AND all its
+  token ids are known: inside ``allocate_slots`` for prompt and decode tokens (their ids
+  are known before their slots), inside ``append_token_ids`` when slots were allocated
+  ahead of the ids (lookahead). Hashes are chained CPython tuple hashes, deterministic
+  across processes; a hit is verified by exact token and parent comparison, so a hash
+  collision is a miss, never a wrong hit (engine.cache.hashing explains the choice).
+- ``match_prefix`` shares at most ``len(token_ids) - 1`` tokens: the last token is always
+  computed, because its logits are needed. Hits and queries are counted in tokens.
+- Copy-on-write: appending into a partial last block that another sequence also holds
+  (after ``fork``) first moves this sequence onto a private copy (event ``cow``) and queues
+  (src, dst) for the runner, which must copy before the step's forward pass.
+- Eviction is lazy (a cached block is evicted only when an allocation takes it), in the
+  order of the swappable policy ("lru", "lfu", "priority"); blocks with ref > 0 are never
+  evicted. ``priority``: larger = more important (kept longer by the "priority" policy).
+- Every bad call raises CacheError before changing anything.
+- The "cpu" pool exists when ``num_cpu_blocks > 0``; swap (``preempt(mode="swap")``) and
+  offload are reserved for the CPU swap tier issue and raise CacheError for now.
+
+Events: the constructor emits ``tier_init`` per tier; ``add_sequence``/``fork`` emit
+``seq_add`` (``fork`` also ``fork``, and ``seq_start`` when the parent runs);
+``match_prefix`` ``hit``; ``allocate_slots`` ``evict`` (lazy eviction), ``cow``, ``alloc``,
+``store``; ``append_token_ids`` ``store`` (lookahead only); ``free``/``preempt``/``finish``
+``free`` then ``seq_preempt``/``seq_finish``; ``start``/``resume`` ``seq_start``/
+``seq_resume``; ``evict_cached`` ``evict``. Token counts are not an event per token:
+``flush_step_events`` emits one ``seq_tokens`` for the sequences whose count changed.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from typing import Any
+
+from engine.cache.block_pool import BlockPool
+from engine.cache.errors import CacheError
+from engine.cache.eviction import make_policy
+from engine.cache.hashing import root_hash
+from engine.cache.sequence import CacheSeq
+from engine.events import schema as S
+from engine.events.sink import EventSink, NullSink
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        *,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
+        kv_format: str = "auto",
+        sink: EventSink | None = None,
+    ) -> None:
+        if not _is_int(block_size) or block_size < 1:
+            raise CacheError(f"block_size must be a positive int, got {block_size!r}")
+        if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+            raise CacheError(f"the gpu pool needs at least one block, got {num_gpu_blocks!r}")
+        if not _is_int(num_cpu_blocks) or num_cpu_blocks < 0:
+            raise CacheError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+        if kv_format not in S.KV_FORMATS:
+            raise CacheError(f"unknown kv_format {kv_format!r}; choose one of {S.KV_FORMATS}")
+        self.block_size = block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.eviction_policy = eviction_policy
+        self.sink: EventSink = sink if sink is not None else NullSink()
+        self.pools: dict[str, BlockPool] = {}
+        sizes = {"gpu": num_gpu_blocks, "cpu": num_cpu_blocks}
+        for tier in S.TIERS:
+            if sizes[tier]:
+                self.pools[tier] = BlockPool(
+                    tier, sizes[tier], block_size, kv_format, make_policy(eviction_policy),
+                    self.sink,
+                )
+        self.gpu = self.pools["gpu"]
+        self._ref = self.gpu.ref  # the decode fast path reads it directly
+        self._seqs: dict[str, CacheSeq] = {}
+        self._copy_orders: list[tuple[int, int]] = []
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_cow_copies = 0
+        self.num_preemptions = 0
+        if self.sink.enabled:
+            for pool in self.pools.values():
+                self.sink.emit(
+                    S.TIER_INIT, tier=pool.tier, num_blocks=pool.num_blocks,
+                    block_size=block_size, format=kv_format,
+                )
+
+    # ------------------------------------------------------------ sequences
+    def add_sequence(
+        self, seq_id: str, prompt_token_ids: Any, *, priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """A new waiting sequence with no blocks. ``prompt_token_ids``: a non-empty
+        sequence of non-negative ints (list, tuple or numpy array)."""
+        if not isinstance(seq_id, str):
+            raise CacheError(f"sequence ids are str, got {seq_id!r}")
+        if seq_id in self._seqs:
+            raise CacheError(f"duplicate sequence id {seq_id!r}")
+        if not _is_int(priority):
+            raise CacheError(f"priority must be an int, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise CacheError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        ids = _token_list(prompt_token_ids, copy=True)
+        if not ids:
+            raise CacheError(f"{seq_id!r}: the prompt is empty")
+        seq = CacheSeq(seq_id, ids, priority, cache_salt, root_hash(cache_salt))
+        self._seqs[seq_id] = seq
+        if self.sink.enabled:
+            self.sink.emit(S.SEQ_ADD, seq=seq_id, prompt_tokens=len(ids), priority=priority)
+
+    def append_token_ids(self, seq_id: str, token_ids: Any) -> None:
+        """Record generated token ids (they get their slots from ``allocate_slots``)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._get(seq_id)  # raises
+        toks = seq.token_ids
+        known = len(toks)
+        toks += _token_list(token_ids, copy=False)
+        # Only lookahead slots can be waiting for ids to complete a block.
+        if seq.num_tokens > known and self.enable_prefix_caching:
+            self._store_full_blocks(seq)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """``child_id`` shares every block of ``parent_id`` (ref + 1) and copies its token
+        ids and status; the first append to a still-shared partial block copies it."""
+        parent = self._get(parent_id)
+        if not isinstance(child_id, str):
+            raise CacheError(f"sequence ids are str, got {child_id!r}")
+        if child_id in self._seqs:
+            raise CacheError(f"duplicate sequence id {child_id!r}")
+        child = CacheSeq(
+            child_id, list(parent.token_ids), parent.priority, parent.cache_salt,
+            parent.root_hash,
+        )
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.block_table = list(parent.block_table)
+        child.num_tokens = parent.num_tokens
+        child.reported_tokens = parent.reported_tokens  # what the mirror's fork copies
+        child.chain_hashes = list(parent.chain_hashes)
+        child.chain_ids = list(parent.chain_ids)
+        child.num_stored = parent.num_stored
+        child.status, child.started = parent.status, parent.started
+        self.gpu.add_ref(child.block_table)
+        self._seqs[child_id] = child
+        if self.sink.enabled:
+            emit = self.sink.emit
+            emit(S.SEQ_ADD, seq=child_id, prompt_tokens=child.num_prompt_tokens,
+                 priority=child.priority, parent=parent_id)
+            emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id,
+                 blocks=list(child.block_table))
+            if child.status == "running":
+                emit(S.SEQ_START, seq=child_id)
+
+    def start(self, seq_id: str) -> None:
+        """First schedule: waiting -> running."""
+        seq = self._get(seq_id)
+        if seq.started or seq.status != "waiting":
+            raise CacheError(f"{seq_id!r} has already started (status {seq.status})")
+        seq.status, seq.started = "running", True
+        if self.sink.enabled:
+            self.sink.emit(S.SEQ_START, seq=seq_id)
+
+    def preempt(self, seq_id: str, mode: str = "recompute") -> None:
+        """Running -> waiting, all blocks freed (its token ids are kept for recompute)."""
+        seq = self._get(seq_id)
+        if mode == "swap":
+            raise CacheError("swap preemption is reserved for the CPU swap tier")
+        if mode != "recompute":
+            raise CacheError(f"unknown preemption mode {mode!r}")
+        if seq.status != "running":
+            raise CacheError(f"cannot preempt {seq_id!r}: it is {seq.status}")
+        self._free(seq)
+        seq.status = "waiting"
+        self.num_preemptions += 1
+        if self.sink.enabled:
+            self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode=mode)
+
+    def resume(self, seq_id: str) -> None:
+        """A preempted sequence runs again (allocate its blocks first)."""
+        seq = self._get(seq_id)
+        if not seq.started or seq.status == "running":
+            raise CacheError(f"{seq_id!r} was not preempted (status {seq.status})")
+        seq.status = "running"
+        if self.sink.enabled:
+            self.sink.emit(S.SEQ_RESUME, seq=seq_id)
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's blocks; it stays known (status unchanged)."""
+        self._free(self._get(seq_id))
+
+    def finish(self, seq_id: str, reason: str) -> None:
+        """Free the sequence's blocks and forget it."""
+        seq = self._get(seq_id)
+        if reason not in S.FINISH_REASONS:
+            raise CacheError(f"unknown finish reason {reason!r}; one of {S.FINISH_REASONS}")
+        self._free(seq)
+        del self._seqs[seq_id]
+        if self.sink.enabled:
+            self.sink.emit(S.SEQ_FINISH, seq=seq_id, reason=reason)
+
+    def _free(self, seq: CacheSeq) -> None:
+        table = seq.block_table
+        if not table:
+            return
+        self.gpu.release(table)
+        if self.sink.enabled:
+            self.sink.emit(S.FREE, tier="gpu", seq=seq.seq_id, blocks=table)
+        seq.drop_table()
+
+    # --------------------------------------------------------- prefix cache
+    def match_prefix(self, seq_id: str) -> int:
+        """Share the longest verified cached prefix of the sequence's token ids (up to all
+        but the last token); return the number of computed tokens. Call it while the
+        sequence holds no blocks (admission, or re-admission after a preemption)."""
+        seq = self._get(seq_id)
+        if seq.block_table:
+            raise CacheError(f"{seq_id!r} already holds blocks; free it before matching")
+        if not self.enable_prefix_caching:
+            return 0
+        bs, toks, pool = self.block_size, seq.token_ids, self.gpu
+        cached, entry = pool.cached, pool.entry
+        blocks, hashes, ids = [], seq.chain_hashes, seq.chain_ids
+        ph, pid = seq.root_hash, seq.root_id
+        # Lazily cut the matchable span (all but the last token) into bs-tuples.
+        for chunk in zip(*[islice(toks, (len(toks) - 1) // bs * bs)] * bs, strict=True):
+            h = hash((ph, chunk))
+            b = cached.get(h)
+            if b is None:
+                break
+            e = entry[b]
+            if e[1] != pid or e[2] != chunk:  # a hash collision, not this prefix
+                break
+            blocks.append(b)
+            hashes.append(h)
+            pid = e[3]
+            ids.append(pid)
+            ph = h
+        num_hit = len(blocks) * bs
+        self.num_query_tokens += len(toks)
+        self.num_hit_tokens += num_hit
+        if blocks:
+            pool.share(blocks, seq.priority)
+            seq.block_table = blocks
+            seq.num_tokens = num_hit
+            seq.num_stored = len(blocks)
+            if self.sink.enabled:
+                self.sink.emit(S.HIT, tier="gpu", seq=seq_id, blocks=list(blocks),
+                               tokens=num_hit)
+        return num_hit
+
+    def evict_cached(self, max_blocks: int | None = None) -> int:
+        """Evict up to ``max_blocks`` (default: all) cached free blocks now, in policy
+        order; returns how many. (Allocation evicts lazily; this is a prefix-cache reset.)"""
+        if max_blocks is not None and (not _is_int(max_blocks) or max_blocks < 0):
+            raise CacheError(f"max_blocks must be an int >= 0, got {max_blocks!r}")
+        return self.gpu.evict(max_blocks)
+
+    def _store_full_blocks(self, seq: CacheSeq) -> None:
+        """Index the sequence's newly full blocks whose token ids are known."""
+        bs = self.block_size
+        full = min(seq.num_tokens, len(seq.token_ids)) // bs
+        first = seq.num_stored
+        if first >= full:
+            return
+        pool = self.gpu
+        cached, entry, serial = pool.cached, pool.entry, pool.num_stored
+        hashes, ids = seq.chain_hashes, seq.chain_ids
+        ph, pid = (hashes[-1], ids[-1]) if first else (seq.root_hash, seq.root_id)
+        stored = []
+        # zip(*[it] * bs) cuts the token span into bs-tuples at C speed.
+        chunks = zip(*[iter(seq.token_ids[first * bs:full * bs])] * bs, strict=True)
+        for b, chunk in zip(seq.block_table[first:full], chunks, strict=True):
+            h = hash((ph, chunk))
+            e = entry[b]
+            if e is not None:  # indexed already (shared with a sequence that got there first)
+                pid = e[3]
+            elif pid is not None:
+                other = cached.get(h)
+                if other is None:
+                    serial += 1
+                    entry[b] = (h, pid, chunk, serial)
+                    cached[h] = b
+                    stored.append(b)
+                    pid = serial
+                else:  # the same content under another block stays the indexed one
+                    oe = entry[other]
+                    pid = oe[3] if oe[1] == pid and oe[2] == chunk else None
+            hashes.append(h)
+            ids.append(pid)
+            ph = h
+        seq.num_stored = full
+        pool.num_stored = serial
+        if stored:
+            pool.evictable.touch(stored, seq.priority)
+            if self.sink.enabled:
+                self.sink.emit(S.STORE, tier="gpu", blocks=stored,
+                               hashes=[entry[b][0] for b in stored])
+
+    # ------------------------------------------------------------ allocation
+    def can_allocate(self, seq_id: str, num_new_tokens: int, watermark: float = 0.0) -> bool:
+        """Whether ``allocate_slots(seq_id, num_new_tokens)`` would succeed and still leave
+        ``watermark * num_gpu_blocks`` blocks (free or evictable) for running sequences."""
+        seq = self._get(seq_id)
+        _check_count(num_new_tokens)
+        if not (isinstance(watermark, (int, float)) and 0.0 <= watermark < 1.0):
+            raise CacheError(f"watermark must be in [0, 1), got {watermark!r}")
+        reserve = int(watermark * self.gpu.num_blocks)
+        return self._blocks_needed(seq, num_new_tokens) <= self.gpu.num_free_blocks - reserve
+
+    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> list[int] | None:
+        """Slots for the next ``num_new_tokens`` token positions of the sequence, allocating
+        (and copying-on-write) blocks as needed; None, with nothing changed, when the pool
+        has too few blocks."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and num_new_tokens == 1:
+            # Decode fast path: one more slot in a private, partly filled last block.
+            n = seq.num_tokens
+            bs = self.block_size
+            off = n % bs
+            if off:
+                last = seq.block_table[-1]
+                if self._ref[last] == 1:
+                    seq.num_tokens = n + 1
+                    if off + 1 == bs and self.enable_prefix_caching:
+                        self._store_full_blocks(seq)
+                    return [last * bs + off]
+        if seq is None:
+            self._get(seq_id)  # raises
+        _check_count(num_new_tokens)
+        return self._allocate(seq, num_new_tokens)
+
+    def _blocks_needed(self, seq: CacheSeq, n: int) -> int:
+        if n == 0:
+            return 0
+        bs, num = self.block_size, seq.num_tokens
+        need = -(-(num + n) // bs) - len(seq.block_table)
+        if num % bs and self._ref[seq.block_table[-1]] > 1:
+            need += 1  # copy-on-write of the shared partial last block
+        return need
+
+    def _allocate(self, seq: CacheSeq, n: int) -> list[int] | None:
+        if n == 0:
+            return []
+        need = self._blocks_needed(seq, n)
+        pool, table, bs = self.gpu, seq.block_table, self.block_size
+        if need > pool.num_free_blocks:
+            return None
+        start = seq.num_tokens
+        blocks = pool.allocate(need) if need else []
+        if start % bs and self._ref[table[-1]] > 1:
+            src, dst = table[-1], blocks[0]
+            blocks = blocks[1:]
+            self._ref[src] -= 1  # stays >= 1: the other holders keep it
+            table[-1] = dst
+            self._copy_orders.append((src, dst))
+            self.num_cow_copies += 1
+            if self.sink.enabled:
+                self.sink.emit(S.COW, tier="gpu", seq=seq.seq_id, logical=[len(table) - 1],
+                               src=[src], dst=[dst])
+        if blocks:
+            table += blocks
+            if self.sink.enabled:
+                self.sink.emit(S.ALLOC, tier="gpu", seq=seq.seq_id, blocks=blocks)
+        seq.num_tokens = end = start + n
+        if self.enable_prefix_caching and min(end, len(seq.token_ids)) // bs > seq.num_stored:
+            self._store_full_blocks(seq)
+        return slot_mapping(table, bs, start, end)
+
+    def take_copy_orders(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies queued by copy-on-write since the last call. The
+        runner performs them before the step's forward pass."""
+        out, self._copy_orders = self._copy_orders, []
+        return out
+
+    # ---------------------------------------------------------------- reading
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self._get(seq_id).block_table)
+
+    def num_tokens(self, seq_id: str) -> int:
+        """Token positions of the sequence that hold a slot (the mirror's num_tokens)."""
+        return self._get(seq_id).num_tokens
+
+    def token_ids(self, seq_id: str) -> list[int]:
+        return list(self._get(seq_id).token_ids)
+
+    def status(self, seq_id: str) -> str:
+        return self._get(seq_id).status
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def num_free_blocks(self) -> int:
+        """GPU blocks an allocation can take (free + cached free)."""
+        return self.gpu.num_free_blocks
+
+    def flush_step_events(self) -> None:
+        """Emit one ``seq_tokens`` for the sequences whose token count changed since the
+        last call (the engine calls this at the end of every step)."""
+        if not self.sink.enabled:
+            return
+        seqs, counts = [], []
+        for sid, seq in self._seqs.items():
+            if seq.num_tokens != seq.reported_tokens:
+                seq.reported_tokens = seq.num_tokens
+                seqs.append(sid)
+                counts.append(seq.num_tokens)
+        if seqs:
+            self.sink.emit(S.SEQ_TOKENS, seqs=seqs, num_tokens=counts)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state in exactly the form of ``KVState.canonical()``."""
+        return {
+            "tiers": {
+                name: {
+                    "num_blocks": p.num_blocks,
+                    "block_size": p.block_size,
+                    "format": p.kv_format,
+                    "ref": list(p.ref),
+                    "hash": [None if e is None else e[0] for e in p.entry],
+                }
+                for name, p in sorted(self.pools.items())
+            },
+            "seqs": {
+                sid: {
+                    "status": s.status,
+                    "tier": "gpu",
+                    "block_table": list(s.block_table),
+                    "num_tokens": s.num_tokens,
+                }
+                for sid, s in sorted(self._seqs.items())
+            },
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """Counts per tier, usage by blocks and by tokens, prefix hits, evictions, copies.
+        ``tiers`` has the shape of the step stats' "tiers" map (schema docstring)."""
+        tiers = {
+            name: {
+                "total": p.num_blocks,
+                "used": p.num_used_blocks,
+                "cached": p.num_cached_free_blocks,
+                "free": len(p.free_blocks),
+            }
+            for name, p in self.pools.items()
+        }
+        gpu, bs = self.gpu, self.block_size
+        # Tokens held: every used block is full except the partial last blocks; a shared
+        # partial block has the same fill for all holders (appending to it copies first).
+        unfilled = {
+            s.block_table[-1]: bs - s.num_tokens % bs
+            for s in self._seqs.values() if s.num_tokens % bs
+        }
+        used_tokens = gpu.num_used_blocks * bs - sum(unfilled.values())
+        return {
+            "tiers": tiers,
+            "block_usage": gpu.num_used_blocks / gpu.num_blocks,
+            "token_usage": used_tokens / (gpu.num_blocks * bs),
+            "used_tokens": used_tokens,
+            "prefix_query_tokens": self.num_query_tokens,
+            "prefix_hit_tokens": self.num_hit_tokens,
+            "prefix_hit_rate": self.num_hit_tokens / max(1, self.num_query_tokens),
+            "stored_blocks": gpu.num_stored,
+            "evictions": gpu.num_evictions,
+            "cow_copies": self.num_cow_copies,
+            "preemptions": self.num_preemptions,
+            "num_seqs": len(self._seqs),
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (see invariants.py)."""
+        from engine.cache.invariants import check_invariants
+
+        check_invariants(self)
+
+    def _get(self, seq_id: str) -> CacheSeq:
+        seq = self._seqs.get(seq_id) if isinstance(seq_id, str) else None
+        if seq is None:
+            raise CacheError(f"unknown sequence {seq_id!r} (never added, or already finished)")
+        return seq
+
+
+def slot_mapping(table: list[int], bs: int, start: int, end: int) -> list[int]:
+    """Slots of token positions [start, end) (end > start): runs of consecutive blocks
+    become one ``range``, so a fresh pool's prefill costs a few C-level extends."""
+    out: list[int] = []
+    i = start // bs
+    last = (end - 1) // bs
+    lo = table[i] * bs + start - i * bs  # current run: [lo, hi)
+    hi = table[i] * bs + bs
+    for j in range(i + 1, last + 1):
+        b = table[j] * bs
+        if b != hi:
+            out += range(lo, hi)
+            lo = b
+        hi = b + bs
+    out += range(lo, hi - ((last + 1) * bs - end))
+    return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_count(n: Any) -> None:
+    if not _is_int(n) or n < 0:
+        raise CacheError(f"token counts are ints >= 0, got {n!r}")
+
+
+def _token_list(ids: Any, copy: bool) -> list[int]:
+    """Validate token ids (non-negative ints) and return them as a list (a new one if
+    ``copy``)."""
+    if type(ids) is list:
+        if len(ids) == 1:  # the decode case: one sampled token
+            t = ids[0]
+            if type(t) is int and t >= 0:
+                return list(ids) if copy else ids
+        out = list(ids) if copy else ids
+    else:
+        tolist = getattr(ids, "tolist", None)  # numpy arrays: C-speed conversion to ints
+        try:
+            out = tolist() if tolist is not None else list(ids)
+        except TypeError:
+            raise CacheError(f"token ids must be a sequence of ints, got {ids!r}") from None
+    if out:
+        # min() runs at C speed and raises TypeError on None, str and mixed junk; a
+        # per-element type check would triple the cost of admitting a prompt.
+        try:
+            ok = min(out) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise CacheError(f"token ids must be non-negative ints, got {ids!r}"[:200])
+    return out
