@@ -256,6 +256,7 @@ class KVState:
     def _begin(self) -> None:
         self._undo = []
         self._touched: set[str] = set()
+        self._seq_order: list[str] | None = None  # saved before the first seq_finish
         self._saved_counts = (dict(self.kind_counts), self.unknown_kinds)
 
     def _save_ref(self, t: TierState, blocks: list[int]) -> None:
@@ -288,6 +289,8 @@ class KVState:
                 target.__dict__.update(old)
             else:
                 setattr(target, key, old)
+        if self._seq_order is not None:  # re-inserted sequences go back to their place
+            self.seqs = {sid: self.seqs[sid] for sid in self._seq_order if sid in self.seqs}
         self.kind_counts, self.unknown_kinds = self._saved_counts
 
     def _tier(self, name: Any) -> TierState:
@@ -447,6 +450,8 @@ class KVState:
         s = self._seq(ev["seq"])
         if s.block_table:
             raise ProtocolError(f"seq_finish: {s.seq_id} still holds blocks (free it first)")
+        if self._undo is not None and self._seq_order is None:
+            self._seq_order = list(self.seqs)
         self._save_item(self.seqs, s.seq_id)
         del self.seqs[s.seq_id]
 

@@ -236,9 +236,7 @@ class Subscriber:
                 self.batches_applied += 1
                 self.events_applied += n
                 self._rate.append((time.monotonic(), n))
-                dropped = batch.get("stats", {}).get("dropped_batches")
-                if isinstance(dropped, int):
-                    self.publisher_dropped = dropped
+                self._note_drops(batch.get("stats"))
                 if self.on_apply is not None:
                     self.on_apply(batch, self.state)
         if not ok:  # our mirror and the publisher disagree: start over
@@ -247,6 +245,11 @@ class Subscriber:
             return False
         updates.append(batch)
         return True
+
+    def _note_drops(self, stats: Any) -> None:
+        dropped = stats.get("dropped_batches") if isinstance(stats, dict) else None
+        if isinstance(dropped, int):
+            self.publisher_dropped = dropped
 
     # ------------------------------------------------------------ DEALER replies
     def _on_reply(self, frames: list[bytes], updates: list[Update]) -> None:
@@ -290,6 +293,7 @@ class Subscriber:
                 self.resyncs += 1
             self.state, self.epoch, self.last_seq = state, msg["epoch"], msg["seq"]
             self._synced = True
+            self._note_drops(state.stats)
             if self.on_apply is not None:
                 self.on_apply(update, self.state)
         for s in [s for s, b in self._buffer.items() if b["epoch"] != self.epoch]:

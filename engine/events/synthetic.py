@@ -80,7 +80,7 @@ class SyntheticCache:
     values give larger batches (the benchmark uses ~256 running sequences).
     """
 
-    def __init__(self, seed: int = 0, gpu_blocks: int = 256, cpu_blocks: int = 128,
+    def __init__(self, seed: int = 0, gpu_blocks: int = 128, cpu_blocks: int = 128,
                  block_size: int = 16, max_running: int = 8, arrival_rate: float = 0.6) -> None:
         self.rng = random.Random(seed)
         self.block_size = block_size

@@ -1,0 +1,131 @@
+"""Helpers for the event-stream tests: polling with deadlines (no sleeps), a TCP proxy
+that can cut a live connection, and the reference workload."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from engine.events import KVState
+from engine.events.subscriber import Subscriber
+
+DEADLINE_S = 15.0  # generous: the machine is shared; a healthy run takes milliseconds
+
+
+def poll_until(subs: list[Subscriber], done: Callable[[], bool],
+               timeout: float = DEADLINE_S) -> None:
+    """Poll every subscriber until ``done()``; fail the test at the deadline."""
+    end = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > end:
+            raise AssertionError(
+                "timed out: " + "; ".join(
+                    f"status={s.status} last_seq={s.last_seq} gaps={s.gaps} "
+                    f"errors={dict(s.codec.errors)}" for s in subs))
+        for s in subs:
+            s.poll(0.02)
+
+
+def synced_to(subs: list[Subscriber], seq: int) -> Callable[[], bool]:
+    return lambda: all(s.status != "waiting" and s.last_seq >= seq for s in subs)
+
+
+def apply_all(batches: list[dict]) -> KVState:
+    st = KVState()
+    for b in batches:
+        st.apply(b)
+    return st
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:self.port to 127.0.0.1:target; ``cut()`` drops every
+    connection and refuses new ones until ``restore()`` (a cable pulled and replugged)."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self._want_open = True
+        self._stop = False
+        self.connections = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def cut(self) -> None:
+        self._want_open = False
+
+    def restore(self) -> None:
+        self._want_open = True
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        listener: socket.socket | None = None
+        peer: dict[socket.socket, socket.socket] = {}
+
+        def drop_all() -> None:
+            for s in list(peer):
+                s.close()
+            peer.clear()
+
+        while not self._stop:
+            if self._want_open and listener is None:
+                listener = socket.socket()
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(("127.0.0.1", self.port))
+                listener.listen()
+            if not self._want_open and listener is not None:
+                listener.close()
+                listener = None
+                drop_all()
+            watch = list(peer) + ([listener] if listener is not None else [])
+            ready, _, _ = select.select(watch, [], [], 0.02)
+            for s in ready:
+                if s is listener:
+                    client, _ = listener.accept()
+                    upstream = socket.create_connection(("127.0.0.1", self.target))
+                    peer[client], peer[upstream] = upstream, client
+                    self.connections += 1
+                    continue
+                if s not in peer:
+                    continue
+                try:
+                    data = s.recv(65536)
+                except OSError:
+                    data = b""
+                other = peer[s]
+                if not data:
+                    for x in (s, other):
+                        peer.pop(x, None)
+                        x.close()
+                    continue
+                other.sendall(data)
+        drop_all()
+        if listener is not None:
+            listener.close()
+
+
+@pytest.fixture
+def tcp_proxy():
+    proxies: list[TcpProxy] = []
+
+    def make(target: int) -> TcpProxy:
+        proxies.append(TcpProxy(target))
+        return proxies[-1]
+
+    yield make
+    for p in proxies:
+        p.close()
+
+
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])

@@ -1,0 +1,96 @@
+"""The codec rejects everything malformed with a clear, counted ProtocolError."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from engine.events import codec as C
+from engine.events.schema import PROTOCOL_VERSION, ProtocolError
+
+
+def good_batch(seq: int = 1) -> dict:
+    return C.make_batch("e1", seq, 7, 1.5, [{"kind": "seq_add", "seq": "a"}], {"running": 1})
+
+
+def test_batch_round_trip_through_frames():
+    codec = C.Codec()
+    frames = codec.encode_frames(good_batch(42))
+    assert frames[0] == C.TOPIC and frames[1] == (42).to_bytes(8, "big")
+    seq, msg = codec.decode_frames(frames)
+    assert seq == 42 and msg == good_batch(42)
+    assert codec.num_errors == 0
+
+
+def test_unknown_fields_are_kept_and_ignored():
+    codec = C.Codec()
+    msg = {**good_batch(), "future_field": [1, 2]}
+    assert codec.decode(codec.encode(msg))["future_field"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("data", "reason", "words"),
+    [
+        (b"\xc1garbage", "msgpack", "undecodable msgpack"),
+        (b"\x01\x02\x03", "msgpack", "undecodable msgpack"),  # trailing bytes
+        (msgpack.packb(good_batch())[:-3], "msgpack", "undecodable msgpack"),  # truncated
+        (b"\x81\xa1v\xc6\xff\xff\xff\xf0abc", "msgpack", "incomplete"),  # 4 GiB bin
+        (b"\xdd\xff\xff\xff\xff", "msgpack", "exceeds"),  # 4G-element array declared
+        (msgpack.packb({1: 2}), "msgpack", "undecodable"),  # int map key (strict_map_key)
+        (msgpack.packb([1, 2]), "envelope", "expected a map"),
+        (msgpack.packb({**good_batch(), "v": 99}), "envelope", "protocol version 99"),
+        (msgpack.packb({**good_batch(), "v": True}), "envelope", "protocol version"),
+        (msgpack.packb({**good_batch(), "type": "nope"}), "envelope", "unknown message type"),
+        (msgpack.packb({**good_batch(), "seq": "1"}), "envelope", "field 'seq' is str"),
+        (msgpack.packb({**good_batch(), "seq": True}), "envelope", "field 'seq' is bool"),
+        (msgpack.packb({**good_batch(), "seq": -5}), "envelope", "negative"),
+        (msgpack.packb({**good_batch(), "events": [1]}), "envelope", "string 'kind'"),
+        (msgpack.packb({**good_batch(), "stats": [1]}), "envelope", "'stats' is not a map"),
+    ],
+)
+def test_malformed_messages_are_rejected_and_counted(data, reason, words):
+    codec = C.Codec()
+    with pytest.raises(ProtocolError, match=words):
+        codec.decode(data)
+    assert codec.errors[reason] == 1
+    # the codec keeps working after a failure (no reused, poisoned Unpacker)
+    assert codec.decode(codec.encode(good_batch()))["seq"] == 1
+
+
+def test_size_limit():
+    codec = C.Codec(max_bytes=100)
+    with pytest.raises(ProtocolError, match="exceeds limit 100"):
+        codec.decode(msgpack.packb({**good_batch(), "pad": "x" * 200}))
+    assert codec.errors["size"] == 1
+
+
+@pytest.mark.parametrize(
+    ("frames", "words"),
+    [
+        ([C.TOPIC, (1).to_bytes(8, "big")], "expected 3 frames"),
+        ([b"other", (1).to_bytes(8, "big"), b""], "unexpected topic"),
+        ([C.TOPIC, b"\x00\x01", msgpack.packb(good_batch())], "seq frame has 2 bytes"),
+        ([C.TOPIC, (2).to_bytes(8, "big"), msgpack.packb(good_batch(1))], "disagrees"),
+        ([C.TOPIC, (1).to_bytes(8, "big"),
+          msgpack.packb(C.make_request(C.MSG_ERROR, reason="x"))], "on the PUB stream"),
+    ],
+)
+def test_bad_frames(frames, words):
+    codec = C.Codec()
+    with pytest.raises(ProtocolError, match=words):
+        codec.decode_frames(frames)
+    assert codec.num_errors == 1
+
+
+def test_request_and_reply_envelopes():
+    codec = C.Codec()
+    for msg in [
+        C.make_request(C.MSG_GET_SNAPSHOT, id=1),
+        C.make_request(C.MSG_REPLAY, **{"from": 5}, id=2),
+        C.make_request(C.MSG_REPLAY_END, epoch="e", ok=False, reason="gone"),
+        C.make_snapshot("e", 3, {"v": PROTOCOL_VERSION, "step": 2, "tiers": {}, "seqs": []}),
+        C.make_heartbeat("e", 3, 0.0),
+    ]:
+        assert codec.decode(codec.encode(msg)) == msg
+    with pytest.raises(ProtocolError, match="'ok' is int"):
+        codec.decode(codec.encode(C.make_request(C.MSG_REPLAY_END, epoch="e", ok=1)))
