@@ -1,13 +1,13 @@
-"""Pure-torch versions of the paged-cache kernels: the CPU engine path and the tests' oracle.
+"""Pure-torch versions of the paged-cache kernels: the CPU engine path and what the Triton tests compare against.
 
 Cache layout per layer: K and V ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
 A token's slot is ``block * block_size + offset``; slot -1 marks a padding token.
 
 These run the engine on CPU (30 layers x 32 concurrent sequences), so they are vectorised:
-decode gathers every sequence's pages with one advanced index and runs one batched matmul;
-only prefill segments (q_len > 1) loop, once per sequence, through SDPA. Unlike the Triton
-kernels they read tensor values to validate them (cheap on CPU) and raise ValueError before
-writing anything.
+decode gathers every sequence's pages with one index_select per cache and runs batched
+matmuls; only prefill segments (q_len > 1) loop, once per sequence (in bounded query
+chunks). Unlike the Triton kernels they read tensor values to validate them (cheap on
+CPU) and raise ValueError before writing anything.
 
 Quantized page formats will add keyword-only arguments (``k_scale``, ``v_scale``); the
 positional argument lists here are the stable interface.
@@ -16,7 +16,6 @@ positional argument lists here are the stable interface.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import validate
 
@@ -129,23 +128,44 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return torch.stack(heads, dim=1).view(n, num_heads, head_dim)
 
 
+# Scores held at once by one prefill chunk: [Hq, rows, keys] fp32 elements (64 MiB).
+_PREFILL_SCORE_BUDGET = 16 << 20
+
+
 def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """One sequence's q_len > 1 queries [q_len, Hq, D] against its first seq_len keys."""
-    q_len = q.shape[0]
-    block_size = k_cache.shape[1]
+    """One sequence's q_len > 1 queries [q_len, Hq, D] against its first seq_len keys.
+
+    Explicit batched matmuls per KV head group (the G query heads of a KV head become G x
+    more rows), in query chunks that bound the score memory and stop at the chunk's last
+    visible key. Measured ~2x faster than SDPA with enable_gqa and a mask on CPU.
+    """
+    q_len, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     pages = table[: (seq_len + block_size - 1) // block_size].long()
     dtype = _compute_dtype(k_cache)
     # [Hkv, L, D]
     k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)
     v = v_cache.index_select(0, pages).flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)
     context_len = seq_len - q_len
-    query_pos = torch.arange(q_len, device=q.device)[:, None] + context_len
-    visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos  # [q_len, L]
-    # SDPA keeps the [q_len, L] scores out of memory for long prompts; fp32 on CPU.
-    o = F.scaled_dot_product_attention(q.to(dtype).transpose(0, 1), k, v, attn_mask=visible,
-                                       scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    out = torch.empty(q_len, num_heads, head_dim, dtype=dtype, device=q.device)
+    chunk = max(1, _PREFILL_SCORE_BUDGET // (num_heads * seq_len))
+    for lo in range(0, q_len, chunk):
+        hi = min(q_len, lo + chunk)
+        keys = context_len + hi  # keys visible to the chunk's last query
+        rows = hi - lo
+        qg = q[lo:hi].to(dtype).view(rows, num_kv_heads, group, head_dim)
+        qg = qg.permute(1, 0, 2, 3).reshape(num_kv_heads, rows * group, head_dim)
+        scores = torch.bmm(qg, k[:, :keys].transpose(1, 2)).float().mul_(scale)
+        query_pos = torch.arange(lo, hi, device=q.device)[:, None] + context_len
+        hidden = torch.arange(keys, device=q.device)[None, :] > query_pos  # [rows, keys]
+        scores.view(num_kv_heads, rows, group, keys).masked_fill_(
+            hidden[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        o = torch.bmm(probs, v[:, :keys]).view(num_kv_heads, rows, group, head_dim)
+        out[lo:hi] = o.permute(1, 0, 2, 3).reshape(rows, num_heads, head_dim)
+    return out
 
 
 def _compute_dtype(cache: torch.Tensor) -> torch.dtype:

@@ -34,6 +34,13 @@ def test_mixed_batch_with_prefix_hits_matches_oracle():
     _check(batch, 80 ** -0.5, 1e-5)
 
 
+def test_prefill_in_bounded_query_chunks_matches_oracle(monkeypatch):
+    # budget for 5 query rows at a time: chunks split across the causal diagonal and pages
+    monkeypatch.setattr(reference, "_PREFILL_SCORE_BUDGET", 6 * 90 * 5)
+    batch = make_batch([90, 40], [50, 40], 6, 2, 64, 16, seed=4)
+    _check(batch, 0.125, 1e-5)
+
+
 def test_fp16_pages_match_oracle_within_half_precision():
     batch = make_batch([100, 37, 5], [1, 37, 2], 8, 2, 64, 16, dtype=torch.float16, seed=2)
     _check(batch, 0.125, 2e-3)
