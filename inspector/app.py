@@ -14,11 +14,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from inspector.errors import InspectError
+
 SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "sample.kvtrace"
-
-
-class InspectError(Exception):
-    """Input the inspector cannot show; the message is for the user, as is."""
 
 
 def open_recording(path: str | os.PathLike) -> tuple[Any, list[str]]:
@@ -54,14 +52,15 @@ def make_app(offscreen: bool = False) -> Any:
 
 
 def run(recording: str | None = None, connect: str | None = None,
-        screenshot: str | None = None, step: int | None = None, wait_s: float = 5.0) -> int:
+        screenshot: str | None = None, step: int | None = None, wait_s: float = 5.0,
+        snapshot_endpoint: str | None = None) -> int:
     app = make_app(offscreen=screenshot is not None)
     from inspector.window import MainWindow
 
     win = MainWindow()
     try:
         if connect:
-            code = _open_live(app, win, connect, screenshot, wait_s)
+            code = _open_live(app, win, connect, snapshot_endpoint, screenshot, wait_s)
         else:
             code = _open_replay(app, win, recording, screenshot, step)
     except InspectError as e:
@@ -95,11 +94,12 @@ def _open_replay(app: Any, win: Any, recording: str | None, screenshot: str | No
     return _save(app, win, screenshot)
 
 
-def _open_live(app: Any, win: Any, endpoint: str, screenshot: str | None,
-               wait_s: float) -> int | None:
+def _open_live(app: Any, win: Any, endpoint: str, snapshot_endpoint: str | None,
+               screenshot: str | None, wait_s: float) -> int | None:
     from inspector.sources.live import LiveSource
 
-    live = LiveSource(endpoint, win.model)  # raises InspectError on a malformed endpoint
+    # Raises InspectError on a malformed endpoint.
+    live = LiveSource(endpoint, win.model, snapshot_endpoint=snapshot_endpoint)
     win.attach_live(live, endpoint)
     live.start()
     if screenshot is None:

@@ -22,6 +22,16 @@ COLUMNS = (
 )
 
 
+_IDX = {name: i for i, name in enumerate(COLUMNS)}
+_STEP, _TIME, _PREEMPT, _EVICT, _EVENTS = (
+    _IDX[k] for k in ("step", "time", "preemptions", "evictions", "events"))
+_STAT_COLS = tuple((_IDX[k], k) for k in (
+    "running", "waiting", "swapped", "hit_tokens", "query_tokens", "scheduled_tokens",
+    "step_time_s"))
+_TIER_COLS = {t: (_IDX[f"{t}_used"], _IDX[f"{t}_cached"], _IDX[f"{t}_free"])
+              for t in ("gpu", "cpu")}
+
+
 class Timeline:
     """Columns of float64, one row per applied batch, rows in step order."""
 
@@ -47,34 +57,34 @@ class Timeline:
             grown[:, : self.n] = self._data[:, : self.n]
             self._data = grown
         stats = batch.get("stats") or {}
+        events = batch.get("events") or ()
+        preempts = evicted = 0
+        for e in events:
+            kind = e.get("kind")
+            if kind == S.SEQ_PREEMPT:
+                preempts += 1
+            elif kind == S.EVICT:
+                evicted += len(e.get("blocks", ()))
+        col, n = self._data, self.n
+        col[_STEP, n] = _num(batch.get("step", n))
+        col[_TIME, n] = _num(batch.get("time", 0.0))
+        for i, key in _STAT_COLS:
+            col[i, n] = _num(stats.get(key, 0))
+        # Prefer what the events say; stats may be absent in hand-made recordings.
+        col[_PREEMPT, n] = max(preempts, _num(stats.get("preemptions")))
+        col[_EVICT, n] = max(evicted, _num(stats.get("evictions")))
+        col[_EVENTS, n] = len(events)
         tiers = stats.get("tiers") or {}
-        events = batch.get("events") or []
-        preempts = sum(1 for e in events if e.get("kind") == S.SEQ_PREEMPT)
-        evicted = sum(len(e.get("blocks", ())) for e in events if e.get("kind") == S.EVICT)
-        row = {
-            "step": batch.get("step", self.n),
-            "time": batch.get("time", 0.0),
-            "running": stats.get("running", 0),
-            "waiting": stats.get("waiting", 0),
-            "swapped": stats.get("swapped", 0),
-            "hit_tokens": stats.get("hit_tokens", 0),
-            "query_tokens": stats.get("query_tokens", 0),
-            "scheduled_tokens": stats.get("scheduled_tokens", 0),
-            "step_time_s": stats.get("step_time_s", 0.0),
-            # Prefer what the events say; stats may be absent in hand-made recordings.
-            "preemptions": max(preempts, _num(stats.get("preemptions"))),
-            "evictions": max(evicted, _num(stats.get("evictions"))),
-            "events": len(events),
-        }
-        for tier in ("gpu", "cpu"):
+        for tier, (iu, ic, i_f) in _TIER_COLS.items():
             t = tiers.get(tier) or {}
-            for key in ("used", "cached", "free"):
-                row[f"{tier}_{key}"] = t.get(key, 0)
-            if "used" not in t and "total" in t:  # a reporter may give total, free, cached
-                row[f"{tier}_used"] = _num(t["total"]) - _num(t.get("free")) - _num(
-                    t.get("cached"))
-        for i, name in enumerate(COLUMNS):
-            self._data[i, self.n] = _num(row[name])
+            cached, free = _num(t.get("cached", 0)), _num(t.get("free", 0))
+            if "used" in t:
+                used = _num(t["used"])
+            elif "total" in t:  # a reporter may give total, free and cached only
+                used = _num(t["total"]) - free - cached
+            else:
+                used = 0.0
+            col[iu, n], col[ic, n], col[i_f, n] = used, cached, free
         self.n += 1
 
     def extend(self, batches: Iterable[dict[str, Any]]) -> None:
@@ -119,6 +129,8 @@ class Timeline:
 
 
 def _num(v: Any) -> float:
+    if type(v) is int or type(v) is float:
+        return v
     try:
         return float(v)
     except (TypeError, ValueError):

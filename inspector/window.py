@@ -101,9 +101,13 @@ class MainWindow(QMainWindow):
             self.show_error(f"{label}: the recording holds no steps")
 
     def attach_live(self, live: Any, label: str) -> None:
+        """Show a LiveSource: its status in the status bar, its problems in the banner."""
         self.live = live
         self.timelines.follow.setChecked(True)
         self.setWindowTitle(f"kvscope inspector — live {label}")
+        live.status_changed.connect(lambda fields: self.set_status(**fields))
+        live.problem.connect(lambda text: self.show_error(text) if text else self.clear_error())
+        self.set_status(**live.status_fields())
 
     # ------------------------------------------------------------ reporting
     def show_error(self, text: str) -> None:

@@ -17,6 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a .kvtrace recording (default: the bundled sample)")
     p.add_argument("--connect", metavar="ENDPOINT", default=None,
                    help="attach to a live engine's event publisher, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--snapshot-endpoint", metavar="ENDPOINT", default=None,
+                   help="the engine's snapshot/replay endpoint (default: --connect's port + 1)")
     p.add_argument("--screenshot", metavar="PNG", default=None,
                    help="render offscreen, save a PNG of the window and exit")
     p.add_argument("--step", type=int, default=None,
@@ -33,4 +35,4 @@ def _run(args: argparse.Namespace) -> int:
     from inspector.app import run  # Qt loads only here
 
     return run(recording=args.recording, connect=args.connect, screenshot=args.screenshot,
-               step=args.step, wait_s=args.wait)
+               step=args.step, wait_s=args.wait, snapshot_endpoint=args.snapshot_endpoint)

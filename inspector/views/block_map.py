@@ -8,6 +8,8 @@ the cell of block ``b`` is ``(row, col) = divmod(b, width)``.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any
 
@@ -34,16 +36,27 @@ def grid_width(num_blocks: int, aspect: float = 1.6) -> int:
     return min(w, MAX_SIDE)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _slot(seq_id: str) -> int:
+    return P.owner_index(seq_id)
+
+
 def owner_slots(state: KVState, tier: str) -> tuple[np.ndarray, np.ndarray]:
     """(blocks, colour slots) for every block-table entry in ``tier``, for owner colouring."""
-    blocks, slots = [], []
-    for s in state.seqs.values():
-        if s.tier == tier and s.block_table:
-            blocks.append(np.asarray(s.block_table, dtype=np.int64))
-            slots.append(np.full(len(s.block_table), P.owner_index(s.seq_id), dtype=np.uint8))
-    if not blocks:
-        return np.zeros(0, np.int64), np.zeros(0, np.uint8)
-    return np.concatenate(blocks), np.concatenate(slots)
+    seqs = [s for s in state.seqs.values() if s.tier == tier and s.block_table]
+    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+    total = int(lens.sum())
+    blocks = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs),
+                         dtype=np.int64, count=total)
+    slots = np.fromiter((_slot(s.seq_id) for s in seqs), dtype=np.uint8, count=len(seqs))
+    return blocks, np.repeat(slots, lens)
+
+
+# code -> its dimmed code (a selection is active and the cell is not in it), as one
+# table lookup over the whole map instead of boolean masks.
+_DIM = np.arange(256, dtype=np.uint8)
+_DIM[: P.DIM_OFFSET] += P.DIM_OFFSET
+_DIM[P.OWNER_BASE: P.OWNER_DIM_BASE] += P.OWNER_DIM_BASE - P.OWNER_BASE
 
 
 def cell_codes(state: KVState, tier: str, *, by_owner: bool = False,
@@ -58,12 +71,10 @@ def cell_codes(state: KVState, tier: str, *, by_owner: bool = False,
         single = codes[blocks] == S.BLOCK_USED  # ref 1: exactly one owner
         codes[blocks[single]] = P.OWNER_BASE + slots[single]
     if highlight is not None:
-        keep = np.zeros(codes.shape, dtype=bool)
-        if highlight:
-            keep[np.asarray(highlight, dtype=np.int64)] = True
-        owner = codes >= P.OWNER_BASE
-        codes[~keep & owner] += P.OWNER_DIM_BASE - P.OWNER_BASE
-        codes[~keep & ~owner] += P.DIM_OFFSET
+        keep = np.asarray(highlight, dtype=np.int64)
+        bright = codes[keep]
+        codes = _DIM[codes]
+        codes[keep] = bright
     if selected is not None and 0 <= selected < codes.size:
         codes[selected] = P.CODE_SELECTED
     return codes

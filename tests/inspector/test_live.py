@@ -1,0 +1,182 @@
+"""Live mode against a real EventStream publishing on loopback: late join converges to
+the publisher's cache, a killed and restarted publisher is survived, bad endpoints and
+foreign publishers give a clear message."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine.events import EventStream
+from engine.events.synthetic import SyntheticCache
+from inspector.errors import InspectError
+from inspector.sources.live import LiveSource
+
+
+class Engine:
+    """A SyntheticCache stepping into an EventStream on a thread (a stand-in engine)."""
+
+    def __init__(self, endpoint: str, snapshot_endpoint: str, seed: int) -> None:
+        self.stream = EventStream(endpoint=endpoint, snapshot_endpoint=snapshot_endpoint,
+                                  heartbeat_s=0.2)
+        self.cache = SyntheticCache(seed=seed, gpu_blocks=512, cpu_blocks=128, max_running=12,
+                                    arrival_rate=0.9)
+        self.step = -1
+        self._go = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_steps(self, n: int, interval: float = 0.004) -> None:
+        """Publish ``n`` more steps on a background thread (``wait()`` for them)."""
+        self._done.clear()
+
+        def loop() -> None:
+            for _ in range(n):
+                self.step += 1
+                stats = self.cache.step(self.stream.sink)
+                self.stream.end_step(self.step, stats)
+                time.sleep(interval)
+            self._done.set()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        assert self._done.wait(20)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def _converged(live: LiveSource, engine: Engine) -> bool:
+    live.tick()
+    return (live.sub.last_seq == engine.stream.seq
+            and live.model.state.canonical() == engine.cache.canonical())
+
+
+@pytest.fixture
+def endpoints():
+    """Two free loopback ports (the publisher binds them again after a restart)."""
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.PUB) for _ in range(2)]
+    eps = []
+    for s in socks:
+        s.bind("tcp://127.0.0.1:*")
+        eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
+    for s in socks:
+        s.close(0)
+    ctx.term()
+    return eps
+
+
+def test_late_join_converges_and_survives_restart(window, qtbot, endpoints, artifacts):  # noqa: ANN001
+    pub, snap = endpoints
+    engine = Engine(pub, snap, seed=1)
+    engine.run_steps(60)
+    engine.wait()  # the inspector joins late: 60 steps already published
+    live = LiveSource(pub, window.model, snapshot_endpoint=snap)
+    window.attach_live(live, pub)
+    live.start()
+    try:
+        engine.run_steps(120)
+        engine.wait()
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=10_000)
+        assert live.sub.status == "connected" and not window.banner.isVisible()
+        rows = {r[0] for r in window.sequences.visible_rows()}
+        assert rows == set(engine.cache.canonical()["seqs"])
+        assert window.model.timeline.n > 0  # batches since joining reached the timeline
+        assert "live" in window.status_labels["source"].text()
+        qtbot.wait(50)
+        window.export_png(artifacts / "inspector_live.png")
+
+        engine.close()  # the engine dies: the window keeps its last frame, says so
+        frame = window.model.state.canonical()
+        qtbot.waitUntil(lambda: (live.tick(), live.sub.status == "stale")[1], timeout=10_000)
+        assert window.banner.isVisible() and "silent" in window.banner.text()
+        assert window.model.state.canonical() == frame
+
+        engine = Engine(pub, snap, seed=2)  # a new engine on the same endpoints
+        engine.run_steps(80)
+        engine.wait()
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=15_000)
+        assert live.sub.restarts >= 1 and live.sub.epoch == engine.stream.epoch
+        assert not window.banner.isVisible()
+        window.export_png(artifacts / "inspector_live_after_restart.png")
+    finally:
+        live.stop()
+        engine.close()
+
+
+def test_flood_keeps_the_gui_responsive(window, qtbot, endpoints):  # noqa: ANN001
+    """Publishing with no pause: each GUI tick stays short and the view still converges."""
+    pub, snap = endpoints
+    engine = Engine(pub, snap, seed=5)
+    live = LiveSource(pub, window.model, snapshot_endpoint=snap)
+    window.attach_live(live, pub)
+    live.start()
+    try:
+        engine.run_steps(1500, interval=0.0)
+        worst = 0.0
+        while not engine._done.is_set():
+            t = time.perf_counter()
+            live.tick()
+            worst = max(worst, time.perf_counter() - t)
+            qtbot.wait(5)
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=15_000)
+        print(f"worst GUI tick during flood: {worst * 1000:.1f} ms")
+    finally:
+        live.stop()
+        engine.close()
+
+
+def test_nobody_publishing_says_so(window, qtbot, endpoints, monkeypatch):  # noqa: ANN001
+    monkeypatch.setattr("inspector.sources.live.NO_ANSWER_S", 0.3)
+    live = LiveSource(endpoints[0], window.model, snapshot_endpoint=endpoints[1])
+    window.attach_live(live, endpoints[0])
+    live.start()
+    try:
+        qtbot.waitUntil(lambda: window.banner.isVisible(), timeout=5000)
+        assert "no kvscope publisher answering" in window.banner.text()
+        assert "waiting" in window.status_labels["source"].text()
+    finally:
+        live.stop()
+
+
+def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN001
+    """A publisher speaking protocol v2 on both sockets: the banner names the version."""
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(endpoints[0])
+    router.bind(endpoints[1])
+    live = LiveSource(endpoints[0], window.model, snapshot_endpoint=endpoints[1])
+    window.attach_live(live, endpoints[0])
+    live.start()
+    try:
+        def answer() -> bool:
+            if router.poll(10):
+                ident, *_ = router.recv_multipart()
+                router.send_multipart([ident, msgpack.packb(
+                    {"v": 2, "type": "snapshot", "epoch": "x", "seq": 1, "step": 0,
+                     "state": {}})])
+            pub.send_multipart([b"kv", (1).to_bytes(8, "big"), msgpack.packb(
+                {"v": 2, "type": "heartbeat", "epoch": "x", "seq": 1, "time": 0.0})])
+            return window.banner.isVisible()
+
+        qtbot.waitUntil(answer, timeout=5000)
+        assert "protocol version 2" in window.banner.text()
+        assert not live.has_state
+    finally:
+        live.stop()
+        pub.close(0)
+        router.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://nowhere", "bogus://x:1", "tcp://127.0.0.1:notaport"])
+def test_malformed_endpoint_is_a_clear_error(endpoint, window):  # noqa: ANN001
+    with pytest.raises(InspectError, match="cannot connect to"):
+        LiveSource(endpoint, window.model)
