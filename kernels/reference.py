@@ -1,4 +1,5 @@
-"""Pure-torch versions of the paged-cache kernels: the CPU engine path and what the Triton tests compare against.
+"""Pure-torch versions of the paged-cache kernels: the engine's CPU path, and what the
+Triton kernels are tested against.
 
 Cache layout per layer: K and V ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
 A token's slot is ``block * block_size + offset``; slot -1 marks a padding token.
