@@ -73,7 +73,7 @@ class RecordingWriter:
     """
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any] | None = None, *,
-                 keyframe_every_steps: int = 500, keyframe_every_s: float = 10.0,
+                 keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0,
                  chunk_steps: int = 64, chunk_s: float = 1.0, level: int = 3) -> None:
         self.path = Path(path)
         self.keyframe_every_steps = keyframe_every_steps

@@ -42,7 +42,8 @@ class TierState:
 
     def check_ids(self, blocks: list[int]) -> None:
         for b in blocks:
-            if not isinstance(b, int) or not 0 <= b < self.num_blocks:
+            # bool is an int, and numpy would read ref[True] as a mask over every block
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
                 raise ProtocolError(f"tier {self.name}: block id {b!r} out of range")
 
 
@@ -257,10 +258,16 @@ class KVState:
         self._undo = []
         self._touched: set[str] = set()
         self._seq_order: list[str] | None = None  # saved before the first seq_finish
+        self._whole_ref_saved: set[int] = set()  # id() of ref arrays copied whole
         self._saved_counts = (dict(self.kind_counts), self.unknown_kinds)
 
     def _save_ref(self, t: TierState, blocks: list[int]) -> None:
-        if self._undo is not None:
+        if self._undo is None or id(t.ref) in self._whole_ref_saved:
+            return
+        if t.num_blocks <= _WHOLE_REF_COPY_MAX:  # one memcpy per tier and batch
+            self._whole_ref_saved.add(id(t.ref))
+            self._undo.append((_REF, t.ref, slice(None), t.ref.copy()))
+        else:  # huge tiers: only the blocks this event touches
             self._undo.append((_REF, t.ref, blocks, t.ref[blocks]))
 
     def _save_hash(self, t: TierState, b: int) -> None:
@@ -287,6 +294,9 @@ class KVState:
                     target[key] = old
             elif op is _SEQ:
                 target.__dict__.update(old)
+            elif op is _TOKENS:
+                for seq, n in zip(target, old, strict=True):
+                    seq.num_tokens = n
             else:
                 setattr(target, key, old)
         if self._seq_order is not None:  # re-inserted sequences go back to their place
@@ -365,7 +375,7 @@ class KVState:
             if b not in t.hashes:
                 raise ProtocolError(f"hit: {t.name} block {b} is not cached")
         self._save_ref(t, blocks)
-        np.add.at(t.ref, blocks, 1)
+        _add(t.ref, blocks, 1)
         s.block_table.extend(blocks)
         s.hit_tokens += int(ev.get("tokens", 0))
 
@@ -393,7 +403,7 @@ class KVState:
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
         self._save_ref(t, blocks)
-        np.subtract.at(t.ref, blocks, 1)
+        _add(t.ref, blocks, -1)
         s.block_table = []
         s.num_tokens = 0
 
@@ -404,7 +414,7 @@ class KVState:
             raise ProtocolError(f"fork: {s.seq_id} cannot share {parent.seq_id}'s blocks")
         s.tier = t.name
         self._save_ref(t, blocks)
-        np.add.at(t.ref, blocks, 1)
+        _add(t.ref, blocks, 1)
         s.block_table = blocks
         s.num_tokens = parent.num_tokens
 
@@ -425,16 +435,20 @@ class KVState:
             t.ref[b] = 1
 
     def _seq_tokens(self, ev: dict[str, Any]) -> None:
-        seqs, counts = list(ev["seqs"]), list(ev["num_tokens"])
+        seqs, counts = list(ev["seqs"]), [int(n) for n in ev["num_tokens"]]
         if len(seqs) != len(counts):
             raise ProtocolError("seq_tokens: seqs and num_tokens differ in length")
-        for sid, n in zip(seqs, counts, strict=True):
-            # the hot path of every decode step: log one field, not the whole sequence
-            s = self.seqs.get(sid)
-            if s is None:
-                raise ProtocolError(f"unknown sequence {sid!r}")
-            self._save_attr(s, "num_tokens")
-            s.num_tokens = int(n)
+        # the hot path of every decode step: one undo entry for all, not a copy per seq
+        table = self.seqs
+        try:
+            objs = [table[sid] for sid in seqs]
+        except (KeyError, TypeError):
+            missing = next(sid for sid in seqs if not isinstance(sid, str) or sid not in table)
+            raise ProtocolError(f"unknown sequence {missing!r}") from None
+        if self._undo is not None:
+            self._undo.append((_TOKENS, objs, None, [s.num_tokens for s in objs]))
+        for s, n in zip(objs, counts, strict=True):
+            s.num_tokens = n
 
     def _seq_preempt(self, ev: dict[str, Any]) -> None:
         s, mode = self._seq(ev["seq"]), ev["mode"]
@@ -465,8 +479,8 @@ class KVState:
             raise ProtocolError(f"{ev['kind']}: {s.seq_id} does not hold {src_tier} {src}")
         self._save_ref(a, src)
         self._save_ref(b, dst)
-        np.subtract.at(a.ref, src, 1)
-        np.add.at(b.ref, dst, 1)
+        _add(a.ref, src, -1)
+        _add(b.ref, dst, 1)
         s.tier, s.block_table = dst_tier, dst
 
     def _swap_out(self, ev: dict[str, Any]) -> None:
@@ -514,7 +528,17 @@ class KVState:
 
 
 _MISSING = object()  # undo-log marker: "this key did not exist"
-_REF, _ITEM, _SEQ, _ATTR = "ref", "item", "seq", "attr"  # undo-log entry kinds
+_REF, _ITEM, _SEQ, _ATTR, _TOKENS = "ref", "item", "seq", "attr", "tokens"  # undo entries
+_WHOLE_REF_COPY_MAX = 1 << 16  # up to this many blocks, undo copies a tier's refs whole
+
+
+def _add(ref: np.ndarray, blocks: list[int], delta: int) -> None:
+    """ref[blocks] += delta, duplicates counted (np.add.at costs ~10 us even for 1 id)."""
+    if len(blocks) <= 8:
+        for b in blocks:
+            ref[b] += delta
+    else:
+        np.add.at(ref, blocks, delta)
 
 
 def _copy_seq(s: SeqState) -> SeqState:

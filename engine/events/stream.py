@@ -59,7 +59,7 @@ class EventStream:
                  snapshot_endpoint: str | None = None, header: dict[str, Any] | None = None,
                  snapshot_fn: SnapshotFn | None = None, queue_size: int = 1024,
                  replay_size: int = 4096, heartbeat_s: float = 1.0,
-                 keyframe_every_steps: int = 500, keyframe_every_s: float = 10.0) -> None:
+                 keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0) -> None:
         self.enabled = endpoint is not None or record_path is not None
         self.sink: EventSink = ListSink() if self.enabled else NullSink()
         self.epoch = secrets.token_hex(8)
@@ -67,7 +67,7 @@ class EventStream:
         self.dropped_batches = 0
         self.mirror_errors = 0
         self.mirror = KVState()  # owned by the stream thread once started
-        self._snapshot_fn = snapshot_fn
+        self.snapshot_fn = snapshot_fn
         self._need_resync = False
         self._mirror_ok = True
         self._last_seq_handled = 0
@@ -117,8 +117,8 @@ class EventStream:
         stats["dropped_batches"] = self.dropped_batches
         batch = C.make_batch(self.epoch, self.seq, step, time.time(), events, stats)
         resync = None
-        if self._need_resync and self._snapshot_fn is not None:
-            resync = self._snapshot_fn()  # state after this step: consistent with batch
+        if self._need_resync and self.snapshot_fn is not None:
+            resync = self.snapshot_fn()  # state after this step: consistent with batch
         try:
             self._queue.put_nowait((batch, resync))
         except queue.Full:
