@@ -52,9 +52,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     in the cache including this step's); cu_seqlens_q ``[B+1]`` int32 (every q_len >= 1).
     Query i of sequence b sees keys < seq_len - q_len + i + 1. Returns ``[T, Hq, D]`` in q's
     dtype. When T == B (all q_len == 1) the Triton backend takes its split-K decode path.
-    Keyword options (Triton only, ignored by the reference): ``max_seq_len`` bounds the
-    longest sequence for split sizing (default: block_tables width * block_size, no device
-    sync), ``num_splits`` fixes the decode split count; ``out`` receives the result.
+    Keyword options (Triton only, ignored by the reference): ``max_seq_len``, the longest
+    sequence, sizes the decode splits (default: block_tables width * block_size, which needs
+    no device sync; a wrong value only unbalances the splits), ``num_splits`` fixes the
+    decode split count; ``out`` receives the result.
     """
     return _impl(q.device).paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale, out=out,

@@ -166,7 +166,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # The last split runs to seq_len: an underestimated max_seq_len costs balance, never keys.
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))
 
     rows = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + rows
@@ -256,7 +257,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
         stride_bt_b=block_tables.stride(0), stride_bt_i=block_tables.stride(1),
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, GROUP=group,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         UPCAST=upcast,
     )
     if num_tokens == num_seqs:  # every q_len == 1 (each sequence has at least one query)

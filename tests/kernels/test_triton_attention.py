@@ -39,9 +39,12 @@ def test_decode_split_counts_including_more_splits_than_tiles(num_splits, device
     assert_close(got, reference_attention(batch, 0.125), torch.float32)
 
 
-def test_decode_explicit_max_seq_len_and_bf16_pages(device):
-    batch = make_batch([3, 17, 26], [1, 1, 1], 3, 1, 64, BS, dtype=torch.bfloat16, seed=7)
-    got = triton_attention(batch, device, 0.125, max_seq_len=26, num_splits=2)
+@pytest.mark.parametrize("max_seq_len", [45, 10], ids=["exact", "underestimate"])
+def test_decode_explicit_max_seq_len_and_bf16_pages(max_seq_len, device):
+    # 2 splits sized for 10 keys (rounded up to whole key tiles) cover < 45 keys: the last
+    # split must still run to seq_len.
+    batch = make_batch([3, 17, 45], [1, 1, 1], 3, 1, 64, BS, dtype=torch.bfloat16, seed=7)
+    got = triton_attention(batch, device, 0.125, max_seq_len=max_seq_len, num_splits=2)
     assert_close(got, reference_attention(batch, 0.125), torch.bfloat16)
 
 
