@@ -55,11 +55,16 @@ class TcpProxy:
         self._want_open = True
         self._stop = False
         self.connections = 0
+        self._cut_done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def cut(self) -> None:
+        """Returns once every connection is closed (the proxy thread confirms)."""
+        self._cut_done.clear()
         self._want_open = False
+        if not self._cut_done.wait(5):
+            raise AssertionError("proxy did not cut its connections")
 
     def restore(self) -> None:
         self._want_open = True
@@ -87,6 +92,7 @@ class TcpProxy:
                 listener.close()
                 listener = None
                 drop_all()
+                self._cut_done.set()
             watch = list(peer) + ([listener] if listener is not None else [])
             ready, _, _ = select.select(watch, [], [], 0.02)
             for s in ready:
