@@ -20,7 +20,7 @@ from inspector.model import InspectorModel
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 FALLBACK_STEPS_PER_S = 20.0  # pace when the recording's timestamps do not advance
-LOG_CONTEXT_STEPS = 200  # steps of events shown in the log after a seek
+LOG_CONTEXT_STEPS = 50  # steps of events shown in the log after a seek
 TICK_MS = 33
 
 

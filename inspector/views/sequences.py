@@ -114,8 +114,12 @@ class SequencesView(QWidget):
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.table.setStyleSheet("font-size: 9pt;")
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        # Fixed widths: ResizeToContents measures every row on each frame (slow at 1000s).
+        h = self.table.horizontalHeader()
+        for c, width in enumerate((84, 70, 44, 58, 52, 52, 54, 62, 60)):
+            h.setSectionResizeMode(c, QHeaderView.ResizeMode.Interactive)
+            h.resizeSection(c, width)
+        h.setStretchLastSection(True)
         self.table.selectionModel().selectionChanged.connect(self._on_row_selected)
 
         self.detail_title = QLabel("select a sequence to see its block table")

@@ -128,7 +128,7 @@ class TimelinesView(QWidget):
             pre = tl.col("preemptions") > 0
             ev = tl.col("evictions") > 0
             self.curves[f"{tier}_preempt"].setData(x[pre], total[pre] * 0.97)
-            self.curves[f"{tier}_evict"].setData(x[ev], total[ev] * 0.9)
+            self.curves[f"{tier}_evict"].setData(x[ev], total[ev] * 0.8)
         self.curves["hit"].setData(x, np.nan_to_num(tl.hit_rate(), nan=0.0))
         for k in ("running", "waiting", "swapped"):
             self.curves[k].setData(x, tl.col(k))

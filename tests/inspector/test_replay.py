@@ -183,7 +183,7 @@ def test_event_log_filters_and_pauses(replay_window, batches, qtbot):  # noqa: A
     win = replay_window
     win.replay.seek_step(100)
     log = win.event_log
-    lo = max(0, 100 - 200)
+    lo = max(0, 100 - 50)
     want = [(b["step"], e) for b in batches if lo <= b["step"] <= 100 for e in b["events"]]
     assert len(log.log_model.rows) == min(len(want), 5000)
     assert log.log_model.rows[-1][1] == want[-1][1]["kind"]
