@@ -1,15 +1,17 @@
 """`kvscope bench events [--json]`: the event stream's costs, measured.
 
-1. throughput: batches from the seeded synthetic workload (~256 running sequences),
-   published by an EventStream in this process as fast as it takes them, received by a
-   Subscriber in a child process on loopback. Reports events/s delivered and applied,
-   loss (seq gaps), and the same for transport alone (decode, no KVState apply).
+1. throughput: batches from the seeded synthetic workload (~256 running sequences, ~125
+   events per step), sent as fast as possible to a child process on loopback, three ways:
+   pre-encoded frames on a bare PUB socket (socket + codec capacity), an EventStream
+   (emit, batch, publisher-side KVState mirror, encode) to a decoding SUB, and an
+   EventStream to a full Subscriber (its own KVState mirror). events/s at the receiver,
+   and loss (events published minus events received; seq gaps).
 2. latency: emit -> apply (batch wall time at end_step vs. the subscriber's apply), at a
-   paced 200 steps/s, p50/p99.
+   paced 50 steps/s (an engine's step rate), p50/p99.
 3. recording: bytes per 1k steps, and seek time (state_at on random steps) in a
    recording as long as one hour of steps at 20 steps/s.
 4. overhead: the real KVCacheManager driven by a random scheduler-like workload
-   (``drive_manager_step``), step time with the stream off vs. on (publishing and
+   (``ManagerWorkload``), step time with the stream off vs. on (publishing and
    recording), same seed, same process, interleaved rounds.
 """
 
@@ -174,39 +176,66 @@ def _subscriber_proc(endpoint: str, snap: str, apply: bool, expect: int, q: Any)
     sub.close()
 
 
-def _publish(batches: list, apply: bool, pace_s: float = 0.0) -> dict[str, Any]:
+def _publish(batches: list, apply: bool, pace_s: float = 0.0,
+             wire_only: bool = False) -> dict[str, Any]:
+    """Publish ``batches`` to a subscriber process. ``wire_only``: pre-encoded frames
+    straight from a PUB socket (the socket + codec capacity, no EventStream)."""
+    import zmq
+
+    from engine.events.codec import Codec, make_batch
     from engine.events.stream import EventStream
 
-    stream = EventStream("tcp://127.0.0.1:0", queue_size=100_000)
+    if wire_only:
+        codec, zctx = Codec(), zmq.Context()
+        pub = zctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 100_000)
+        pub.bind("tcp://127.0.0.1:*")
+        endpoint, snap = pub.getsockopt_string(zmq.LAST_ENDPOINT), "tcp://127.0.0.1:1"
+        frames = [codec.encode_frames(make_batch("w", i + 1, i, time.time(), ev, st))
+                  for i, (ev, st) in enumerate(batches)]
+    else:
+        stream = EventStream("tcp://127.0.0.1:0", queue_size=100_000)
+        endpoint, snap = stream.endpoint, stream.snapshot_endpoint
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_subscriber_proc,
-                       args=(stream.endpoint, stream.snapshot_endpoint, apply, len(batches), q))
+    proc = ctx.Process(target=_subscriber_proc, args=(endpoint, snap, apply, len(batches), q))
     proc.start()
     assert q.get(timeout=60)[0] == "ready"
     time.sleep(0.3)  # let the SUB's subscription reach the PUB (slow joiner)
-    emitted = 0
+    emitted = sum(len(ev) for ev, _ in batches)
     t0 = time.perf_counter()
-    for step, (events, stats) in enumerate(batches):
-        for ev in events:
-            stream.sink.emit(**ev)
-        emitted += len(events)
-        stream.end_step(step, stats)
-        if pace_s:
-            time.sleep(pace_s)
+    if wire_only:
+        for f in frames:
+            pub.send_multipart(f)
+    else:
+        for step, (events, stats) in enumerate(batches):
+            for ev in events:
+                stream.sink.emit(**ev)
+            stream.end_step(step, stats)
+            if pace_s:
+                time.sleep(pace_s)
     t_pub = time.perf_counter() - t0
-    _, res = q.get(timeout=180)
+    _, res = q.get(timeout=300)
     proc.join(30)
-    stream.close()
-    res.update(emitted=emitted, publish_seconds=t_pub, dropped=stream.dropped_batches)
+    if wire_only:
+        pub.close()
+        zctx.term()
+        dropped = 0
+    else:
+        stream.close()
+        dropped = stream.dropped_batches
+    res.update(emitted=emitted, publish_seconds=t_pub, dropped=dropped)
     return res
 
 
 def bench_throughput(num_steps: int) -> dict[str, Any]:
     batches = make_batches(num_steps)
     out = {}
-    for name, apply in (("transport", False), ("transport+mirror", True)):
-        r = _publish(batches, apply)
+    modes = (("wire: PUB -> SUB decode+validate", False, True),
+             ("EventStream -> SUB decode+validate", False, False),
+             ("EventStream -> Subscriber (KVState mirror)", True, False))
+    for name, apply, wire in modes:
+        r = _publish(batches, apply, wire_only=wire)
         out[name] = {
             "events": r["emitted"], "steps": num_steps,
             "events_per_step": round(r["emitted"] / num_steps, 1),
@@ -219,10 +248,10 @@ def bench_throughput(num_steps: int) -> dict[str, Any]:
 
 def bench_latency(num_steps: int) -> dict[str, Any]:
     batches = make_batches(num_steps, seed=1)
-    r = _publish(batches, True, pace_s=0.005)
+    r = _publish(batches, True, pace_s=0.02)
     lat = sorted(r["latency"])
     q = statistics.quantiles(lat, n=100)
-    return {"steps": len(lat), "pace_steps_per_s": 200,
+    return {"steps": len(lat), "pace_steps_per_s": 50,
             "events_per_step": round(r["emitted"] / num_steps, 1),
             "p50_ms": round(q[49] * 1e3, 3), "p99_ms": round(q[98] * 1e3, 3),
             "max_ms": round(lat[-1] * 1e3, 3)}
@@ -319,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     quick = args.quick
     result = {
         "throughput": bench_throughput(300 if quick else 2000),
-        "latency": bench_latency(200 if quick else 1000),
+        "latency": bench_latency(100 if quick else 500),
         "recording": bench_recording(2000 if quick else 72_000, 20 if quick else 100),
         "overhead": bench_overhead(200 if quick else 1000, 1 if quick else 3),
     }

@@ -6,8 +6,9 @@ Every message is a self-describing msgpack map with ``"v"`` (PROTOCOL_VERSION) a
     batch      one engine step, published on PUB and replayed over ROUTER:
                {v, type, epoch, seq, step, time, events: [event...], stats: {...}}
     heartbeat  sent on PUB when idle (~1 s): {v, type, epoch, seq (last batch), time}
-    snapshot   reply to a snapshot request: {v, type, epoch, seq, step, state}
-               where ``state`` is ``KVState.snapshot()`` after the batch ``seq``
+    snapshot   reply to a snapshot request: {v, type, epoch, seq, step, state, info?}
+               where ``state`` is ``KVState.snapshot()`` after the batch ``seq`` and
+               ``info`` the publisher's header (model, engine config)
     replay_end closes a replay reply: {v, type, epoch, ok, from, to, reason?}
     error      reply to a request the publisher cannot serve: {v, type, reason}
 Requests (DEALER -> ROUTER): {v, type: "get_snapshot", id} and {v, type: "replay", from, id};

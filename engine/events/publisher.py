@@ -54,8 +54,10 @@ class Publisher:
     """PUB + ROUTER sockets, the replay ring, heartbeats. One thread only."""
 
     def __init__(self, endpoint: str, snapshot_endpoint: str | None, epoch: str, *,
-                 replay_size: int = 4096, heartbeat_s: float = 1.0, sndhwm: int = 10000) -> None:
+                 replay_size: int = 4096, heartbeat_s: float = 1.0, sndhwm: int = 10000,
+                 info: dict[str, Any] | None = None) -> None:
         self.epoch = epoch
+        self.info = info or {}  # sent with every snapshot (engine config, model)
         self.heartbeat_s = heartbeat_s
         self.codec = C.Codec(max_bytes=1 << 20)  # requests are tiny
         self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_size)
@@ -117,7 +119,7 @@ class Publisher:
                         C.MSG_ERROR, id=rid, reason="publisher state unavailable (lost batches)"))
                     continue
                 self._reply(ident, {**C.make_snapshot(self.epoch, self.last_seq, state),
-                                    "id": rid})
+                                    "id": rid, "info": self.info})
                 self.snapshots_served += 1
             elif req["type"] == C.MSG_REPLAY:
                 self._replay(ident, int(req["from"]), rid)

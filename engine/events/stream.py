@@ -13,8 +13,9 @@ it publishes, on its background thread. A snapshot for a late joiner is then the
 against the engine thread and no cost on it; the recorder's keyframes come from the same
 mirror, and a batch the mirror rejects (an engine bug) is counted in ``mirror_errors``.
 
-``snapshot_fn`` (optional, returns ``KVState.snapshot()``-form; from a canonical
-``kv_state()`` use ``KVState.from_canonical(...).snapshot()``) is called only after
+``snapshot_fn`` (optional, also settable later as ``stream.snapshot_fn``; returns
+``KVState.snapshot()`` form; from the cache manager's canonical ``snapshot()`` use
+``KVState.from_canonical(manager.snapshot()).snapshot()``) is called only after
 batches were dropped, on the engine thread at the next ``end_step`` (a step boundary,
 so it is consistent), to re-seed the mirror (the recording gets a keyframe there).
 Without it, a drop leaves the mirror stale for good: snapshot requests are refused and
@@ -80,7 +81,8 @@ class EventStream:
             return
         if endpoint is not None:
             self.publisher = Publisher(endpoint, snapshot_endpoint, self.epoch,
-                                       replay_size=replay_size, heartbeat_s=heartbeat_s)
+                                       replay_size=replay_size, heartbeat_s=heartbeat_s,
+                                       info=header)
         if record_path is not None:
             try:
                 self.recorder = RecordingWriter(

@@ -22,9 +22,10 @@ them); a new epoch (publisher restart) or a batch the mirror rejects also leads 
 fresh snapshot. Malformed messages are counted (``errors``) and skipped.
 
 Updates: ``{"type": "batch", ...the batch}`` after each applied batch and
-``{"type": "snapshot", "epoch", "seq", "step"}`` after a snapshot replaced the whole
-state (redraw everything). ``on_apply(update, state)``, if given, runs right after each
-one, before the next is applied (the recorder uses it to keyframe the exact state).
+``{"type": "snapshot", "epoch", "seq", "step", "info"}`` after a snapshot replaced the
+whole state (redraw everything; ``info`` is the publisher's header: model, engine
+config). ``on_apply(update, state)``, if given, runs right after each one, before the
+next is applied (the recorder uses it to keyframe the exact state).
 """
 
 from __future__ import annotations
@@ -286,8 +287,9 @@ class Subscriber:
             self.codec.errors["snapshot"] += 1
             self._request_snapshot()
             return
+        info = msg.get("info")
         update = {"type": C.MSG_SNAPSHOT, "epoch": msg["epoch"], "seq": msg["seq"],
-                  "step": state.step}
+                  "step": state.step, "info": info if isinstance(info, dict) else {}}
         with self.lock:
             if self.epoch is not None:
                 self.resyncs += 1

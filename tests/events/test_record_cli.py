@@ -35,6 +35,7 @@ def test_record_cli_writes_what_was_published(tmp_path, capsys):
     with Recording(out) as rec:
         assert rec.header["epoch"] == stream.epoch
         assert rec.header["source"] == stream.endpoint
+        assert rec.header["model"] == "synthetic"  # the publisher's header, via snapshot
         first = rec.keyframe_steps[0]
         assert 29 <= first < 130
         assert rec.steps == list(range(first + 1, 130))
