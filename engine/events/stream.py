@@ -10,8 +10,11 @@
 Design (why a mirror): the stream keeps its OWN ``KVState`` mirror, applying each batch
 it publishes, on its background thread. A snapshot for a late joiner is then the mirror
 *between* two batches, so its seq is exactly the last batch it includes, with no lock
-against the engine thread and no cost on it; the recorder's keyframes come from the same
-mirror, and a batch the mirror rejects (an engine bug) is counted in ``mirror_errors``.
+against the engine thread, and an idle engine can still serve joiners; the recorder's
+keyframes come from the same mirror, and a batch the mirror rejects (an engine bug) is
+counted in ``mirror_errors``. The price: applying every batch costs about what a
+subscriber pays, on the stream thread, which under the GIL still competes with the
+engine's Python code (docs/BENCHMARKS.md, "Event stream", has the numbers).
 
 ``snapshot_fn`` (optional, also settable later as ``stream.snapshot_fn``; returns
 ``KVState.snapshot()`` form; from the cache manager's canonical ``snapshot()`` use
