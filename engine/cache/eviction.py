@@ -6,7 +6,8 @@ are never in a policy, so they can never be evicted. Every policy is O(1) or O(l
 operation, including ``remove`` of a block from the middle, which is how a prefix hit
 revives a cached free block.
 
-Protocol (all block ids are the pool's ints):
+Protocol (all block ids are the pool's ints; len, ``in`` and iteration see the queued
+blocks):
     touch(blocks, priority)  blocks were stored or hit by a request of that priority
     push(blocks)             blocks became cached free, in order (first = evicted first
                              among equals)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Protocol
 
 from engine.cache.errors import CacheError
@@ -29,6 +31,8 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
     def __contains__(self, block: int) -> bool: ...
+
+    def __iter__(self) -> Iterator[int]: ...
 
     def touch(self, blocks: list[int], priority: int) -> None: ...
 
@@ -55,6 +59,9 @@ class LRUPolicy:
 
     def __contains__(self, block: int) -> bool:
         return block in self._queue
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._queue)
 
     def touch(self, blocks: list[int], priority: int) -> None:
         pass  # recency is the order of push; uses and priorities do not matter
@@ -95,6 +102,9 @@ class LFUPolicy:
 
     def __contains__(self, block: int) -> bool:
         return block in self._live
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._live)
 
     def touch(self, blocks: list[int], priority: int) -> None:
         uses = self._uses
@@ -142,6 +152,9 @@ class PriorityPolicy:
 
     def __contains__(self, block: int) -> bool:
         return block in self._level_of
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._level_of)
 
     def touch(self, blocks: list[int], priority: int) -> None:
         known = self._priority

@@ -3,7 +3,7 @@ after every operation; it is O(blocks + table entries), not for the hot path).""
 
 from __future__ import annotations
 
-from collections import Counter
+from itertools import compress
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,33 +18,40 @@ def _require(cond: bool, msg: str) -> None:
 def check_invariants(m: KVCacheManager) -> None:
     bs = m.block_size
     for name, pool in m.pools.items():
-        free, evictable = pool.free_blocks, pool.evictable
-        free_set = set(free)
-        _require(len(free_set) == len(free), f"{name}: a block is twice on the free stack")
-        holders = Counter(
-            b for s in m._seqs.values() if name == "gpu" for b in s.block_table
-        )
-        for b in range(pool.num_blocks):
-            ref, entry = pool.ref[b], pool.entry[b]
-            # ref counts = block-table entries (the prefix index holds no reference)
-            _require(ref == holders.get(b, 0), f"{name}: block {b} ref {ref} != "
-                     f"{holders.get(b, 0)} table entries")
-            states = (b in evictable) + (ref > 0) + (b in free_set)
-            _require(states == 1, f"{name}: block {b} is in {states} of free/cached/used")
-            if b in evictable:
-                _require(entry is not None, f"{name}: evictable block {b} has no hash")
-            if b in free_set:
-                _require(entry is None, f"{name}: free block {b} is still hashed")
-            if entry is not None:
-                _require(pool.cached.get(entry[0]) == b,
-                         f"{name}: block {b}'s hash is not indexed to it")
-                _require(len(entry[2]) == bs, f"{name}: cached block {b} is not full")
-        _require(len(free) + len(evictable) + pool.num_used_blocks == pool.num_blocks,
-                 f"{name}: free + cached + used != total")
+        n, ref, entry, evictable = pool.num_blocks, pool.ref, pool.entry, pool.evictable
+        free_set = set(pool.free_blocks)
+        _require(len(free_set) == len(pool.free_blocks), f"{name}: a block twice on the free stack")
+        _require(len(ref) == len(entry) == n, f"{name}: per-block lists resized")
+        # ref counts = block-table entries (the prefix index holds no reference)
+        expected = [0] * n
+        for s in m._seqs.values():
+            if name == "gpu":
+                for b in s.block_table:
+                    expected[b] += 1
+        if ref != expected:
+            b = next(b for b in range(n) if ref[b] != expected[b])
+            _require(False, f"{name}: block {b} ref {ref[b]} != {expected[b]} table entries")
+        # every block is exactly one of free / cached free / used
+        _require(min(ref, default=0) >= 0, f"{name}: a negative ref count")
+        cached_free = set(evictable)
+        used = set(compress(range(n), ref))
+        _require(len(cached_free) == len(evictable)
+                 and all(0 <= b < n for b in (min(cached_free, default=0),
+                                              max(cached_free, default=0))),
+                 f"{name}: the policy's blocks disagree with its length or the pool")
+        _require(len(free_set) + len(cached_free) + len(used) == n
+                 and len(free_set | cached_free | used) == n,
+                 f"{name}: free + cached + used != total, or a block in two states")
+        _require(all(map(entry.__getitem__, cached_free)), f"{name}: an evictable block has "
+                 "no hash")
+        _require(not any(map(entry.__getitem__, free_set)), f"{name}: a free block is hashed")
+        # the hash index and the blocks agree, one block per hash
+        _require(n - entry.count(None) == len(pool.cached),
+                 f"{name}: {len(pool.cached)} indexed hashes for a different number of blocks")
         for h, b in pool.cached.items():
-            e = pool.entry[b]
-            _require(e is not None and e[0] == h, f"{name}: index maps {h} to block {b} "
-                     "which holds another hash")
+            e = entry[b]
+            _require(e is not None and e[0] == h and len(e[2]) == bs,
+                     f"{name}: index maps {h} to block {b}, which holds {e!r}")
     for sid, s in m._seqs.items():
         _require(s.num_tokens >= 0, f"{sid}: negative token count")
         _require(len(s.block_table) == -(-s.num_tokens // bs),

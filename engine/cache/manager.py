@@ -151,8 +151,12 @@ class KVCacheManager:
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """``child_id`` shares every block of ``parent_id`` (ref + 1) and copies its token
-        ids and status; the first append to a still-shared partial block copies it."""
+        ids and status; the first append to a still-shared partial block copies it.
+        NOTE: a parent holding lookahead slots (more slots than token ids) cannot fork:
+        both would write their own tokens into the same, already allocated slots."""
         parent = self._get(parent_id)
+        if parent.num_tokens > len(parent.token_ids):
+            raise CacheError(f"cannot fork {parent_id!r}: it holds slots for unknown tokens")
         if not isinstance(child_id, str):
             raise CacheError(f"sequence ids are str, got {child_id!r}")
         if child_id in self._seqs:
