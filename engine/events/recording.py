@@ -335,10 +335,20 @@ class Recording:
         return frames
 
     def _decompress(self, z: bytes) -> bytes:
+        """Bounded: a frame that claims (or unpacks to) more than MAX_FRAME_BYTES is an
+        error, not an allocation (zstd honours a declared content size otherwise)."""
+        chunks, total = [], 0
         try:
-            return self._dctx.decompress(z, max_output_size=MAX_FRAME_BYTES)
+            with self._dctx.stream_reader(z) as reader:
+                while chunk := reader.read(1 << 20):
+                    total += len(chunk)
+                    if total > MAX_FRAME_BYTES:
+                        raise self._error(f"a frame unpacks to more than {MAX_FRAME_BYTES} "
+                                          "bytes")
+                    chunks.append(chunk)
         except zstandard.ZstdError as e:
             raise self._error(f"corrupt compressed frame ({e})") from None
+        return b"".join(chunks)
 
     def _read_body(self, offset: int, kind: bytes) -> dict[str, Any]:
         frame = self._read_frame(offset)

@@ -144,3 +144,18 @@ def test_keyframes_by_time(tmp_path):
     with Recording(path) as rec:
         assert rec.keyframe_steps == [-1, 0, 1, 2, 3, 4]
         assert rec.state_at(4).canonical() == gen.canonical()
+
+
+def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
+    """A frame that is small on disk but unpacks beyond the limit is an error."""
+    import engine.events.recording as R
+
+    st = KVState()
+    st.apply({"v": 1, "step": 0, "events": [
+        {"kind": "tier_init", "tier": "gpu", "num_blocks": 200_000, "block_size": 16}]})
+    path = tmp_path / "bomb.kvtrace"
+    with RecordingWriter(path) as w:
+        w.keyframe(st, 1)
+    monkeypatch.setattr(R, "MAX_FRAME_BYTES", 50_000)  # the keyframe unpacks to ~200 KB
+    with Recording(path) as rec, pytest.raises(RecordingError, match="unpacks to more than"):
+        rec.state_at(0)
