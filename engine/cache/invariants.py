@@ -6,6 +6,8 @@ from __future__ import annotations
 from itertools import compress
 from typing import TYPE_CHECKING
 
+from engine.cache.hashing import chain_hashes
+
 if TYPE_CHECKING:
     from engine.cache.manager import KVCacheManager
 
@@ -57,19 +59,20 @@ def check_invariants(m: KVCacheManager) -> None:
         _require(len(s.block_table) == -(-s.num_tokens // bs),
                  f"{sid}: {len(s.block_table)} blocks for {s.num_tokens} tokens")
         _require(len(set(s.block_table)) == len(s.block_table), f"{sid}: a block twice")
-        _require(len(s.chain_hashes) == len(s.chain_ids) == s.num_stored,
-                 f"{sid}: chain of {len(s.chain_hashes)} for {s.num_stored} stored blocks")
         _require(s.num_stored <= min(s.num_tokens, len(s.token_ids)) // bs,
                  f"{sid}: {s.num_stored} blocks offered to the index beyond the known tokens")
         if m.enable_prefix_caching:
             _require(s.num_stored == min(s.num_tokens, len(s.token_ids)) // bs,
                      f"{sid}: a full, known block was not offered to the prefix index")
-        for i in range(s.num_stored):
-            e = m.gpu.entry[s.block_table[i]]
-            if e is not None:
-                _require(e[0] == s.chain_hashes[i], f"{sid}: block {i} hash disagrees")
-                _require(e[2] == tuple(s.token_ids[i * bs:(i + 1) * bs]),
-                         f"{sid}: cached block {i} holds other tokens")
+            # the manager's inlined hashing is the documented chain
+            chain = chain_hashes(s.token_ids[:s.num_stored * bs], bs, s.cache_salt)
+            _require(s.chain_hash == (chain[-1] if chain else s.root_hash),
+                     f"{sid}: chain tip disagrees with hashing.chain_hashes")
+            for i, h in enumerate(chain):
+                e = m.gpu.entry[s.block_table[i]]
+                tokens = tuple(s.token_ids[i * bs:(i + 1) * bs])
+                _require(e is None or (e[0] == h and e[2] == tokens),
+                         f"{sid}: cached block {i} holds another hash or other tokens")
         if s.num_tokens % bs:
             last = s.block_table[-1]
             _require(m.gpu.entry[last] is None, f"{sid}: its partial last block is hashed")

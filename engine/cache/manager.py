@@ -144,7 +144,14 @@ class KVCacheManager:
             self._get(seq_id)  # raises
         toks = seq.token_ids
         known = len(toks)
-        toks += _token_list(token_ids, copy=False)
+        if type(token_ids) is list and len(token_ids) == 1:  # decode: inline the checks
+            t = token_ids[0]
+            if type(t) is int and t >= 0:
+                toks.append(t)
+            else:
+                _token_list(token_ids, copy=False)  # raises
+        else:
+            toks += _token_list(token_ids, copy=False)
         # Only lookahead slots can be waiting for ids to complete a block.
         if seq.num_tokens > known and self.enable_prefix_caching:
             self._store_full_blocks(seq)
@@ -169,8 +176,7 @@ class KVCacheManager:
         child.block_table = list(parent.block_table)
         child.num_tokens = parent.num_tokens
         child.reported_tokens = parent.reported_tokens  # what the mirror's fork copies
-        child.chain_hashes = list(parent.chain_hashes)
-        child.chain_ids = list(parent.chain_ids)
+        child.chain_hash, child.chain_id = parent.chain_hash, parent.chain_id
         child.num_stored = parent.num_stored
         child.status, child.started = parent.status, parent.started
         self.gpu.add_ref(child.block_table)
@@ -252,7 +258,7 @@ class KVCacheManager:
             return 0
         bs, toks, pool = self.block_size, seq.token_ids, self.gpu
         cached, entry = pool.cached, pool.entry
-        blocks, hashes, ids = [], seq.chain_hashes, seq.chain_ids
+        blocks: list[int] = []
         ph, pid = seq.root_hash, seq.root_id
         # Lazily cut the matchable span (all but the last token) into bs-tuples.
         for chunk in zip(*[islice(toks, (len(toks) - 1) // bs * bs)] * bs, strict=True):
@@ -264,9 +270,7 @@ class KVCacheManager:
             if e[1] != pid or e[2] != chunk:  # a hash collision, not this prefix
                 break
             blocks.append(b)
-            hashes.append(h)
             pid = e[3]
-            ids.append(pid)
             ph = h
         num_hit = len(blocks) * bs
         self.num_query_tokens += len(toks)
@@ -276,6 +280,7 @@ class KVCacheManager:
             seq.block_table = blocks
             seq.num_tokens = num_hit
             seq.num_stored = len(blocks)
+            seq.chain_hash, seq.chain_id = ph, pid
             if self.sink.enabled:
                 self.sink.emit(S.HIT, tier="gpu", seq=seq_id, blocks=list(blocks),
                                tokens=num_hit)
@@ -297,8 +302,7 @@ class KVCacheManager:
             return
         pool = self.gpu
         cached, entry, serial = pool.cached, pool.entry, pool.num_stored
-        hashes, ids = seq.chain_hashes, seq.chain_ids
-        ph, pid = (hashes[-1], ids[-1]) if first else (seq.root_hash, seq.root_id)
+        ph, pid = seq.chain_hash, seq.chain_id
         stored = []
         # zip(*[it] * bs) cuts the token span into bs-tuples at C speed.
         chunks = zip(*[iter(seq.token_ids[first * bs:full * bs])] * bs, strict=True)
@@ -318,10 +322,9 @@ class KVCacheManager:
                 else:  # the same content under another block stays the indexed one
                     oe = entry[other]
                     pid = oe[3] if oe[1] == pid and oe[2] == chunk else None
-            hashes.append(h)
-            ids.append(pid)
             ph = h
         seq.num_stored = full
+        seq.chain_hash, seq.chain_id = ph, pid
         pool.num_stored = serial
         if stored:
             pool.evictable.touch(stored, seq.priority)

@@ -13,16 +13,17 @@ class CacheSeq:
       demand, so at most the last block has unfilled slots;
     - ``token_ids`` may run ahead of ``num_tokens`` (sampled tokens whose slots come next
       step) or, with lookahead allocation, behind it;
-    - ``chain_hashes``/``chain_ids`` describe the first ``num_stored`` blocks of the table,
-      which have been offered to the prefix index (hit, stored, or found duplicate);
-      a ``chain_ids`` entry is the serial of the cache entry holding that content, or
-      None when it could not be proven (then no later block is indexed).
+    - the first ``num_stored`` blocks of the table have been offered to the prefix index
+      (hit, stored, or found duplicate); ``chain_hash`` is the hash of the last of them
+      (``root_hash`` when none) and ``chain_id`` the serial of the cache entry holding
+      its content (``root_id`` when none), or None when that could not be proven (then
+      no later block is indexed). Only the tip is kept: the next block needs no more.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "num_tokens", "block_table", "status",
-        "started", "priority", "cache_salt", "root_hash", "root_id", "chain_hashes",
-        "chain_ids", "num_stored", "reported_tokens",
+        "started", "priority", "cache_salt", "root_hash", "root_id", "chain_hash", "chain_id",
+        "num_stored", "reported_tokens",
     )
 
     def __init__(
@@ -40,8 +41,8 @@ class CacheSeq:
         self.cache_salt = cache_salt
         self.root_hash = root_hash
         self.root_id: Any = (cache_salt,)  # parent identity of block 0; never an int serial
-        self.chain_hashes: list[int] = []
-        self.chain_ids: list[Any] = []
+        self.chain_hash = root_hash
+        self.chain_id: Any = self.root_id
         self.num_stored = 0
         self.reported_tokens = 0  # num_tokens as the event stream last stated it
 
@@ -49,6 +50,6 @@ class CacheSeq:
         self.block_table = []
         self.num_tokens = 0
         self.reported_tokens = 0  # the ``free`` event zeroes it in the mirror too
-        self.chain_hashes = []
-        self.chain_ids = []
+        self.chain_hash = self.root_hash
+        self.chain_id = self.root_id
         self.num_stored = 0
