@@ -188,6 +188,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt_b
     for start_n in range(start, end, BLOCK_N):
+        # CAUSAL=False: a decode query sees its whole sequence; m_i stands in for the unused
+        # visible_upto argument.
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_head,
             start_n, end, num_blocks, block_size,
