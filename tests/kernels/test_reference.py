@@ -41,6 +41,20 @@ def test_prefill_in_bounded_query_chunks_matches_oracle(monkeypatch):
     _check(batch, 0.125, 1e-5)
 
 
+def test_agrees_with_the_models_contiguous_attention():
+    """Same semantics (causal offset, GQA head mapping) as the model side's contiguous path."""
+    from kernels.contiguous import contiguous_attention
+
+    batch = make_batch([70, 33], [20, 1], 9, 3, 64, 16, seed=6)
+    got = reference_attention(batch, 0.125)
+    cu = batch.cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(batch.seq_lens.tolist()):
+        q = batch.q[cu[b]:cu[b + 1]]
+        want = contiguous_attention(q, batch.keys[b], batch.values[b], seq_len - q.shape[0],
+                                    0.125)
+        torch.testing.assert_close(got[cu[b]:cu[b + 1]], want, atol=1e-5, rtol=1e-5)
+
+
 def test_fp16_pages_match_oracle_within_half_precision():
     batch = make_batch([100, 37, 5], [1, 37, 2], 8, 2, 64, 16, dtype=torch.float16, seed=2)
     _check(batch, 0.125, 2e-3)
