@@ -6,6 +6,7 @@ work. Start with ``KVCacheManager`` (manager.py), whose docstring is the API con
 
 from engine.cache.errors import CacheError
 from engine.cache.eviction import POLICIES, make_policy
-from engine.cache.manager import KVCacheManager, slot_mapping
+from engine.cache.manager import KVCacheManager
+from engine.cache.slots import slot_mapping
 
 __all__ = ["CacheError", "KVCacheManager", "POLICIES", "make_policy", "slot_mapping"]

@@ -25,7 +25,9 @@ Rules:
 - Blocks are allocated on demand, never reserved: a sequence holds
   ceil(num_tokens / block_size) blocks, so waste is at most its last block's tail.
 - A slot is ``block_id * block_size + offset``; ``allocate_slots`` returns one per new
-  token position, in order.
+  token position, in order. ``allocate_slots(sid, 1)`` into a private, partly filled
+  last block (the common decode case) is O(1) and allocates no block: a counter bump and
+  a block-boundary check.
 - Prefix caching: a block is indexed (``store``) as soon as it is full of slots AND all its
   token ids are known: inside ``allocate_slots`` for prompt and decode tokens (their ids
   are known before their slots), inside ``append_token_ids`` when slots were allocated
@@ -33,7 +35,8 @@ Rules:
   across processes; a hit is verified by exact token and parent comparison, so a hash
   collision is a miss, never a wrong hit (engine.cache.hashing explains the choice).
 - ``match_prefix`` shares at most ``len(token_ids) - 1`` tokens: the last token is always
-  computed, because its logits are needed. Hits and queries are counted in tokens.
+  computed, because its logits are needed. Hits and queries are counted in tokens, once
+  per ``match_prefix`` call (a request retried after ``free`` is counted again).
 - Copy-on-write: appending into a partial last block that another sequence also holds
   (after ``fork``) first moves this sequence onto a private copy (event ``cow``) and queues
   (src, dst) for the runner, which must copy before the step's forward pass.
@@ -58,11 +61,14 @@ from __future__ import annotations
 from itertools import islice
 from typing import Any
 
+from engine.cache import report
 from engine.cache.block_pool import BlockPool
 from engine.cache.errors import CacheError
 from engine.cache.eviction import make_policy
 from engine.cache.hashing import root_hash
 from engine.cache.sequence import CacheSeq
+from engine.cache.slots import slot_mapping
+from engine.cache.validation import check_count, is_int, token_list
 from engine.events import schema as S
 from engine.events.sink import EventSink, NullSink
 
@@ -79,11 +85,11 @@ class KVCacheManager:
         kv_format: str = "auto",
         sink: EventSink | None = None,
     ) -> None:
-        if not _is_int(block_size) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise CacheError(f"block_size must be a positive int, got {block_size!r}")
-        if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+        if not is_int(num_gpu_blocks) or num_gpu_blocks < 1:
             raise CacheError(f"the gpu pool needs at least one block, got {num_gpu_blocks!r}")
-        if not _is_int(num_cpu_blocks) or num_cpu_blocks < 0:
+        if not is_int(num_cpu_blocks) or num_cpu_blocks < 0:
             raise CacheError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         if kv_format not in S.KV_FORMATS:
             raise CacheError(f"unknown kv_format {kv_format!r}; choose one of {S.KV_FORMATS}")
@@ -125,11 +131,11 @@ class KVCacheManager:
             raise CacheError(f"sequence ids are str, got {seq_id!r}")
         if seq_id in self._seqs:
             raise CacheError(f"duplicate sequence id {seq_id!r}")
-        if not _is_int(priority):
+        if not is_int(priority):
             raise CacheError(f"priority must be an int, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise CacheError(f"cache_salt must be a str or None, got {cache_salt!r}")
-        ids = _token_list(prompt_token_ids, copy=True)
+        ids = token_list(prompt_token_ids, copy=True)
         if not ids:
             raise CacheError(f"{seq_id!r}: the prompt is empty")
         seq = CacheSeq(seq_id, ids, priority, cache_salt, root_hash(cache_salt))
@@ -149,9 +155,9 @@ class KVCacheManager:
             if type(t) is int and t >= 0:
                 toks.append(t)
             else:
-                _token_list(token_ids, copy=False)  # raises
+                token_list(token_ids, copy=False)  # raises
         else:
-            toks += _token_list(token_ids, copy=False)
+            toks += token_list(token_ids, copy=False)
         # Only lookahead slots can be waiting for ids to complete a block.
         if seq.num_tokens > known and self.enable_prefix_caching:
             self._store_full_blocks(seq)
@@ -289,7 +295,7 @@ class KVCacheManager:
     def evict_cached(self, max_blocks: int | None = None) -> int:
         """Evict up to ``max_blocks`` (default: all) cached free blocks now, in policy
         order; returns how many. (Allocation evicts lazily; this is a prefix-cache reset.)"""
-        if max_blocks is not None and (not _is_int(max_blocks) or max_blocks < 0):
+        if max_blocks is not None and (not is_int(max_blocks) or max_blocks < 0):
             raise CacheError(f"max_blocks must be an int >= 0, got {max_blocks!r}")
         return self.gpu.evict(max_blocks)
 
@@ -337,11 +343,12 @@ class KVCacheManager:
         """Whether ``allocate_slots(seq_id, num_new_tokens)`` would succeed and still leave
         ``watermark * num_gpu_blocks`` blocks (free or evictable) for running sequences."""
         seq = self._get(seq_id)
-        _check_count(num_new_tokens)
+        check_count(num_new_tokens)
         if not (isinstance(watermark, (int, float)) and 0.0 <= watermark < 1.0):
             raise CacheError(f"watermark must be in [0, 1), got {watermark!r}")
+        need = self._blocks_needed(seq, num_new_tokens)
         reserve = int(watermark * self.gpu.num_blocks)
-        return self._blocks_needed(seq, num_new_tokens) <= self.gpu.num_free_blocks - reserve
+        return need == 0 or need <= self.gpu.num_free_blocks - reserve
 
     def allocate_slots(self, seq_id: str, num_new_tokens: int) -> list[int] | None:
         """Slots for the next ``num_new_tokens`` token positions of the sequence, allocating
@@ -362,7 +369,7 @@ class KVCacheManager:
                     return [last * bs + off]
         if seq is None:
             self._get(seq_id)  # raises
-        _check_count(num_new_tokens)
+        check_count(num_new_tokens)
         return self._allocate(seq, num_new_tokens)
 
     def _blocks_needed(self, seq: CacheSeq, n: int) -> int:
@@ -446,62 +453,12 @@ class KVCacheManager:
 
     def snapshot(self) -> dict[str, Any]:
         """The state in exactly the form of ``KVState.canonical()``."""
-        return {
-            "tiers": {
-                name: {
-                    "num_blocks": p.num_blocks,
-                    "block_size": p.block_size,
-                    "format": p.kv_format,
-                    "ref": list(p.ref),
-                    "hash": [None if e is None else e[0] for e in p.entry],
-                }
-                for name, p in sorted(self.pools.items())
-            },
-            "seqs": {
-                sid: {
-                    "status": s.status,
-                    "tier": "gpu",
-                    "block_table": list(s.block_table),
-                    "num_tokens": s.num_tokens,
-                }
-                for sid, s in sorted(self._seqs.items())
-            },
-        }
+        return report.snapshot(self)
 
     def metrics(self) -> dict[str, Any]:
-        """Counts per tier, usage by blocks and by tokens, prefix hits, evictions, copies.
-        ``tiers`` has the shape of the step stats' "tiers" map (schema docstring)."""
-        tiers = {
-            name: {
-                "total": p.num_blocks,
-                "used": p.num_used_blocks,
-                "cached": p.num_cached_free_blocks,
-                "free": len(p.free_blocks),
-            }
-            for name, p in self.pools.items()
-        }
-        gpu, bs = self.gpu, self.block_size
-        # Tokens held: every used block is full except the partial last blocks; a shared
-        # partial block has the same fill for all holders (appending to it copies first).
-        unfilled = {
-            s.block_table[-1]: bs - s.num_tokens % bs
-            for s in self._seqs.values() if s.num_tokens % bs
-        }
-        used_tokens = gpu.num_used_blocks * bs - sum(unfilled.values())
-        return {
-            "tiers": tiers,
-            "block_usage": gpu.num_used_blocks / gpu.num_blocks,
-            "token_usage": used_tokens / (gpu.num_blocks * bs),
-            "used_tokens": used_tokens,
-            "prefix_query_tokens": self.num_query_tokens,
-            "prefix_hit_tokens": self.num_hit_tokens,
-            "prefix_hit_rate": self.num_hit_tokens / max(1, self.num_query_tokens),
-            "stored_blocks": gpu.num_stored,
-            "evictions": gpu.num_evictions,
-            "cow_copies": self.num_cow_copies,
-            "preemptions": self.num_preemptions,
-            "num_seqs": len(self._seqs),
-        }
+        """Counts per tier, usage by blocks and by tokens, prefix hits, evictions, copies
+        (see report.py). ``tiers`` has the shape of the step stats' "tiers" map."""
+        return report.metrics(self)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (see invariants.py)."""
@@ -514,57 +471,3 @@ class KVCacheManager:
         if seq is None:
             raise CacheError(f"unknown sequence {seq_id!r} (never added, or already finished)")
         return seq
-
-
-def slot_mapping(table: list[int], bs: int, start: int, end: int) -> list[int]:
-    """Slots of token positions [start, end) (end > start): runs of consecutive blocks
-    become one ``range``, so a fresh pool's prefill costs a few C-level extends."""
-    out: list[int] = []
-    i = start // bs
-    last = (end - 1) // bs
-    lo = table[i] * bs + start - i * bs  # current run: [lo, hi)
-    hi = table[i] * bs + bs
-    for j in range(i + 1, last + 1):
-        b = table[j] * bs
-        if b != hi:
-            out += range(lo, hi)
-            lo = b
-        hi = b + bs
-    out += range(lo, hi - ((last + 1) * bs - end))
-    return out
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_count(n: Any) -> None:
-    if not _is_int(n) or n < 0:
-        raise CacheError(f"token counts are ints >= 0, got {n!r}")
-
-
-def _token_list(ids: Any, copy: bool) -> list[int]:
-    """Validate token ids (non-negative ints) and return them as a list (a new one if
-    ``copy``)."""
-    if type(ids) is list:
-        if len(ids) == 1:  # the decode case: one sampled token
-            t = ids[0]
-            if type(t) is int and t >= 0:
-                return list(ids) if copy else ids
-        out = list(ids) if copy else ids
-    else:
-        tolist = getattr(ids, "tolist", None)  # numpy arrays: C-speed conversion to ints
-        try:
-            out = tolist() if tolist is not None else list(ids)
-        except TypeError:
-            raise CacheError(f"token ids must be a sequence of ints, got {ids!r}") from None
-    if out:
-        # min() runs at C speed and raises TypeError on None, str and mixed junk; a
-        # per-element type check would triple the cost of admitting a prompt.
-        try:
-            ok = min(out) >= 0
-        except TypeError:
-            ok = False
-        if not ok:
-            raise CacheError(f"token ids must be non-negative ints, got {ids!r}"[:200])
-    return out

@@ -310,3 +310,13 @@ def test_numpy_prompts_are_accepted():
     assert x.m.token_ids("a") == [1, 2, 3, 4, 5]
     assert all(type(t) is int for t in x.m.token_ids("a"))
     x.sync()
+
+
+def test_watermark_never_blocks_a_step_that_needs_no_block():
+    x = Mirrored(2, 4)
+    x.m.add_sequence("a", [1, 2, 3, 4, 5])
+    x.m.allocate_slots("a", 5)
+    assert x.m.can_allocate("a", 3, watermark=0.9)  # fits in its last block
+    assert not x.m.can_allocate("a", 4, watermark=0.9)
+    assert not x.m.can_allocate("a", 4, watermark=0.0)  # pool exhausted
+    x.sync()

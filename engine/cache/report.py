@@ -1,0 +1,81 @@
+"""The manager's state as data: ``snapshot`` (KVState.canonical's form) and ``metrics``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.cache.manager import KVCacheManager
+
+
+def snapshot(m: KVCacheManager) -> dict[str, Any]:
+    """The state in exactly the form of ``KVState.canonical()``."""
+    return {
+        "tiers": {
+            name: {
+                "num_blocks": p.num_blocks,
+                "block_size": p.block_size,
+                "format": p.kv_format,
+                "ref": list(p.ref),
+                "hash": [None if e is None else e[0] for e in p.entry],
+            }
+            for name, p in sorted(m.pools.items())
+        },
+        "seqs": {
+            sid: {
+                "status": s.status,
+                "tier": "gpu",
+                "block_table": list(s.block_table),
+                "num_tokens": s.num_tokens,
+            }
+            for sid, s in sorted(m._seqs.items())
+        },
+    }
+
+
+def metrics(m: KVCacheManager) -> dict[str, Any]:
+    """Counters and gauges of the cache (gpu tier unless per tier):
+
+    tiers               {tier: {"total", "used", "cached", "free"}} blocks: used = ref > 0,
+                        cached = ref 0 but hashed (evictable), free = ref 0 unhashed; the
+                        shape of the step stats' "tiers" map (schema docstring)
+    block_usage         used / total blocks
+    token_usage         used_tokens / (total blocks * block_size)
+    used_tokens         token slots filled in used blocks (a shared block counts once):
+                        differs from used blocks * block_size by the partial last blocks
+    prefix_query_tokens tokens looked up by match_prefix; prefix_hit_tokens of them hit
+    prefix_hit_rate     hit / query tokens
+    stored_blocks       blocks ever indexed; evictions: cached blocks ever evicted
+    cow_copies          copy-on-write copies; preemptions; num_seqs (known sequences)
+    """
+    tiers = {
+        name: {
+            "total": p.num_blocks,
+            "used": p.num_used_blocks,
+            "cached": p.num_cached_free_blocks,
+            "free": len(p.free_blocks),
+        }
+        for name, p in m.pools.items()
+    }
+    gpu, bs = m.gpu, m.block_size
+    # Tokens held: every used block is full except the partial last blocks; a shared
+    # partial block has the same fill for all holders (appending to it copies first).
+    unfilled = {
+        s.block_table[-1]: bs - s.num_tokens % bs
+        for s in m._seqs.values() if s.num_tokens % bs
+    }
+    used_tokens = gpu.num_used_blocks * bs - sum(unfilled.values())
+    return {
+        "tiers": tiers,
+        "block_usage": gpu.num_used_blocks / gpu.num_blocks,
+        "token_usage": used_tokens / (gpu.num_blocks * bs),
+        "used_tokens": used_tokens,
+        "prefix_query_tokens": m.num_query_tokens,
+        "prefix_hit_tokens": m.num_hit_tokens,
+        "prefix_hit_rate": m.num_hit_tokens / max(1, m.num_query_tokens),
+        "stored_blocks": gpu.num_stored,
+        "evictions": gpu.num_evictions,
+        "cow_copies": m.num_cow_copies,
+        "preemptions": m.num_preemptions,
+        "num_seqs": len(m._seqs),
+    }
