@@ -3,7 +3,6 @@ the paged engine is compared against. No batching, no scheduling, nothing clever
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.model.contiguous_cache import ContiguousKVCache
@@ -11,15 +10,7 @@ from engine.model.detokenizer import IncrementalDetokenizer
 from engine.model.llama import LlamaModel
 from engine.model.tokenizer import Tokenizer
 from engine.outputs import CompletionOutput
-from engine.sampling import SamplingParams, make_generator, sample
-
-
-def completion_seed(seed: int, index: int) -> int:
-    """The generator seed of completion `index` of a request seeded with `seed` (n > 1 must
-    not repeat one sample n times)."""
-    if index == 0:
-        return seed
-    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
+from engine.sampling import SamplingParams, make_generator, sample, top_logprobs
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
@@ -61,7 +52,7 @@ def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
     generator = None
     if not params.greedy:
         base = params.seed if params.seed is not None else (seed or 0)
-        generator = make_generator(completion_seed(base, index), model.device)
+        generator = make_generator(base, index, model.device)
     detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
              if tokenizer is not None else None)
     eos_ids = set() if params.ignore_eos else set(config.eos_token_ids)
@@ -78,12 +69,13 @@ def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
         positions = torch.arange(position, position + feed.shape[0], device=model.device)
         hidden = model.forward(feed, positions, cache)
         position += feed.shape[0]
-        result = sample(model.compute_logits(hidden[-1:]), [params], [generator])
-        token = result.token_ids[0]
+        logits = model.compute_logits(hidden[-1:])
+        token_ids, logprobs = sample(logits, [params], [generator])
+        token = int(token_ids[0])
         out.token_ids.append(token)
-        out.cumulative_logprob += result.logprobs[0]
+        out.cumulative_logprob += float(logprobs[0])
         if out.logprobs is not None:
-            out.logprobs.append(result.top_logprobs[0])
+            out.logprobs.append(top_logprobs(logits, [params], token_ids)[0])
         if token in eos_ids:
             out.finish_reason = "stop"
             break

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -88,17 +89,21 @@ class SamplingParams:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+def completion_seed(seed: int, index: int) -> int:
+    """The generator seed of completion `index` of a request seeded with `seed`: index 0 uses
+    the seed itself; others a hash of (seed, index), so n > 1 samples differ and requests seeded
+    s and s + 1 share no stream."""
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def make_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
+    """The torch.Generator of completion `index` of a request seeded with `seed`. The paged
+    engine must build its generators with this too, or it cannot match the reference."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(completion_seed(seed, index))
     return generator
-
-
-@dataclass
-class SampleResult:
-    token_ids: list[int]
-    logprobs: list[float]  # of each chosen token under the raw distribution
-    top_logprobs: list[dict[int, float] | None]  # per row, when that row asked for logprobs
 
 
 def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -122,10 +127,14 @@ def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> SampleResult:
-    """logits [B, V] float32, one row per sequence to sample; params/generators per row.
-    A non-greedy row needs a generator (its only source of randomness)."""
-    raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V], one row per sequence to sample; params/generators per row.
+    Returns (token_ids LongTensor [B], their logprobs FloatTensor [B] under the raw
+    distribution, before temperature/filters, as vLLM reports them).
+
+    Greedy rows take the argmax (first index on ties, as HF). A non-greedy row needs a generator
+    (its only source of randomness) and draws exactly V numbers from it per call."""
+    logits = logits.float()
     chosen: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
@@ -133,21 +142,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             continue
         if gen is None:
             raise ValueError("a non-greedy request needs a torch.Generator")
-        probs = torch.softmax(_filter_logits(logits[row].float(), p), dim=-1)
+        probs = torch.softmax(_filter_logits(logits[row], p), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, using exactly V draws.
         noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
         noise.clamp_min_(1e-10)  # a 0 draw would make 0/0 = nan for a filtered-out token
         chosen.append(int(torch.argmax(probs / noise)))
-    index = torch.tensor(chosen, device=logits.device)
-    picked = raw_logprobs.gather(1, index[:, None])[:, 0].tolist()
-    top: list[dict[int, float] | None] = []
+    token_ids = torch.tensor(chosen, dtype=torch.long, device=logits.device)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None])[:, 0]
+    return token_ids, logprobs
+
+
+def top_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                 token_ids: torch.Tensor) -> list[dict[int, float] | None]:
+    """Per row: None unless that request asked for logprobs; else {token: logprob} for the
+    chosen token plus the `logprobs` most likely ones (raw distribution)."""
+    out: list[dict[int, float] | None] = []
+    raw = None
     for row, p in enumerate(params):
         if p.logprobs is None:
-            top.append(None)
+            out.append(None)
             continue
-        entry = {chosen[row]: picked[row]}
+        if raw is None:
+            raw = torch.log_softmax(logits.float(), dim=-1)
+        chosen = int(token_ids[row])
+        entry = {chosen: float(raw[row, chosen])}
         if p.logprobs > 0:
-            values, ids = torch.topk(raw_logprobs[row], p.logprobs)
+            values, ids = torch.topk(raw[row], p.logprobs)
             entry |= dict(zip(ids.tolist(), values.tolist(), strict=True))
-        top.append(entry)
-    return SampleResult(chosen, picked, top)
+        out.append(entry)
+    return out

@@ -1,0 +1,125 @@
+"""Tiny random models written by the tests themselves: HF directories saved by transformers,
+and GGUF files laid out the way llama.cpp writes them (Q/K rows permuted for its rope)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, vocab_size=272, max_position_embeddings=256)
+
+
+def tiny_hf_model(kind: str, seed: int = 0, **overrides):
+    """A random transformers model of `kind` ("llama", "qwen2", "mistral") in float32, eval."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "mistral": transformers.MistralConfig}[kind]
+    extra = {"sliding_window": None} if kind == "mistral" else {}
+    config = config_cls(**(TINY | extra | overrides))
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[kind]
+    model = model_cls(config).to(torch.float32).eval()
+    # Random init leaves norms at 1 and biases at 0: perturb them so they are really tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_hf(model, path: Path, max_shard_size: str | None = None) -> Path:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's permute of Q/K rows (the inverse of what we undo)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def byte_tokens() -> list[str]:
+    from engine.model.tokenizer import _bytes_to_unicode
+
+    return list(_bytes_to_unicode().values())
+
+
+def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
+                    drop: tuple[str, ...] = (), tie: bool = True) -> Path:
+    """Write `model` (a tiny HF Llama) as a GGUF file. `drop` omits GGUF tensors by name;
+    `qtype` ("F32" | "F16") is used for the 2-D weight matrices."""
+    import gguf
+
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    tokens = byte_tokens() + ["<|im_start|>", "<|im_end|>", "Ġt"]
+    tokens += [f"Ġt{i}" for i in range(cfg.vocab_size - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3] + [1] * (len(tokens) - 258))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>"
+                             "{% endfor %}")
+
+    def add(name: str, array: np.ndarray) -> None:
+        if name in drop:
+            return
+        if array.ndim == 2 and qtype == "F16":
+            array = array.astype(np.float16)
+        writer.add_tensor(name, np.ascontiguousarray(array))
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if not tie:
+        add("output.weight", sd["lm_head.weight"])
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", _llamacpp_permute(sd[p + "self_attn.q_proj.weight"], heads))
+        add(f"blk.{i}.attn_k.weight",
+            _llamacpp_permute(sd[p + "self_attn.k_proj.weight"], kv_heads))
+        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def our_logits(model, ids: list[int]) -> torch.Tensor:
+    """All-position logits [T, V] from our forward with a fresh contiguous cache."""
+    from engine.model.contiguous_cache import ContiguousKVCache
+
+    cache = ContiguousKVCache(model.config, len(ids), model.device, model.dtype)
+    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+    return model.compute_logits(hidden)
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
