@@ -104,9 +104,10 @@ class BlockPool:
     def share(self, blocks: list[int], priority: int) -> None:
         """One more reference to each (cached) block; revives cached free blocks."""
         ref, evictable = self.ref, self.evictable
+        revived = [b for b in blocks if ref[b] == 0]
+        if revived:
+            evictable.remove(revived)
         for b in blocks:
-            if ref[b] == 0:
-                evictable.remove(b)
             ref[b] += 1
         evictable.touch(blocks, priority)
 

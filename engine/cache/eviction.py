@@ -11,7 +11,7 @@ blocks):
     touch(blocks, priority)  blocks were stored or hit by a request of that priority
     push(blocks)             blocks became cached free, in order (first = evicted first
                              among equals)
-    remove(block)            a prefix hit revived the block
+    remove(blocks)           a prefix hit revived the blocks
     pop(n) -> blocks         the next n victims (n <= len); the policy forgets them
 """
 
@@ -38,7 +38,7 @@ class EvictionPolicy(Protocol):
 
     def push(self, blocks: list[int]) -> None: ...
 
-    def remove(self, block: int) -> None: ...
+    def remove(self, blocks: list[int]) -> None: ...
 
     def pop(self, n: int) -> list[int]: ...
 
@@ -71,8 +71,10 @@ class LRUPolicy:
         for b in blocks:
             queue[b] = None
 
-    def remove(self, block: int) -> None:
-        del self._queue[block]
+    def remove(self, blocks: list[int]) -> None:
+        queue = self._queue
+        for b in blocks:
+            del queue[b]
 
     def pop(self, n: int) -> list[int]:
         popitem = self._queue.popitem
@@ -117,8 +119,9 @@ class LFUPolicy:
             self._live[b] = self._stamp
             heapq.heappush(self._heap, (self._clock + self._uses.get(b, 1), self._stamp, b))
 
-    def remove(self, block: int) -> None:
-        del self._live[block]
+    def remove(self, blocks: list[int]) -> None:
+        for b in blocks:
+            del self._live[b]
         if len(self._heap) > 2 * len(self._live) + 64:
             self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
@@ -171,12 +174,13 @@ class PriorityPolicy:
             queue[b] = None
             self._level_of[b] = level
 
-    def remove(self, block: int) -> None:
-        level = self._level_of.pop(block)
-        queue = self._levels[level]
-        del queue[block]
-        if not queue:
-            del self._levels[level]
+    def remove(self, blocks: list[int]) -> None:
+        for b in blocks:
+            level = self._level_of.pop(b)
+            queue = self._levels[level]
+            del queue[b]
+            if not queue:
+                del self._levels[level]
 
     def pop(self, n: int) -> list[int]:
         out: list[int] = []

@@ -82,7 +82,7 @@ def test_a_prefix_hit_revives_a_cached_block_from_the_middle_of_the_queue():
 def test_lru_policy_order_and_removal_from_the_middle():
     p = LRUPolicy()
     p.push([5, 3, 9, 1])
-    p.remove(9)
+    p.remove([9])
     assert 9 not in p and len(p) == 3
     p.push([9])
     assert p.pop(2) == [5, 3]
@@ -105,7 +105,7 @@ def test_lfu_policy_prefers_rarely_used_blocks_and_ages():
     for b in range(10, 14):
         p.touch([b], 0)
         p.push([b])
-    p.remove(12)
+    p.remove([12])
     assert p.pop(2) == [2, 10]
     assert p.pop(2) == [11, 13]
     assert len(p) == 0
@@ -115,8 +115,7 @@ def test_lfu_stale_entries_are_compacted():
     p = LFUPolicy()
     for _ in range(50):
         p.push(list(range(10)))
-        for b in range(10):
-            p.remove(b)
+        p.remove(list(range(10)))
     assert len(p._heap) <= 2 * len(p) + 64 + 1
     p.push([4])
     assert p.pop(1) == [4]
@@ -129,7 +128,7 @@ def test_priority_policy_evicts_low_priority_first_lru_within():
     p.touch([4], 9)
     p.touch([1], 1)  # keeps the highest priority seen: 5
     p.push([1, 3, 4, 2])
-    p.remove(4)
+    p.remove([4])
     p.push([4])
     assert p.pop(1) == [3]
     assert p.pop(2) == [1, 2]
