@@ -74,7 +74,8 @@ class EventStream:
         self.snapshot_fn = snapshot_fn
         self._need_resync = False
         self._mirror_ok = True
-        self._last_seq_handled = 0
+        self._last_seq_handled = 0  # written by the stream thread only
+        self._last_enqueued = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,8 +131,20 @@ class EventStream:
             self.dropped_batches += 1
             self._need_resync = True
             return
+        self._last_enqueued = self.seq
         if resync is not None:
             self._need_resync = False
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until the stream thread has handled every batch handed over so far (for
+        tests and benchmarks; the engine never needs to). False on timeout."""
+        end = time.monotonic() + timeout
+        # dropped batches never reach the thread: wait for the last one that was queued
+        while self._thread is not None and self._last_seq_handled < self._last_enqueued:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.0002)
+        return True
 
     def close(self, timeout: float = 10.0) -> None:
         """Publish/record what is queued, close the recording (index) and the sockets."""
