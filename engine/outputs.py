@@ -32,6 +32,22 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean gap between output tokens after the first (None until finished)."""
+        if self.finished_time is None or self.first_token_time is None or \
+                self.num_generation_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
 
 @dataclass

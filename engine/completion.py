@@ -1,0 +1,80 @@
+"""CompletionState: one completion's tokens, text and stop rules, in one place.
+
+Both the plain reference generation and the paged engine feed sampled tokens through
+``CompletionState.add``, so the two cannot disagree on when a completion ends or what its
+text is. Stops, first that applies: EOS (unless ignore_eos), a stop token id, a stop
+string found in the incrementally detokenized text (trimmed from the text unless
+``include_stop_str_in_output``), then ``budget`` tokens reached ("length").
+"""
+
+from __future__ import annotations
+
+from engine.model.detokenizer import IncrementalDetokenizer
+from engine.model.tokenizer import Tokenizer
+from engine.outputs import CompletionOutput
+from engine.sampling import SamplingParams
+
+
+def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
+    """The first stop string that ends inside the last `new_len` characters of text, and the
+    index where it starts. Only the new tail (plus overlap) is searched: O(new) per step."""
+    best: tuple[str, int] | None = None
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        pos = text.find(stop, start)
+        if pos != -1 and (best is None or pos < best[1]):
+            best = (stop, pos)
+    return best
+
+
+class CompletionState:
+    """Invariant: ``output.finish_reason`` is None until the completion has ended, and no
+    token is added after that."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer | None,
+                 prompt_token_ids: list[int], eos_token_ids: set[int], budget: int) -> None:
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.params = params
+        self.budget = budget  # max new tokens: min(max_tokens, max_model_len - prompt)
+        self.eos_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.stop_ids = set(params.stop_token_ids)
+        self.detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                             params.skip_special_tokens)
+                      if tokenizer is not None else None)
+        self.text = ""
+        self.output = CompletionOutput(index=index, text="", token_ids=[],
+                                       cumulative_logprob=0.0,
+                                       logprobs=[] if params.logprobs is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+    def add(self, token: int, logprob: float, top: dict[int, float] | None = None) -> bool:
+        """Record a sampled token; returns True when it ended the completion."""
+        out = self.output
+        out.token_ids.append(token)
+        out.cumulative_logprob += logprob
+        if out.logprobs is not None:
+            out.logprobs.append(top)
+        if token in self.eos_ids:
+            out.finish_reason = "stop"
+        elif token in self.stop_ids:
+            # As vLLM: a stop token's text stays in the output unless it is a special token.
+            self.text += self.detok.add(token) if self.detok is not None else ""
+            out.finish_reason, out.stop_reason = "stop", token
+        else:
+            if self.detok is not None:
+                delta = self.detok.add(token)
+                self.text += delta
+                hit = find_stop_string(self.text, len(delta), self.params.stop) if delta else None
+                if hit is not None:
+                    stop, pos = hit
+                    keep = pos + len(stop) if self.params.include_stop_str_in_output else pos
+                    self.text = self.text[:keep]
+                    out.finish_reason, out.stop_reason = "stop", stop
+            if out.finish_reason is None and len(out.token_ids) >= self.budget:
+                out.finish_reason = "length"
+        out.text = self.text
+        return out.finish_reason is not None

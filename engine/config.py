@@ -1,0 +1,86 @@
+"""EngineConfig: every engine knob, with vLLM's names and defaults where vLLM has one.
+
+Validated once at construction so a bad value is a clear error at start-up, never a
+crash mid-generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+KV_LAYOUTS = ("paged", "contiguous")
+PREEMPTION_MODES = ("recompute", "swap")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
+EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+# KV memory when the user gives neither num_gpu_blocks nor kv_cache_memory_bytes and no
+# GPU is there to profile: enough for ~23k tokens of SmolLM2-135M in fp32.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: min(model context, 8192)
+    # KV cache
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    kv_layout: str = "paged"
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"
+    swap_space: float = 0.0  # GiB of host memory for the CPU tier
+    preemption_mode: str = "recompute"
+    # scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01  # share of blocks kept free when admitting new sequences
+    # events
+    events_endpoint: str | None = None
+    record_path: str | None = None
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid engine config: {msg}")
+
+        need(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        need(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
+             f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+             "kv_cache_memory_bytes must be > 0")
+        need(0.0 < self.gpu_memory_utilization <= 1.0,
+             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        need(self.kv_layout in KV_LAYOUTS,
+             f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        need(self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        need(self.eviction_policy in EVICTION_POLICIES,
+             f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        need(self.max_model_len is None or self.max_model_len >= 1,
+             f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown names with the valid list."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {unknown}; valid: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)

@@ -1,0 +1,192 @@
+"""Continuous batching with chunked prefill and preemption (torch-free).
+
+Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). Running sequences are served first, in admission order, each taking
+``min(tokens left to compute, budget left)``: decodes take one token, unfinished prompts
+take a chunk. Waiting sequences are admitted afterwards, by (priority, arrival), only
+when the cache can hold their next chunk above the watermark, and not at all in a step
+that had to preempt (admitting then would only thrash).
+
+When a running sequence cannot get blocks, the scheduler preempts the running sequence
+with the largest (priority, arrival) — lowest priority, latest arrival — which may be the
+sequence itself. Preemption frees the victim's blocks and puts it back in the waiting
+queue with its generated tokens kept (recompute mode), so it resumes exactly where it
+stopped. A sequence that cannot fit even alone in an otherwise empty cache finishes with
+reason "length" instead of looping forever.
+
+Layouts: "paged" allocates blocks on demand; "contiguous" reserves ``max_model_len``
+tokens of blocks at admission (the HF/FasterTransformer baseline, for comparison only).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.request import Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        """Position of the first token computed this step."""
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens: a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    truncated: list[Sequence] = field(default_factory=list)  # could never fit: finished
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the cache manager owns the blocks."""
+
+    def __init__(self, config: EngineConfig, cache, max_model_len: int) -> None:
+        self.config = config
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------- queues
+    def add(self, seq: Sequence) -> None:
+        # The cache's priority is "larger is kept longer"; requests use vLLM's "lower runs
+        # first", so an urgent request's blocks are the last to be evicted.
+        self.cache.add_sequence(seq.seq_id, seq.prompt_token_ids, priority=-seq.priority)
+        self._enqueue(seq)
+
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+        """A child sharing all of ``parent``'s blocks; it runs alongside the parent."""
+        self.cache.fork(parent.seq_id, child.seq_id)
+        child.status = "running"
+        self.running.append(child)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = "waiting"
+        keys = [s.sort_key() for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence (finished, stopped or aborted) and free its blocks."""
+        if seq.status == "running":
+            self.running.remove(seq)
+        elif seq.status == "waiting":
+            self.waiting.remove(seq)
+        seq.status = "finished"
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+        self.cache.finish(seq.seq_id, "abort" if reason == "abort" else
+                          ("length" if reason == "length" else "stop"))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status != "running":  # preempted earlier in this step
+                continue
+            n = min(seq.num_tokens_to_compute, budget)
+            if self._grow(seq, n, scheduled, out):
+                scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+            # Preempting an already-scheduled victim gives its tokens back.
+            budget = self.config.max_num_batched_tokens - sum(
+                s.num_new_tokens for s in scheduled.values())
+
+        if not out.preempted:
+            self._admit(scheduled, budget)
+
+        # Keep the order of self.running so batches are deterministic.
+        out.scheduled = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
+        return out
+
+    def _grow(self, seq: Sequence, n: int, scheduled: dict[str, ScheduledSeq],
+              out: SchedulerOutput) -> bool:
+        """Get blocks for ``n`` more tokens of a running sequence, preempting others if
+        needed. False when ``seq`` itself had to go."""
+        if self.config.kv_layout == "contiguous":
+            return True  # everything was reserved at admission
+        while self.cache.allocate_slots(seq.seq_id, n) is None:
+            victim = max(self.running, key=Sequence.sort_key)
+            if victim is seq and len(self.running) == 1:
+                # Alone in the cache and still too big: it can never fit.
+                self.finish(seq, "length")
+                out.truncated.append(seq)
+                return False
+            self._preempt(victim, out)
+            scheduled.pop(victim.seq_id, None)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.cache.preempt(seq.seq_id, "recompute")
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self._enqueue(seq)
+
+    def _admit(self, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
+        contiguous = self.config.kv_layout == "contiguous"
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_tokens_to_compute
+            if not self.config.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            # Contiguous layout reserves the whole max_model_len up front.
+            need = self.max_model_len if contiguous else n
+            if not self.cache.can_allocate(seq.seq_id, need, self.config.watermark):
+                break
+            if not contiguous and self.config.enable_prefix_caching:
+                hit = self.cache.match_prefix(seq.seq_id)
+                seq.num_computed_tokens = hit
+                if not seq.ever_started:
+                    seq.num_cached_tokens = hit
+                n = min(seq.num_tokens_to_compute, budget)
+            slots = self.cache.allocate_slots(seq.seq_id, need if contiguous else n)
+            if slots is None:  # can_allocate said yes; only a prefix match could differ
+                self.cache.free(seq.seq_id)  # undo the shared prefix; stays waiting
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            seq.status = "running"
+            self.running.append(seq)
+            if seq.ever_started:
+                self.cache.resume(seq.seq_id)
+            else:
+                seq.ever_started = True
+                seq.first_scheduled_time = time.monotonic()
+                self.cache.start(seq.seq_id)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+            budget -= n

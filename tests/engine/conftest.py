@@ -1,0 +1,44 @@
+"""Engine tests share one loaded default model (loading costs seconds; the weights are
+read-only during generation, so sharing them across engines is safe)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model import load_model
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    torch.set_num_threads(2)
+    return load_model("smollm2", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture
+def make_engine(loaded):
+    engines: list[LLMEngine] = []
+
+    def make(**kwargs) -> LLMEngine:
+        eng = LLMEngine(EngineConfig(**kwargs), loaded=loaded)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.close()
+
+
+def run_all(engine: LLMEngine, check: bool = True) -> dict:
+    """Step until idle; return {request_id: final RequestOutput}. With ``check``, the cache
+    manager's invariants are verified after every step."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            engine.cache.check_invariants()
+    return done

@@ -1,0 +1,71 @@
+"""Bad requests are refused at add_request with a clear error, change nothing, and the
+engine keeps serving everyone else; aborts free blocks; per-request metrics are filled."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling import SamplingParams
+from tests.engine.conftest import run_all
+
+OK = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "match"),
+    [
+        ("", OK, ValueError, "empty"),
+        ({"prompt_token_ids": []}, OK, ValueError, "empty"),
+        ({"prompt_token_ids": [1] * 200}, OK, ValueError, "max_model_len"),
+        ({"prompt_token_ids": [10**9]}, OK, ValueError, "prompt_token_ids"),
+        ("hi", {"max_tokens": 0}, ValueError, "max_tokens"),
+        ("hi", {"n": 0}, ValueError, "n"),
+        ("hi", {"temprature": 0.5}, TypeError, "temprature"),
+        (3.14, OK, TypeError, "prompt"),
+        ("hi", "greedy", TypeError, "SamplingParams"),
+    ],
+)
+def test_bad_request_refused_and_others_served(make_engine, prompt, params, error, match):
+    eng = make_engine(max_model_len=128, num_gpu_blocks=64)
+    eng.add_request("good", "The capital of France is", OK)
+    before = eng.kv_state()
+    with pytest.raises(error, match=match):
+        eng.add_request("bad", prompt, params)
+    assert eng.kv_state() == before
+    out = run_all(eng)
+    assert set(out) == {"good"} and len(out["good"].outputs[0].token_ids) == 4
+
+
+def test_duplicate_id_and_too_big_for_cache(make_engine):
+    eng = make_engine(num_gpu_blocks=4, block_size=4, max_model_len=256)
+    eng.add_request("a", "hello there", OK)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("a", "again", OK)
+    with pytest.raises(ValueError, match="whole cache"):
+        eng.add_request("b", {"prompt_token_ids": list(range(100, 140))}, OK)
+    assert set(run_all(eng)) == {"a"}
+
+
+def test_abort_frees_blocks(make_engine):
+    eng = make_engine(num_gpu_blocks=64, block_size=4)
+    eng.add_request("x", "Tell me a long story about a dragon", SamplingParams(max_tokens=50))
+    eng.add_request("y", "Count: 1, 2, 3,", OK)
+    eng.step()
+    eng.step()
+    assert eng.cache.block_table("x")
+    eng.abort_request("x")
+    assert "x" not in eng.kv_state()["seqs"]
+    out = run_all(eng)
+    assert set(out) == {"y"}
+    eng.cache.check_invariants()
+    assert eng.cache.metrics()["tiers"]["gpu"]["used"] == 0
+
+
+def test_request_metrics(make_engine):
+    eng = make_engine()
+    eng.add_request("m", "The capital of France is", OK)
+    m = run_all(eng)["m"].metrics
+    assert m.num_prompt_tokens > 0 and m.num_generation_tokens == 4
+    assert m.time_to_first_token is not None and m.time_to_first_token > 0
+    assert m.time_per_output_token is not None and m.time_per_output_token > 0
+    assert m.num_preemptions == 0
