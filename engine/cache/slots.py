@@ -4,15 +4,20 @@ from __future__ import annotations
 
 
 def slot_mapping(table: list[int], bs: int, start: int, end: int) -> list[int]:
-    """Slots of token positions [start, end) (end > start): runs of consecutive blocks
-    become one ``range``, so a fresh pool's prefill costs a few C-level extends."""
-    out: list[int] = []
+    """Slots of token positions [start, end) (end > start) of a sequence with block table
+    ``table``. Runs of consecutive block ids become one ``range``: a table that is one run
+    (a fresh pool, or blocks evicted together) costs a single C-level list build."""
     i = start // bs
     last = (end - 1) // bs
-    lo = table[i] * bs + start - i * bs  # current run: [lo, hi)
-    hi = table[i] * bs + bs
-    for j in range(i + 1, last + 1):
-        b = table[j] * bs
+    first_block = table[i]
+    span = table[i:last + 1]
+    if span[-1] - first_block == last - i and span == list(range(first_block, span[-1] + 1)):
+        return list(range(first_block * bs + start - i * bs, span[-1] * bs + end - last * bs))
+    out: list[int] = []
+    lo = first_block * bs + start - i * bs  # current run: [lo, hi)
+    hi = first_block * bs + bs
+    for b in span[1:]:
+        b *= bs
         if b != hi:
             out += range(lo, hi)
             lo = b

@@ -320,3 +320,12 @@ def test_watermark_never_blocks_a_step_that_needs_no_block():
     assert not x.m.can_allocate("a", 4, watermark=0.9)
     assert not x.m.can_allocate("a", 4, watermark=0.0)  # pool exhausted
     x.sync()
+
+
+def test_the_cache_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; import engine.cache, engine.bench.blocks; "
+            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=".")
