@@ -29,11 +29,17 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_path):
-    """(model, tokenizer, config) in float32 on CPU."""
-    from engine.model.loader import load_model
+def llm(smollm2_path):
+    """The LLM facade on the default model, float32 on CPU (loaded once per session)."""
+    from engine import LLM
 
-    return load_model(smollm2_path, "cpu", torch.float32)
+    return LLM(str(smollm2_path), device="cpu", dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2(llm):
+    """(model, tokenizer, config) in float32 on CPU: the same objects the `llm` fixture holds."""
+    return llm.model, llm.tokenizer, llm.config
 
 
 @pytest.fixture(scope="session")
