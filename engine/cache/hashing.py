@@ -2,9 +2,9 @@
 
     h(block i) = hash((h(block i-1), tokens_i))      h(block -1) = root_hash(cache_salt)
 
-``hash`` is CPython's tuple hash over ints. It is fast (about 0.3 us for a 16-token block,
-where blake2b or sha256 plus the int-to-bytes packing costs 2 us and more) and it is
-deterministic across processes: PYTHONHASHSEED randomizes only str/bytes hashes, never
+``hash`` is CPython's tuple hash over ints. It is fast (0.3-0.5 us for a 16-token block on
+the dev box, where packing the ints to bytes plus blake2b or sha256 costs 2 us and more)
+and deterministic across processes: PYTHONHASHSEED randomizes only str/bytes hashes, never
 int or tuple-of-int hashes (the int hash is fixed by the language; the tuple hash has been
 CPython's xxHash-style combiner since 3.8, on 64-bit builds a signed 64-bit value, so it
 fits msgpack int64). The one string in a key, the cache salt, goes through blake2b once
