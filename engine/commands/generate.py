@@ -6,28 +6,46 @@ import argparse
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
     from engine.model.errors import ModelLoadError
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         from engine import LLM, SamplingParams
 
+        start = time.perf_counter()
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+        load_s = time.perf_counter() - start
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
     except (ModelLoadError, ValueError) as exc:
         print(f"kvscope generate: {exc}")
         return 1
+    start = time.perf_counter()
     if args.raw:
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     else:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
         outputs = llm.chat(conversations, params, use_tqdm=False)
+    gen_s = time.perf_counter() - start
     for prompt, out in zip(args.prompts, outputs, strict=True):
         if len(args.prompts) > 1:
             print(f"> {prompt}")
         print(out.outputs[0].text.strip())
         if len(args.prompts) > 1:
             print()
+    if args.stats:
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        new_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        print(f"[stats] load {load_s:.1f} s; {len(outputs)} prompt(s), {prompt_tokens} prompt "
+              f"tokens, {new_tokens} generated in {gen_s:.1f} s = {new_tokens / gen_s:.1f} tok/s "
+              f"(one sequence at a time, {torch.get_num_threads()} torch thread(s), "
+              f"{llm.device}, {llm.dtype})")
     return 0
 
 
@@ -41,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    p.add_argument("--stats", action="store_true", help="print load time and tokens/s")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=_generate)
