@@ -165,36 +165,55 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """``child_id`` shares every block of ``parent_id`` (ref + 1) and copies its token
         ids and status; the first append to a still-shared partial block copies it.
-        NOTE: a parent holding lookahead slots (more slots than token ids) cannot fork:
-        both would write their own tokens into the same, already allocated slots."""
+        NOTE: blocks holding slots of not yet known tokens (lookahead, or a whole reserved
+        context) are not shared: both sequences would write their own tokens there. The
+        child gets private blocks for them at once (event ``cow``; a copy order only for
+        the block whose first positions are already computed), or, when the pool has too
+        few blocks, the fork raises CacheError and nothing changes."""
         parent = self._get(parent_id)
-        if parent.num_tokens > len(parent.token_ids):
-            raise CacheError(f"cannot fork {parent_id!r}: it holds slots for unknown tokens")
         if not isinstance(child_id, str):
             raise CacheError(f"sequence ids are str, got {child_id!r}")
         if child_id in self._seqs:
             raise CacheError(f"duplicate sequence id {child_id!r}")
+        bs, table, known = self.block_size, parent.block_table, len(parent.token_ids)
+        first_private = known // bs if parent.num_tokens > known else len(table)
+        num_private = len(table) - first_private
+        if num_private > self.gpu.num_free_blocks:
+            raise CacheError(f"cannot fork {parent_id!r}: its {num_private} blocks of "
+                             "lookahead slots need private copies and the pool is short")
         child = CacheSeq(
             child_id, list(parent.token_ids), parent.priority, parent.cache_salt,
             parent.root_hash,
         )
         child.num_prompt_tokens = parent.num_prompt_tokens
-        child.block_table = list(parent.block_table)
+        child.block_table = list(table)
         child.num_tokens = parent.num_tokens
         child.reported_tokens = parent.reported_tokens  # what the mirror's fork copies
         child.chain_hash, child.chain_id = parent.chain_hash, parent.chain_id
         child.num_stored = parent.num_stored
         child.status, child.started = parent.status, parent.started
-        self.gpu.add_ref(child.block_table)
+        self.gpu.add_ref(table)
         self._seqs[child_id] = child
         if self.sink.enabled:
             emit = self.sink.emit
             emit(S.SEQ_ADD, seq=child_id, prompt_tokens=child.num_prompt_tokens,
                  priority=child.priority, parent=parent_id)
-            emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id,
-                 blocks=list(child.block_table))
+            emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, blocks=list(table))
             if child.status == "running":
                 emit(S.SEQ_START, seq=child_id)
+        if num_private:
+            logical = list(range(first_private, len(table)))
+            src = table[first_private:]
+            dst = self.gpu.allocate(num_private)
+            for i, a, b in zip(logical, src, dst, strict=True):
+                self._ref[a] -= 1  # stays >= 1: the parent keeps it
+                child.block_table[i] = b
+            if known % bs:
+                self._copy_orders.append((src[0], dst[0]))
+                self.num_cow_copies += 1
+            if self.sink.enabled:
+                self.sink.emit(S.COW, tier="gpu", seq=child_id, logical=logical, src=src,
+                               dst=dst)
 
     def start(self, seq_id: str) -> None:
         """First schedule: waiting -> running."""

@@ -329,3 +329,39 @@ def test_the_cache_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None; import engine.cache, engine.bench.blocks; "
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=".")
+
+
+def test_fork_gives_the_child_private_blocks_for_lookahead_slots():
+    x = Mirrored(8, 4)
+    x.m.add_sequence("p", [1, 2, 3, 4, 5])
+    x.m.allocate_slots("p", 12)  # slots reserved ahead: positions 5..11 have no ids yet
+    x.sync()
+    x.m.fork("p", "c")
+    ev = x.sync()
+    # Block 0 (full, known) is shared; block 1 holds computed position 4 and is copied;
+    # block 2 holds only future positions: a fresh block, nothing to copy.
+    assert x.m.block_table("p") == [0, 1, 2] and x.m.block_table("c") == [0, 3, 4]
+    assert x.m.take_copy_orders() == [(1, 3)]
+    assert [e for e in ev if e["kind"] == "cow"] == [
+        {"kind": "cow", "tier": "gpu", "seq": "c", "logical": [1, 2], "src": [1, 2],
+         "dst": [3, 4]}
+    ]
+    assert x.m.metrics()["cow_copies"] == 1
+    x.m.append_token_ids("c", [9, 9])  # each fills its own slots
+    x.m.append_token_ids("p", [8, 8])
+    x.sync()
+
+
+def test_fork_with_lookahead_needs_free_blocks_or_changes_nothing():
+    import pytest
+
+    from engine.cache import CacheError
+
+    x = Mirrored(3, 4)
+    x.m.add_sequence("p", [1, 2, 3, 4, 5])
+    x.m.allocate_slots("p", 12)
+    x.sync()
+    snap = x.m.snapshot()
+    with pytest.raises(CacheError, match="lookahead"):
+        x.m.fork("p", "c")
+    assert x.m.snapshot() == snap and "c" not in x.m and x.sync() == []

@@ -190,13 +190,20 @@ class CacheMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self.seqs()))
         child = f"s{self.counter}"
         self.counter += 1
-        if self.m.num_tokens(parent) > len(self.digests[parent]):
+        known, table = len(self.digests[parent]), self.m.block_table(parent)
+        private = len(table) - known // self.bs if self.m.num_tokens(parent) > known else 0
+        if private > self.m.num_free_blocks:
             with pytest.raises(CacheError):
                 self.m.fork(parent, child)
             return
         self.m.fork(parent, child)
+        self._run_copies()
         self.digests[child] = list(self.digests[parent])
-        assert self.m.block_table(child) == self.m.block_table(parent)
+        shared = len(table) - private
+        assert self.m.block_table(child)[:shared] == table[:shared]
+        assert not set(self.m.block_table(child)[shared:]) & set(table)
+        if private:
+            event("fork with lookahead slots")
 
     @precondition(lambda self: self.digests)
     @rule(data=st.data())
