@@ -1,0 +1,87 @@
+"""`kvscope serve`: the headless daemon with an OpenAI-compatible HTTP API.
+
+    kvscope serve [--model smollm2] [--host 127.0.0.1] [--port 8000]
+                  [--events tcp://127.0.0.1:5557] [--record run.kvtrace] [engine flags]
+
+Engine flags use vLLM's names. Binds loopback unless told otherwise; ``--api-key`` (or
+env ``KVSCOPE_API_KEY``) makes /v1/* require ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the engine as an OpenAI-compatible HTTP daemon")
+    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF dir")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; 0.0.0.0 exposes the API)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
+    p.add_argument("--api-key", default=os.environ.get("KVSCOPE_API_KEY") or None,
+                   help="require this bearer token on /v1/* (default: env KVSCOPE_API_KEY)")
+    p.add_argument("--events", metavar="ENDPOINT", default=None,
+                   help="publish cache events on this ZeroMQ endpoint, e.g. "
+                        "tcp://127.0.0.1:5557 (snapshot/replay on port + 1)")
+    p.add_argument("--record", metavar="PATH", default=None,
+                   help="record the cache events to this .kvtrace file")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGINT/SIGTERM, let in-flight requests finish for S seconds")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-n", type=int, default=16,
+                   help="most completions per request (n x prompts)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])
+    e = p.add_argument_group("engine (vLLM's names)")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks",
+                   type=int, default=None, help="KV blocks (default: from memory)")
+    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8 | int4")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    e.add_argument("--eviction-policy", default="lru", help="lru | lfu | priority")
+    e.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap tier")
+    e.add_argument("--preemption-mode", default="recompute", help="recompute | swap")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
+    p.set_defaults(func=_run)
+
+
+ENGINE_FLAGS = ("model", "device", "dtype", "seed", "block_size", "num_gpu_blocks",
+                "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
+                "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import sys
+
+    from engine.config import EngineConfig
+    from engine.server.app import ServerSettings
+    from engine.server.daemon import run_daemon
+
+    try:
+        config = EngineConfig.from_kwargs(
+            **{k: getattr(args, k) for k in ENGINE_FLAGS},
+            events_endpoint=args.events, record_path=args.record)
+    except (ValueError, TypeError) as e:
+        print(f"kvscope serve: {e}", file=sys.stderr)
+        return 2
+    if args.max_n < 1 or args.max_body_bytes < 1 or args.drain_timeout < 0:
+        print("kvscope serve: --max-n and --max-body-bytes must be >= 1, "
+              "--drain-timeout >= 0", file=sys.stderr)
+        return 2
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model,
+                              api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                              max_n=args.max_n, drain_timeout_s=args.drain_timeout)
+    return run_daemon(config, settings, args.host, args.port, args.log_level)

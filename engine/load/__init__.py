@@ -1,0 +1,1 @@
+"""``kvscope load``: named, seeded workloads driven against an OpenAI-compatible server."""

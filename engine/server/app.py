@@ -1,0 +1,429 @@
+"""The daemon's HTTP API (FastAPI): OpenAI-compatible completions and chat, models,
+health and Prometheus metrics, in front of one EngineLoop.
+
+Every handler only validates, tokenizes and talks to the engine thread through the
+EngineLoop's queue; outputs come back on a per-request asyncio queue. Errors are
+OpenAI-shaped (``APIError``); a refused request changes nothing in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.server import openai_format as fmt
+from engine.server.engine_loop import Aborted, EngineLoop
+from engine.server.errors import APIError, bad_request, unavailable
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_max_tokens,
+    parse,
+)
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is there
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str = "smollm2"
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16  # completions per request (n times the number of prompts)
+    drain_timeout_s: float = 30.0
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    metrics: ServerMetrics
+    settings: ServerSettings
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class _Job:
+    """One HTTP request's engine requests (a batch of prompts), their shared queue."""
+
+    id: str
+    rids: list[str]
+    prompt_texts: list[str | None]
+    queue: asyncio.Queue
+    n: int
+    done: set[str] = field(default_factory=set)
+    last: dict[str, RequestOutput] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == len(self.rids)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="kvscope", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kv = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                       type=kind)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.loop.failed is not None or not state.loop.alive:
+            return JSONResponse({"status": "failed", "error": str(state.loop.failed)}, 500)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok", "in_flight": state.loop.num_inflight})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.settings.served_model_name, "object": "model",
+            "created": state.created, "owned_by": "kvscope",
+            "max_model_len": state.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        _admit(state, request)
+        req: CompletionRequest = parse(CompletionRequest, await _read_body(state, request))
+        _check_model(state, req.model)
+        prompts = req.prompts()
+        _check_n(state, req.n * len(prompts))
+        tokenized = [_tokenize_completion(state, p) for p in prompts]
+        params = [_params(req, check_max_tokens(req.max_tokens, len(ids), state.max_model_len,
+                                                "max_tokens"), req.logprobs)
+                  for _, ids in tokenized]
+        job = await _submit(state, "cmpl", tokenized, params)
+        if req.stream:
+            return _sse(_stream_completion(state, request, job, req))
+        outs = await _collect(state, request, job)
+        return JSONResponse(_completion_body(state, job, req, outs))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        _admit(state, request)
+        req: ChatCompletionRequest = parse(ChatCompletionRequest,
+                                           await _read_body(state, request))
+        _check_model(state, req.model)
+        _check_n(state, req.n)
+        try:
+            text = state.tokenizer.apply_chat_template(req.conversation(),
+                                                       add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise bad_request("give max_tokens or max_completion_tokens, not both",
+                              "max_completion_tokens")
+        budget = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+        top = req.top_logprobs or 0
+        params = _params(req, check_max_tokens(budget, len(ids), state.max_model_len, param,
+                                               "messages"),
+                         top if req.logprobs else None)
+        job = await _submit(state, "chatcmpl", [(text, ids)], [params])
+        if req.stream:
+            return _sse(_stream_chat(state, request, job, req))
+        outs = await _collect(state, request, job)
+        return JSONResponse(_chat_body(state, job, req, outs))
+
+    return app
+
+
+# ------------------------------------------------------------------ checks
+def _authorize(state: ServerState, request: Request) -> None:
+    key = state.settings.api_key
+    if not key:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             key.encode()):
+        raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                       type="authentication_error", code="invalid_api_key")
+
+
+def _admit(state: ServerState, request: Request) -> None:
+    _authorize(state, request)
+    if state.draining:
+        raise unavailable()
+    if state.loop.failed is not None or not state.loop.alive:
+        raise APIError(500, f"the engine has failed: {state.loop.failed}", type="server_error",
+                       code="engine_failed")
+
+
+async def _read_body(state: ServerState, request: Request) -> bytes:
+    limit = state.settings.max_body_bytes
+    too_big = APIError(413, f"request body is larger than {limit} bytes",
+                       code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request("invalid Content-Length header")
+        if int(declared) > limit:
+            raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():  # also caps chunked bodies without a length
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    name = state.settings.served_model_name
+    if model is not None and model != name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{name}'",
+                       type="not_found_error", param="model", code="model_not_found")
+
+
+def _check_n(state: ServerState, total: int) -> None:
+    if total > state.settings.max_n:
+        raise bad_request(f"this request asks for {total} completions (n x prompts); "
+                          f"the limit is {state.settings.max_n}", "n")
+
+
+def _tokenize_completion(state: ServerState, prompt: str | list[int]) -> tuple[str | None,
+                                                                               list[int]]:
+    if isinstance(prompt, str):
+        ids = state.tokenizer.encode(prompt)
+        if not ids:
+            raise bad_request("'prompt' is empty", "prompt")
+        return prompt, ids
+    if not prompt:
+        raise bad_request("'prompt' holds an empty token list", "prompt")
+    if any(t < 0 or t >= state.vocab_size for t in prompt):
+        raise bad_request(f"'prompt' token ids must be in [0, {state.vocab_size})", "prompt")
+    return None, list(prompt)
+
+
+def _params(req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(**req.sampling_kwargs(max_tokens, logprobs))
+    except (ValueError, TypeError) as e:
+        msg = str(e).removeprefix("SamplingParams: ")
+        param = msg.split(" ", 1)[0] if msg else None
+        raise bad_request(msg, param if param in type(req).model_fields else None) from None
+
+
+# ---------------------------------------------------------------- engine i/o
+async def _submit(state: ServerState, prefix: str, tokenized: list[tuple[str | None, list[int]]],
+                  params: list[SamplingParams]) -> _Job:
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+
+    def deliver(item: Any) -> None:  # engine thread
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop is gone (shutdown); nobody is waiting any more
+
+    job_id = f"{prefix}-{uuid.uuid4().hex}"
+    job = _Job(job_id, [], [t for t, _ in tokenized], q, params[0].n)
+    for k, ((_text, ids), p) in enumerate(zip(tokenized, params, strict=True)):
+        rid = f"{job_id}-{k}"
+        fut = state.loop.submit(rid, {"prompt_token_ids": ids}, p, deliver)
+        try:
+            await asyncio.wrap_future(fut)
+        except (ValueError, TypeError, RuntimeError) as e:
+            for done in job.rids:
+                state.loop.abort(done)
+            if isinstance(e, RuntimeError):
+                raise APIError(503, str(e), type="service_unavailable") from None
+            raise bad_request(str(e), "prompt") from None
+        job.rids.append(rid)
+    return job
+
+
+def _take(job: _Job, item: Any) -> RequestOutput | None:
+    """Record one delivery; raise for an abort; return the output."""
+    if isinstance(item, Aborted):
+        job.done.add(item.request_id)
+        if item.reason == "shutdown":
+            raise unavailable("the server shut down before this request finished")
+        raise APIError(500, item.message or f"request aborted ({item.reason})",
+                       type="server_error")
+    job.last[item.request_id] = item
+    if item.finished:
+        job.done.add(item.request_id)
+    return item
+
+
+def _abort_rest(state: ServerState, job: _Job) -> None:
+    for rid in job.rids:
+        if rid not in job.done:
+            state.loop.abort(rid)
+
+
+async def _collect(state: ServerState, request: Request, job: _Job) -> list[RequestOutput]:
+    """Wait for every request of the job; a client that leaves aborts them."""
+    try:
+        while not job.finished:
+            try:
+                item = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    break
+                continue
+            _take(job, item)
+    finally:
+        _abort_rest(state, job)
+    return [job.last[r] for r in job.rids if r in job.last]
+
+
+def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(state: ServerState, job: _Job, stops: list[str],
+                  make_chunk: Any, include_usage: bool, usage_chunk: Any) -> AsyncIterator[str]:
+    """Shared SSE loop: deltas per choice, optional usage chunk, [DONE]. Leaving early
+    (the client disconnected: Starlette cancels us) aborts what is left."""
+    tracker = fmt.DeltaTracker(stops)
+    try:
+        while not job.finished:
+            item = await job.queue.get()
+            try:
+                out = _take(job, item)
+            except APIError as e:
+                yield _data(e.body())
+                break
+            k = job.rids.index(out.request_id)
+            for c in out.outputs:
+                choice = k * job.n + c.index
+                d = tracker.delta(choice, c)
+                if d is not None:
+                    yield _data(make_chunk(choice, c, *d))
+        else:
+            if include_usage:
+                yield _data(usage_chunk(fmt.usage([job.last[r] for r in job.rids])))
+        yield "data: [DONE]\n\n"
+    finally:
+        _abort_rest(state, job)
+
+
+# --------------------------------------------------------------- completions
+def _completion_body(state: ServerState, job: _Job, req: CompletionRequest,
+                     outs: list[RequestOutput]) -> dict[str, Any]:
+    text_of = fmt.TokenText(state.tokenizer)
+    choices = []
+    for k, out in enumerate(outs):
+        prefix = ""
+        if req.echo:
+            prefix = job.prompt_texts[k] if job.prompt_texts[k] is not None else \
+                state.tokenizer.decode(out.prompt_token_ids)
+        for c in out.outputs:
+            choices.append({
+                "index": k * job.n + c.index, "text": prefix + c.text,
+                "logprobs": (fmt.completion_logprobs(c, 0, len(c.token_ids), req.logprobs,
+                                                     text_of, len(prefix))
+                             if req.logprobs is not None else None),
+                "finish_reason": c.finish_reason})
+    choices.sort(key=lambda ch: ch["index"])
+    return {"id": job.id, "object": "text_completion", "created": int(time.time()),
+            "model": state.settings.served_model_name, "choices": choices,
+            "usage": fmt.usage(outs)}
+
+
+def _stream_completion(state: ServerState, request: Request, job: _Job,
+                       req: CompletionRequest) -> AsyncIterator[str]:
+    text_of = fmt.TokenText(state.tokenizer)
+    created = int(time.time())
+    model = state.settings.served_model_name
+
+    def chunk(choice: int, c: Any, text: str, t0: int, t1: int, done: bool) -> dict:
+        lp = (fmt.completion_logprobs(c, t0, t1, req.logprobs, text_of)
+              if req.logprobs is not None else None)
+        return {"id": job.id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": choice, "text": text, "logprobs": lp,
+                             "finish_reason": c.finish_reason if done else None}]}
+
+    def usage_chunk(u: dict) -> dict:
+        return {"id": job.id, "object": "text_completion", "created": created, "model": model,
+                "choices": [], "usage": u}
+
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return _stream(state, job, stops, chunk, req.include_usage, usage_chunk)
+
+
+# --------------------------------------------------------------------- chat
+def _chat_body(state: ServerState, job: _Job, req: ChatCompletionRequest,
+               outs: list[RequestOutput]) -> dict[str, Any]:
+    text_of = fmt.TokenText(state.tokenizer)
+    choices = [{
+        "index": c.index, "message": {"role": "assistant", "content": c.text},
+        "logprobs": (fmt.chat_logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0, text_of)
+                     if req.logprobs else None),
+        "finish_reason": c.finish_reason} for out in outs for c in out.outputs]
+    return {"id": job.id, "object": "chat.completion", "created": int(time.time()),
+            "model": state.settings.served_model_name, "choices": choices,
+            "usage": fmt.usage(outs)}
+
+
+def _stream_chat(state: ServerState, request: Request, job: _Job,
+                 req: ChatCompletionRequest) -> AsyncIterator[str]:
+    text_of = fmt.TokenText(state.tokenizer)
+    created = int(time.time())
+    model = state.settings.served_model_name
+    started: set[int] = set()
+
+    def chunk(choice: int, c: Any, text: str, t0: int, t1: int, done: bool) -> dict:
+        delta: dict[str, Any] = {}
+        if choice not in started:  # OpenAI's first delta carries the role
+            started.add(choice)
+            delta["role"] = "assistant"
+        if text or not done:
+            delta["content"] = text
+        lp = (fmt.chat_logprobs(c, t0, t1, req.top_logprobs or 0, text_of)
+              if req.logprobs else None)
+        return {"id": job.id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [{"index": choice, "delta": delta, "logprobs": lp,
+                                             "finish_reason": c.finish_reason if done
+                                             else None}]}
+
+    def usage_chunk(u: dict) -> dict:
+        return {"id": job.id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [], "usage": u}
+
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return _stream(state, job, stops, chunk, req.include_usage, usage_chunk)

@@ -1,0 +1,170 @@
+"""Run the daemon: bind, load the engine, serve with uvicorn, drain on SIGINT/SIGTERM.
+
+Order matters for a clear failure: the HTTP socket is bound first (a busy port fails in
+a second, not after loading the model), then the engine is built (a bad flag is a
+ValueError before any request), then uvicorn starts on the bound socket.
+
+Drain (first SIGINT/SIGTERM): new requests get 503 and /health says "draining"; in-flight
+requests run to completion for up to ``drain_timeout_s``, then the rest are aborted (their
+clients get a 503 error, or an error event on a stream); uvicorn closes its connections;
+the engine thread stops and closes the engine, which flushes the event stream and writes
+the recording's index. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_state(engine: Any, settings: Any) -> Any:
+    """ServerState around a built engine: metrics, the engine loop (started)."""
+    from engine.server.app import ServerState
+    from engine.server.engine_loop import EngineLoop
+    from engine.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(settings.served_model_name)
+    loop = EngineLoop(engine, on_step=metrics.on_step, on_finish=metrics.on_finish,
+                      on_abort=metrics.on_abort)
+    metrics.on_step(engine)
+    loop.start()
+    return ServerState(loop=loop, metrics=metrics, settings=settings,
+                       tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
+                       vocab_size=engine.model_config.vocab_size)
+
+
+def _uvicorn_server(app: Any, log_level: str) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        # Signals are ours (drain first); uvicorn must not install its own.
+        @contextlib.contextmanager
+        def capture_signals(self):  # noqa: ANN202
+            yield
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
+                            lifespan="off", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5)
+    return Server(config)
+
+
+async def serve_forever(state: Any, sock: socket.socket, log_level: str = "warning",
+                        ready_line: str = "") -> None:
+    from engine.server.app import create_app
+
+    server = _uvicorn_server(create_app(state), log_level)
+    stop = asyncio.Event()
+    signals: list[int] = []
+    aio = asyncio.get_running_loop()
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        stop.set()
+        if len(signals) > 1:  # impatient: skip the drain wait
+            state.loop.abort_all("shutdown")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.add_signal_handler(sig, on_signal, sig)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if ready_line:
+        print(ready_line, flush=True)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    await drain(state, signals)
+    server.should_exit = True
+    await task
+    stopper.cancel()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.remove_signal_handler(sig)
+
+
+async def drain(state: Any, signals: list[int] | None = None) -> None:
+    state.draining = True
+    n = state.loop.num_inflight
+    timeout = state.settings.drain_timeout_s
+    if n:
+        print(f"kvscope serve: draining {n} in-flight request(s), up to {timeout:g} s "
+              "(signal again to abort them)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout
+    first = len(signals or [])
+    while state.loop.num_inflight and time.monotonic() < deadline and \
+            len(signals or []) <= max(first, 1) and state.loop.alive:
+        await asyncio.sleep(0.05)
+    if state.loop.num_inflight:
+        print(f"kvscope serve: aborting {state.loop.num_inflight} unfinished request(s)",
+              file=sys.stderr, flush=True)
+        state.loop.abort_all("shutdown")
+        end = time.monotonic() + 5
+        while state.loop.num_inflight and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # let the handlers send their 503s
+
+
+def run_daemon(config: Any, settings: Any, host: str, port: int,
+               log_level: str = "warning") -> int:
+    """The whole life of ``kvscope serve``. Returns the process exit code."""
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind_socket(host, port)
+    except OSError as e:
+        print(f"kvscope serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    host_shown, port = sock.getsockname()[:2]
+    try:
+        from engine.engine import LLMEngine
+        from engine.model.errors import ModelLoadError
+
+        try:
+            engine = LLMEngine(config)
+        except (ValueError, ModelLoadError) as e:
+            print(f"kvscope serve: {e}", file=sys.stderr)
+            return 2
+        state = build_state(engine, settings)
+        events = engine.events.endpoint if engine.events else None
+        snap = engine.events.snapshot_endpoint if engine.events else None
+        where = f"http://{host_shown}:{port}" if ":" not in host_shown \
+            else f"http://[{host_shown}]:{port}"
+        extras = [f"model {settings.served_model_name}",
+                  f"{engine.cache_capacity_tokens // config.block_size} KV blocks "
+                  f"x {config.block_size} tokens", f"max_model_len {engine.max_model_len}"]
+        if events:
+            extras.append(f"events {events} (snapshot {snap})")
+        if config.record_path:
+            extras.append(f"recording {config.record_path}")
+        line = f"kvscope serve: ready on {where} ({'; '.join(extras)})"
+        try:
+            asyncio.run(serve_forever(state, sock, log_level, line))
+        finally:
+            state.loop.stop()
+    finally:
+        sock.close()
+    msg = "kvscope serve: stopped"
+    if config.record_path:
+        msg += f"; recording written to {config.record_path}"
+    print(msg, file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,133 @@
+"""Prometheus metrics of the daemon, named as vLLM's under a ``kvscope:`` prefix.
+
+Two kinds of source:
+- per request (histograms and token counters), observed on the engine thread when a
+  request finishes (prometheus-client's metrics are thread-safe);
+- the engine's own cumulative counters and gauges (prefix queries/hits, preemptions,
+  evictions, swaps, cache usage, running/waiting), read from a snapshot the engine thread
+  refreshes after every step; a custom collector exposes the snapshot at scrape time, so
+  a counter is exactly the engine's count, never a re-derived one.
+
+Units as vLLM: ``kv_cache_usage_perc`` is a fraction in [0, 1]; prefix cache queries and
+hits count tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.outputs import RequestOutput
+
+P = "kvscope:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class _EngineCollector:
+    """Exposes the latest engine snapshot (a dict replaced whole, so reads are atomic)."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self):  # noqa: ANN201 - prometheus-client's collector protocol
+        s = self.snapshot
+        gauges = {
+            "kv_cache_usage_perc": ("fraction of GPU-tier KV blocks in use (0..1)", "usage"),
+            "num_requests_running": ("requests in the running batch", "running"),
+            "num_requests_waiting": ("requests waiting to be scheduled", "waiting"),
+            "num_requests_swapped": ("requests swapped out to the CPU tier", "swapped"),
+            "kv_cache_num_blocks": ("KV blocks in the GPU tier", "num_blocks"),
+            "cpu_cache_usage_perc": ("fraction of CPU-tier KV blocks in use (0..1)",
+                                     "cpu_usage"),
+        }
+        for name, (doc, key) in gauges.items():
+            yield GaugeMetricFamily(P + name, doc, value=float(s.get(key, 0)))
+        counters = {
+            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
+                                     "query_tokens"),
+            "prefix_cache_hits": ("prompt tokens served from the prefix cache", "hit_tokens"),
+            "num_preemptions": ("sequence preemptions", "preemptions"),
+            "kv_cache_evictions": ("cached KV blocks evicted for reuse", "evictions"),
+            "swap_out_blocks": ("KV blocks swapped out to the CPU tier", "swap_out_blocks"),
+            "swap_in_blocks": ("KV blocks swapped in from the CPU tier", "swap_in_blocks"),
+        }
+        for name, (doc, key) in counters.items():
+            yield CounterMetricFamily(P + name, doc, value=float(s.get(key, 0)))
+
+
+class ServerMetrics:
+    """One registry per server (tests may run several in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+        r = self.registry
+        self.ttft = Histogram(P + "time_to_first_token_seconds",
+                              "time from arrival to the first output token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(P + "time_per_output_token_seconds",
+                              "mean time between output tokens of a finished request",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds",
+                             "time from arrival to finish", buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens",
+                                         "generated tokens of finished requests", registry=r)
+        self.success = Counter(P + "request_success", "finished requests by finish reason",
+                               ["finished_reason"], registry=r)
+        self.aborted = Counter(P + "request_aborted", "aborted requests by reason",
+                               ["reason"], registry=r)
+
+    # -------------------------------------------------- engine-thread hooks
+    def on_step(self, engine: Any) -> None:
+        st = engine.stats or {}
+        m = engine.cache.metrics()
+        gpu = m["tiers"].get("gpu", {"total": 0, "used": 0})
+        cpu = m["tiers"].get("cpu")
+        idle = not engine.has_unfinished_requests()  # stats are per step: stale when idle
+        self._engine.snapshot = {
+            "usage": gpu["used"] / max(1, gpu["total"]),
+            "num_blocks": gpu["total"],
+            "cpu_usage": cpu["used"] / max(1, cpu["total"]) if cpu else 0.0,
+            "running": 0 if idle else st.get("running", 0),
+            "waiting": 0 if idle else st.get("waiting", 0),
+            "swapped": 0 if idle else st.get("swapped", 0),
+            "query_tokens": m["prefix_query_tokens"],
+            "hit_tokens": m["prefix_hit_tokens"],
+            "preemptions": st.get("preemptions", m.get("preemptions", 0)),
+            "evictions": m["evictions"],
+            # Cumulative swap counts, once the CPU swap tier reports them in its stats.
+            "swap_out_blocks": st.get("swap_out_blocks", 0),
+            "swap_in_blocks": st.get("swap_in_blocks", 0),
+        }
+
+    def on_finish(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is None:
+            return
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        if m.time_per_output_token is not None:
+            self.tpot.observe(m.time_per_output_token)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_generation_tokens)
+        # One count per request (as vLLM), labelled by its first completion's reason.
+        self.success.labels(out.outputs[0].finish_reason or "unknown").inc()
+
+    def on_abort(self, reason: str) -> None:
+        self.aborted.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

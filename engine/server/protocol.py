@@ -1,0 +1,182 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, validated strictly.
+
+Strict on purpose: a wrong JSON type (``"max_tokens": "5"``), an unknown field (a typo
+such as ``max_token``) or a feature the engine does not have (``logit_bias``, tools,
+penalties) is a 400 naming the field, never silently ignored. OpenAI's names and
+defaults; vLLM's extra sampling fields (top_k, min_p, ignore_eos, ...) are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.server.errors import APIError, bad_request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    def unsupported(self) -> None:
+        """Refuse values the engine cannot honour rather than ignore them."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise bad_request(f"'{name}' is not supported by kvscope (only 0)", name)
+        if self.logit_bias:
+            raise bad_request("'logit_bias' is not supported by kvscope", "logit_bias")
+
+    def sampling_kwargs(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+        """SamplingParams keyword arguments (OpenAI defaults: temperature 1, top_p 1)."""
+        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens}
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "stop": self.stop,
+                    "seed": self.seed, "top_k": self.top_k, "min_p": self.min_p,
+                    "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
+                    "skip_special_tokens": self.skip_special_tokens,
+                    "include_stop_str_in_output": self.include_stop_str_in_output,
+                    "logprobs": logprobs}
+        kw.update({k: v for k, v in optional.items() if v is not None})
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.suffix:
+            raise bad_request("'suffix' is not supported by kvscope", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("'best_of' other than n is not supported by kvscope", "best_of")
+        if self.echo and self.stream:
+            raise bad_request("'echo' with 'stream' is not supported by kvscope", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one string, one token list, or a list of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("'prompt' is empty", "prompt")
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+
+    def conversation(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+def parse(model: type[_Strict], body: bytes) -> Any:
+    """Validate a JSON body; any problem becomes a 400 naming the offending field."""
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json") from None
+        loc = [str(p) for p in err["loc"] if isinstance(p, (str, int))]
+        param = loc[0] if loc else None
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unrecognized request argument '{'.'.join(loc)}'",
+                              param) from None
+        if err["type"] == "missing":
+            raise bad_request(f"missing required argument '{'.'.join(loc)}'", param) from None
+        raise bad_request(f"invalid '{param}': {err['msg']}"
+                          + (f" (at {'.'.join(loc)})" if len(loc) > 1 else ""),
+                          param) from None
+    if req.n < 1:
+        raise bad_request(f"'n' must be >= 1, got {req.n}", "n")
+    req.unsupported()
+    return req
+
+
+def check_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int,
+                     param: str, prompt_param: str = "prompt") -> int:
+    """The completion budget; None means "the rest of the context", as vLLM does.
+    Refuses a prompt that leaves no room and a budget past the context (OpenAI's 400)."""
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
+                       f"the prompt has {prompt_len} (at least one must be generated).",
+                       param=prompt_param,
+                       code="context_length_exceeded")
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        return room
+    if max_tokens < 1:
+        raise bad_request(f"'{param}' must be >= 1, got {max_tokens}", param)
+    if max_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, you requested {prompt_len + max_tokens} tokens "
+                       f"({prompt_len} in the prompt, {max_tokens} in the completion).",
+                       param=param, code="context_length_exceeded")
+    return max_tokens
