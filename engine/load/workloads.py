@@ -101,7 +101,11 @@ def sessions(w: Workload, *, seed: int, rate: float, duration: float,
     starts = arrivals(w, rng, rate, duration, max_sessions)
     budget = max_tokens or int(w.defaults.get("max_tokens", 32))
     make = GENERATORS[w.generator]
-    return [make(w.params, rng, t, budget) for t in starts]
+    out = [make(w.params, rng, t, budget) for t in starts]
+    if max_tokens is not None:  # an explicit budget overrides per-kind lengths too
+        for s in out:
+            s.max_tokens = max_tokens
+    return out
 
 
 # ------------------------------------------------------------------ texts

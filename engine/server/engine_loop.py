@@ -103,9 +103,17 @@ class EngineLoop:
                         if c[0] == "add":
                             c[5].set_exception(RuntimeError("the engine is stopping"))
                     self._abort_all("shutdown")
+                    if self.failed is None:
+                        self._step()  # publish the aborts' frees before closing
                     return
                 for c in commands:
                     self._apply(c)
+                if any(c[0] != "add" for c in commands) and self.failed is None and \
+                        not self.engine.has_unfinished_requests():
+                    # An abort's frees wait in the event sink until a step closes the
+                    # batch; with nothing left to run no step would, so run an empty one
+                    # (schedules nothing, publishes the frees, keeps the recording whole).
+                    self._step()
                 if commands:
                     self._on_step(self.engine)
                 if self.failed is None and self.engine.has_unfinished_requests():
