@@ -81,6 +81,6 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(
-                f"unknown engine argument(s) {unknown}; valid: {', '.join(sorted(known))}"
+                f"unknown argument(s) {unknown}; valid engine arguments: {', '.join(sorted(known))}"
             )
         return cls(**kwargs)

@@ -20,13 +20,15 @@ import numpy as np
 import torch
 
 from engine.cache import KVCacheManager
+from engine.cache.page_format import check_supported, page_format
 from engine.completion import CompletionState
 from engine.config import EngineConfig
+from engine.device import resolve_device, resolve_dtype
 from engine.events.sink import NullSink
 from engine.model import load_model
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Sequence
-from engine.runner import ModelRunner, kv_bytes_per_block
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, make_generator, sample, top_logprobs
 from engine.scheduler import Scheduler
 
@@ -50,69 +52,54 @@ class _Request:
         return len(self.seqs) == self.params.n and all(s.status == "finished" for s in self.seqs)
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return dev
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16}
-    if dtype not in table:
-        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
-    return table[dtype]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded: tuple | None = None) -> None:
         self.config = config
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
-        if config.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by this build yet; "
-                "use 'auto'")
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        check_supported(config.kv_cache_dtype, self.device)  # before any weight is loaded
         if config.preemption_mode != "recompute" or config.swap_space:
             raise ValueError("preemption_mode='swap' and swap_space need the CPU swap tier, "
                              "which this build does not have yet; use 'recompute'")
         self.model, self.tokenizer, self.model_config = loaded or load_model(
             config.model, device=self.device, dtype=self.dtype)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        limit = mc.max_position_embeddings
+        if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
+        self.max_model_len = config.max_model_len or limit
+        self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         num_blocks = self._num_kv_blocks()
         self.events = self._open_events()
         self.cache = KVCacheManager(
             num_blocks, config.block_size,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
-            eviction_policy=config.eviction_policy,
+            eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
         )
+        if self.events:
+            # Re-seeds the stream's mirror if it ever drops a batch (called at a step boundary).
+            from engine.events.state import KVState
+
+            self.events.snapshot_fn = lambda: KVState.from_canonical(
+                self.cache.snapshot()).snapshot()
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
         self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device,
-                                  self.dtype)
+                                  self.dtype, kv_cache_dtype=config.kv_cache_dtype)
         self.requests: dict[str, _Request] = {}
         self.step_count = 0
         self._seeds = np.random.default_rng(config.seed)  # same draw order as LLM's reference
         self.stats: dict[str, Any] = {}
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%s)", num_blocks,
-                 config.block_size, num_blocks * config.block_size, config.kv_layout)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %s pages)", num_blocks,
+                 config.block_size, num_blocks * config.block_size, config.kv_layout,
+                 self.page_format.name)
         if self.events:
             self._close_step(0.0, None)  # the tier_init events become batch 0
 
     # ---------------------------------------------------------------- set-up
     def _num_kv_blocks(self) -> int:
         cfg = self.config
-        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        per_block = self.page_format.bytes_per_block  # scales included
         if cfg.num_gpu_blocks is not None:
             return cfg.num_gpu_blocks
         if cfg.kv_cache_memory_bytes is not None:
@@ -218,21 +205,28 @@ class LLMEngine:
         return ids
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+        """(text or None, token ids) of a str, a token-id list, or a dict holding
+        "prompt_token_ids" (and optionally its "prompt" text) or only "prompt"."""
+        text = None
         if isinstance(prompt, dict):
+            text = prompt.get("prompt")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
+            elif isinstance(text, str):
+                prompt = text
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this model has none")
+            return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-                raise ValueError(f"prompt_token_ids must be ints in [0, {vocab})")
-            return None, list(prompt)
-        raise TypeError(f"prompt must be a str, a list of token ids or a dict, "
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in prompt):
+                raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+            return text, list(prompt)
+        raise TypeError(f"a prompt is a str, a list of token ids or a dict, "
                         f"got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> None:

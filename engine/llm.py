@@ -1,72 +1,54 @@
 """The `LLM` facade (vLLM's offline API): load a model once, generate for many prompts.
 
-Kept thin on purpose: today each completion runs through generate_reference (contiguous cache,
-one sequence at a time); the paged engine replaces `_run` without changing this surface.
+Kept thin on purpose: requests go to an LLMEngine (paged KV cache, continuous batching),
+reachable as ``llm.llm_engine`` as in vLLM.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
 from typing import Any
 
-import numpy as np
 import torch
 
+from engine.config import EngineConfig
+from engine.device import resolve_device, resolve_dtype
+from engine.engine import LLMEngine
 from engine.model.errors import ModelLoadError
-from engine.model.loader import load_model
 from engine.model.tokenizer import Tokenizer
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.reference_generate import generate_reference
+from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 
 Prompt = str | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto": float32 on CPU (bf16 matmuls there are slow and less exact), bfloat16 on CUDA."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
 class LLM:
     """LLM(model="smollm2" | path to .gguf | HF directory, device="auto", dtype="auto",
-    seed=0, max_model_len=None). Requests without their own seed draw one from a generator
+    seed=0, max_model_len=None, **engine_args). Engine arguments take vLLM's names
+    (block_size, num_gpu_blocks, enable_prefix_caching, kv_cache_dtype, swap_space,
+    max_num_seqs, max_num_batched_tokens, events_endpoint, record_path, ...; see
+    engine.config.EngineConfig). Requests without their own seed draw one from a generator
     seeded with `seed`, so a whole run is reproducible."""
 
     def __init__(self, model: str = "smollm2", device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", seed: int = 0,
                  max_model_len: int | None = None, **kwargs: Any) -> None:
-        if kwargs:
-            raise TypeError(f"LLM() got unknown argument(s) {', '.join(sorted(kwargs))}; "
-                            "accepted: model, device, dtype, seed, max_model_len")
+        try:
+            config = EngineConfig.from_kwargs(model=str(model), device=str(device),
+                                              dtype=dtype, seed=seed,
+                                              max_model_len=max_model_len, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"LLM(): {e}") from None
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model, tokenizer, self.config = load_model(model, self.device, self.dtype)
-        if tokenizer is None:
+        config.dtype = self.dtype
+        self.llm_engine = LLMEngine(config)
+        eng = self.llm_engine
+        if eng.tokenizer is None:
+            eng.close()
             raise ModelLoadError(f"{model}: no tokenizer (tokenizer.json) found beside the model")
-        self.tokenizer: Tokenizer = tokenizer
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [2, {limit}], got {max_model_len}")
-        self.max_model_len = max_model_len or limit
-        self._seeds = np.random.default_rng(seed)
-        self._request_counter = itertools.count()
+        self.model, self.tokenizer, self.config = eng.model, eng.tokenizer, eng.model_config
+        self.max_model_len = eng.max_model_len
+        self._next_id = 0
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -75,18 +57,36 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string (tokenized as is, no
-        chat template) or {"prompt_token_ids": [...]}."""
+        chat template) or {"prompt_token_ids": [...]}. Every prompt is validated before any
+        runs: one bad prompt raises and leaves the engine as it was."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
-        requests = [self._tokenize(p) for p in prompts]  # validate all before running any
+        eng = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                if not isinstance(prompt, str | dict):
+                    raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, "
+                                    f"got {prompt!r}")
+                rid = str(self._next_id)
+                eng.add_request(rid, prompt, params)
+                self._next_id += 1
+                ids.append(rid)
+        except BaseException:
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
         from tqdm import tqdm
 
-        outputs = []
-        for (text, ids), params in tqdm(list(zip(requests, params_list, strict=True)),
-                                         desc="generate", disable=not use_tqdm):
-            outputs.append(self._run(text, ids, params))
-        return outputs
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while len(done) < len(ids):
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[rid] for rid in ids]
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -104,7 +104,6 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    # -- internals ------------------------------------------------------------------------
     @staticmethod
     def _params_per_prompt(sampling_params: SamplingParams | list[SamplingParams] | None,
                            count: int) -> list[SamplingParams]:
@@ -115,27 +114,3 @@ class LLM:
         if len(sampling_params) != count:
             raise ValueError(f"{len(sampling_params)} sampling params for {count} prompts")
         return list(sampling_params)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            # Chat-templated text already holds its special tokens; a raw prompt gets BOS only
-            # if the model asks for it (Tokenizer.encode knows).
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
-            return prompt.get("prompt"), ids
-        raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {prompt!r}")
-
-    def _run(self, text: str | None, ids: list[int], params: SamplingParams) -> RequestOutput:
-        metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(ids))
-        seed = int(self._seeds.integers(2**62))
-        completions = [
-            generate_reference(self.model, self.tokenizer, ids, params, index=i, seed=seed,
-                               max_model_len=self.max_model_len)
-            for i in range(params.n)
-        ]
-        metrics.finished_time = time.monotonic()
-        metrics.num_generation_tokens = sum(len(c.token_ids) for c in completions)
-        return RequestOutput(request_id=str(next(self._request_counter)), prompt=text,
-                             prompt_token_ids=ids, outputs=completions, finished=True,
-                             metrics=metrics)

@@ -13,7 +13,8 @@ from engine.model import load_model
 
 @pytest.fixture(scope="session")
 def loaded():
-    torch.set_num_threads(2)
+    # One thread: on a shared 2-core box a second torch thread makes every small op wait.
+    torch.set_num_threads(1)
     return load_model("smollm2", device="cpu", dtype=torch.float32)
 
 

@@ -17,11 +17,11 @@ OK = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         ("", OK, ValueError, "empty"),
         ({"prompt_token_ids": []}, OK, ValueError, "empty"),
         ({"prompt_token_ids": [1] * 200}, OK, ValueError, "max_model_len"),
-        ({"prompt_token_ids": [10**9]}, OK, ValueError, "prompt_token_ids"),
+        ({"prompt_token_ids": [10**9]}, OK, ValueError, "must lie in"),
         ("hi", {"max_tokens": 0}, ValueError, "max_tokens"),
         ("hi", {"n": 0}, ValueError, "n"),
         ("hi", {"temprature": 0.5}, TypeError, "temprature"),
-        (3.14, OK, TypeError, "prompt"),
+        (3.14, OK, TypeError, "a prompt is a str"),
         ("hi", "greedy", TypeError, "SamplingParams"),
     ],
 )
