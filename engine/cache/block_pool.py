@@ -15,6 +15,8 @@ ids and ``parent_id`` the serial of the cache entry its parent block matched whe
 stored (for a first block: the request's ``(cache_salt,)``), so a hit is verified exactly,
 not trusted to a 64-bit hash (see engine.cache.hashing). ``cached`` maps hash -> block,
 one block per hash: a block whose content is already indexed elsewhere stays unhashed.
+The manager's match and store loops read ``cached`` and ``entry`` directly (per-block
+method calls would double their cost).
 
 The pool emits ``evict`` itself (it alone decides which cached blocks to reuse); the
 manager emits the events that name a sequence. The "cpu" tier uses the same class; the
@@ -118,14 +120,6 @@ class BlockPool:
             ref[b] += 1
 
     # ---------------------------------------------------------- prefix index
-    def lookup(self, h: int, parent_id: Any, tokens: tuple[int, ...]) -> int | None:
-        """The cached block holding exactly ``tokens`` after ``parent_id``, or None."""
-        b = self.cached.get(h)
-        if b is None:
-            return None
-        e = self.entry[b]
-        return b if e[1] == parent_id and e[2] == tokens else None
-
     def evict(self, max_blocks: int | None = None) -> int:
         """Drop up to ``max_blocks`` (default all) cached free blocks from the index."""
         n = len(self.evictable) if max_blocks is None else min(max_blocks, len(self.evictable))
