@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="most requests in flight (default: the workload's)")
     p.add_argument("--num-requests", type=int, default=None, metavar="N",
                    help="stop after N requests have started")
+    p.add_argument("--max-wait", type=float, default=None, metavar="S",
+                   help="cancel requests still running S seconds after --duration "
+                        "(default: let them finish)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="override the workload's answer length")
     p.add_argument("--seed", type=int, default=0)
@@ -47,7 +50,7 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
     from tqdm import tqdm
 
-    from engine.load.runner import run_sessions
+    from engine.load.runner import RunState, run_sessions
     from engine.load.summary import scrape, summarize, table
     from engine.load.workloads import WorkloadError, list_workloads, load_workload, sessions
 
@@ -84,13 +87,39 @@ def _run(args: argparse.Namespace) -> int:
                         failed=sum(not r.ok for r in state.records), refresh=False)
 
     t0 = time.perf_counter()
-    state = asyncio.run(run_sessions(args.url, plan, concurrency=concurrency,
-                                     duration=duration, max_requests=args.num_requests,
-                                     model=args.model, api_key=args.api_key,
-                                     on_done=on_done))
+    state = RunState()
+    interrupted = False
+    try:
+        asyncio.run(run_sessions(args.url, plan, concurrency=concurrency, duration=duration,
+                                 max_requests=args.num_requests, model=args.model,
+                                 api_key=args.api_key, max_wait_s=args.max_wait,
+                                 on_done=on_done, state=state))
+    except KeyboardInterrupt:  # Ctrl-C: still summarise what ran
+        interrupted = True
     elapsed = time.perf_counter() - t0
     bar.close()
+    if any(r.cancelled for r in state.records) or interrupted:
+        _settle(args.url, args.api_key)
     after = scrape(args.url, args.api_key)
     summary = summarize(state.records, elapsed, before, after, w.name)
     print(json.dumps(summary, indent=2) if args.json else table(summary))
-    return 0 if state.records and summary["failed"] == 0 else 1
+    if interrupted:
+        return 130
+    return 0 if summary["ok"] and summary["failed"] == 0 else 1
+
+
+def _settle(url: str, api_key: str | None, timeout_s: float = 10.0) -> None:
+    """After cancelling requests, give the server a moment to notice the closed
+    connections and abort them (at its next step boundary), so the summary's server
+    figures include those aborts."""
+    import time
+
+    from engine.load.summary import scrape
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        m = scrape(url, api_key)
+        if m.get("kvscope:num_requests_running", 0) + m.get("kvscope:num_requests_waiting",
+                                                             0) == 0:
+            return
+        time.sleep(0.2)

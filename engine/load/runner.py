@@ -4,7 +4,9 @@ Each session runs its turns in order (turn k+1 after turn k's answer, which join
 history); at most ``concurrency`` requests are in flight. Requests stream
 (``stream_options.include_usage``) so time to first token is measured by the client.
 No new turn starts after ``duration`` seconds or once ``max_requests`` have started;
-requests already sent complete.
+requests already sent complete, or, with ``max_wait_s``, are cancelled that many seconds
+after ``duration`` (the connection closes, so the server aborts them) and recorded as
+cancelled.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class RequestRecord:
     cached_tokens: int = 0
     finish_reason: str | None = None
     text: str = ""
+    cancelled: bool = False  # cut off by max_wait_s (not a failure)
 
     @property
     def tpot_s(self) -> float | None:
@@ -96,15 +99,19 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             rec.error = "stream ended without a finish reason"
     except (httpx.HTTPError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"
+    except asyncio.CancelledError:
+        rec.cancelled, rec.error = True, "cancelled at the end of the run"
+        raise
 
 
 async def run_sessions(base_url: str, sessions: list[Session], *, concurrency: int,
                        duration: float, max_requests: int | None = None,
                        model: str | None = None, api_key: str | None = None,
-                       timeout_s: float = 600.0,
+                       timeout_s: float = 600.0, max_wait_s: float | None = None,
+                       state: RunState | None = None,
                        on_done: Callable[[RequestRecord, RunState], None] | None = None
                        ) -> RunState:
-    state = RunState()
+    state = state if state is not None else RunState()
     sem = asyncio.Semaphore(concurrency)
     url = base_url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -139,16 +146,23 @@ async def run_sessions(base_url: str, sessions: list[Session], *, concurrency: i
                     if model:
                         body["model"] = model
                     rec = RequestRecord(i, k, s.tag, 0.0)
-                    await _one(client, url, body, rec, t_run)
-                    state.in_flight -= 1
-                    state.records.append(rec)
-                    if on_done:
-                        on_done(rec, state)
+                    try:
+                        await _one(client, url, body, rec, t_run)
+                    finally:
+                        state.in_flight -= 1
+                        state.records.append(rec)
+                        if on_done:
+                            on_done(rec, state)
                 if not rec.ok:
                     return  # the conversation cannot go on without this answer
                 messages.append({"role": "assistant", "content": rec.text})
                 if s.think_s:
                     await asyncio.sleep(s.think_s)
 
-        await asyncio.gather(*(session_task(i, s) for i, s in enumerate(sessions)))
+        tasks = [asyncio.ensure_future(session_task(i, s)) for i, s in enumerate(sessions)]
+        limit = None if max_wait_s is None else duration + max_wait_s
+        _, pending = await asyncio.wait(tasks, timeout=limit)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
     return state

@@ -58,6 +58,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def summarize(records: list[RequestRecord], elapsed_s: float, before: dict[str, float],
               after: dict[str, float], workload: str) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
+    cancelled = sum(r.cancelled for r in records)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [t for r in ok if (t := r.tpot_s) is not None]
     e2e = [r.latency_s for r in ok if r.latency_s is not None]
@@ -72,8 +73,9 @@ def summarize(records: list[RequestRecord], elapsed_s: float, before: dict[str, 
         "elapsed_s": elapsed_s,
         "requests": len(records),
         "ok": len(ok),
-        "failed": len(records) - len(ok),
-        "errors": sorted({r.error for r in records if not r.ok})[:5],
+        "failed": len(records) - len(ok) - cancelled,
+        "cancelled": cancelled,
+        "errors": sorted({r.error for r in records if not r.ok and not r.cancelled})[:5],
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "cached_tokens": cached,
@@ -104,7 +106,8 @@ def table(s: dict[str, Any]) -> str:
     sv = s["server"]
     rows = [
         ("workload", s["workload"]),
-        ("requests", f"{s['ok']} ok, {s['failed']} failed (server counted {sv['requests']})"),
+        ("requests", f"{s['ok']} ok, {s['failed']} failed, {s['cancelled']} cancelled at the "
+                     f"end (server counted {sv['requests']} finished, {sv['aborted']} aborted)"),
         ("elapsed", f(s["elapsed_s"], " s")),
         ("TTFT p50 / p99", f"{f(s['ttft_ms']['p50'])} / {f(s['ttft_ms']['p99'])} ms"),
         ("TPOT p50 / p99", f"{f(s['tpot_ms']['p50'])} / {f(s['tpot_ms']['p99'])} ms"),

@@ -161,7 +161,8 @@ def _mixed(p: dict[str, Any], rng: random.Random, start: float, budget: int) -> 
         text = read_document(src)
         lo, hi = src.get("excerpt_chars", [1000, 3000])
         size = rng.randint(int(lo), int(hi))
-        at = rng.randrange(max(1, len(text) - size))
+        # "from_start": every excerpt begins at the top, so long prompts share a prefix.
+        at = 0 if src.get("from_start") else rng.randrange(max(1, len(text) - size))
         user = src.get("template", "Summarize:\n{excerpt}").format(excerpt=text[at:at + size])
         return Session(start, p.get("system"), [user], int(src.get("max_tokens", budget)),
                        tag="long")
