@@ -1,0 +1,106 @@
+"""`kvscope bench throughput`: kvscope's paged engine vs HF transformers `generate`,
+side by side in one run, same model file, same prompts, same dtype, same thread count.
+
+Prompts: N passages of 8..300 words cut (seeded) from a real English text that every
+Debian machine has (/usr/share/common-licenses/GPL-3). Each request generates exactly
+``--max-tokens`` tokens (kvscope: ignore_eos; HF: min_new_tokens = max_new_tokens), greedy.
+HF runs batched and padded (left padding), ``--hf-batch`` prompts at a time, with its
+default dynamic KV cache; kvscope gets all requests at once (continuous batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="kvscope vs HF transformers generate, same prompts")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--hf-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true", help="measure kvscope only")
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+    p.set_defaults(func=run)
+
+
+def make_prompts(n: int, seed: int) -> list[str]:
+    words = TEXT.read_text().split()
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(8, 301))
+        start = int(rng.integers(0, len(words) - length))
+        out.append(" ".join(words[start:start + length]))
+    return out
+
+
+def run_kvscope(prompts: list[str], max_tokens: int) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM("smollm2", device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+
+
+def run_hf(prompts: list[str], max_tokens: int, batch: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model.pull import resolve_model
+
+    path = resolve_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    model.eval()
+    tokens = 0
+    with torch.inference_mode():
+        warm = tok(prompts[:2], return_tensors="pt", padding=True)
+        model.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True)
+            out = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)
+            tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+        wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = make_prompts(args.num_prompts, args.seed)
+    result = {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+              "hf_batch": args.hf_batch, "threads": torch.get_num_threads(),
+              "dtype": "float32", "text": str(TEXT)}
+    if not args.json:
+        print("kvscope ...", flush=True)
+    result["kvscope"] = run_kvscope(prompts, args.max_tokens)
+    if not args.skip_hf:
+        if not args.json:
+            print("transformers generate ...", flush=True)
+        result["hf"] = run_hf(prompts, args.max_tokens, args.hf_batch)
+        result["ratio"] = result["kvscope"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
