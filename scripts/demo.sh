@@ -59,10 +59,10 @@ cleanup() {
 trap cleanup EXIT
 trap 'cleanup; exit 130' INT TERM
 
-# A small pool: 48 blocks x 8 tokens = 384 KV tokens for up to 8 sequences of ~150-400
+# A small pool: 64 blocks x 8 tokens = 512 KV tokens for up to 8 sequences of ~80-220
 # tokens, so the batch outgrows the pool (preemption) and cached prefixes get evicted.
 BASE=(--model smollm2 --port "$HTTP_PORT" --events "$EVENTS" --record "$OUT/demo.kvtrace"
-      --num-gpu-blocks 48 --block-size 8 --max-num-seqs 8 --max-model-len 2048
+      --num-gpu-blocks 64 --block-size 8 --max-num-seqs 8 --max-model-len 2048
       --enable-prefix-caching --drain-timeout 5 --log-level warning)
 # Features still being built raise a clear error at start-up: try the richest set first.
 VARIANTS=("--kv-cache-dtype int8 --preemption-mode swap --swap-space 0.05"

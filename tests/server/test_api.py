@@ -128,3 +128,18 @@ def test_models_health_metrics(daemon: Daemon) -> None:
     assert values["kvscope:time_to_first_token_seconds_count"] >= 1
     assert 0.0 <= values["kvscope:kv_cache_usage_perc"] <= 1.0
     assert values["kvscope:num_requests_running"] == 0
+
+
+def test_chat_stream_n2_indexes_and_chat_logprobs(daemon: Daemon) -> None:
+    with httpx.stream("POST", daemon.url + "/v1/chat/completions", timeout=120, json={
+            "messages": QUESTION, "max_tokens": 2, "n": 2, "temperature": 1.0, "seed": 7,
+            "stream": True, "logprobs": True, "top_logprobs": 1}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    finished = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"][0]["finish_reason"]}
+    assert set(finished) == {0, 1}
+    roles = [c["choices"][0]["index"] for c in chunks if "role" in c["choices"][0]["delta"]]
+    assert sorted(roles) == [0, 1]  # each choice's first delta carries the role
+    entries = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert len(entries) == 4 and all(len(e["top_logprobs"]) == 1 for e in entries)
