@@ -53,6 +53,8 @@ class PagedAttention:
         self.k_scales = pages.k_scales or no_scales
         self.v_scales = pages.v_scales or no_scales
         self.calibrate = [pages.format.kv_cache_dtype == "fp8"] * len(pages.k_caches)
+        # Quantized pages hold K and V in a Hadamard-rotated basis (engine.cache.page_format)
+        self.rotation = pages.format.rotation(pages.k_caches[0].device)
         self.batch: StepBatch | None = None
 
     def set_fp8_scales(self, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> None:
@@ -66,15 +68,19 @@ class PagedAttention:
                  v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         k_scale, v_scale = self.k_scales[layer], self.v_scales[layer]
+        rot = self.rotation
+        if rot is not None:
+            q, k, v = q @ rot, k @ rot, v @ rot
         if self.calibrate[layer]:
             k_scale.copy_(quant.fp8_scale_from(k))
             v_scale.copy_(quant.fp8_scale_from(v))
             self.calibrate[layer] = False
         kernels.reshape_and_cache(k, v, self.k_caches[layer], self.v_caches[layer],
                                   b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        return kernels.paged_attention(q, self.k_caches[layer], self.v_caches[layer],
-                                       b.block_tables, b.seq_lens, b.cu_seqlens_q, self.scale,
-                                       k_scale=k_scale, v_scale=v_scale)
+        out = kernels.paged_attention(q, self.k_caches[layer], self.v_caches[layer],
+                                      b.block_tables, b.seq_lens, b.cu_seqlens_q, self.scale,
+                                      k_scale=k_scale, v_scale=v_scale)
+        return out if rot is None else out @ rot.T
 
 
 def keep_freed_memory() -> None:

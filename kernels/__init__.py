@@ -7,10 +7,16 @@ backend from the tensors' device (see ``kernels.backend`` for the overrides:
 when a Triton kernel actually runs, so CPU-only use never pays for it. Nothing here imports
 ``engine``.
 
-Interface stability: the positional arguments are fixed. Options are keyword-only; the
-quantized page formats will add ``k_scale``/``v_scale`` (per token-head scales, quantized in
-``reshape_and_cache``, dequantized in ``paged_attention``) the same way, inferring the page
-format from the cache dtype, so existing callers keep working.
+Interface stability: the positional arguments are fixed. Options are keyword-only.
+
+Quantized pages (``kernels.quant`` defines them): the page format follows from the cache
+dtype -- float (auto), ``float8_e4m3fn`` (fp8), ``int8`` (int8), ``uint8`` with head_dim / 2
+bytes (int4, two values per byte). Scales are keyword-only: ``k_scale``/``v_scale`` for one
+layer (fp8: fp32 per-head ``[Hkv]`` or one value, default 1.0; int8/int4: the per-token
+scale pages ``[num_blocks, block_size, Hkv, P]`` fp16, P = 1 (scale) or 2 (scale, zero),
+required); ``k_scales``/``v_scales`` (lists, one per layer) for ``copy_blocks``.
+``reshape_and_cache`` quantizes and writes scales with the token; ``paged_attention``
+dequantizes inside the kernel. Scale pages are swapped with ``swap_blocks`` like any page.
 """
 
 from __future__ import annotations
@@ -35,17 +41,22 @@ def _impl(device: torch.device) -> ModuleType:
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Write ``key``/``value [T, Hkv, D]`` into their slots ``slot_mapping [T]`` (int64), in
-    place, cast to the cache dtype; slots < 0 are skipped."""
-    _impl(k_cache.device).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    place, cast to the cache dtype or quantized (int8/int4 write the token's scales into
+    ``k_scale``/``v_scale`` at the same slot); slots < 0 are skipped."""
+    _impl(k_cache.device).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
+                                            k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, max_seq_len: int | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for prefill with cached context, chunked prefill and decode.
 
     q ``[T, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32 (tokens
@@ -55,20 +66,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Keyword options (Triton only, ignored by the reference): ``max_seq_len``, the longest
     sequence, sizes the decode splits (default: block_tables width * block_size, which needs
     no device sync; a wrong value only unbalances the splits), ``num_splits`` fixes the
-    decode split count; ``out`` receives the result.
+    decode split count; ``out`` receives the result. ``k_scale``/``v_scale``: the scales of
+    quantized pages (module docstring).
     """
     return _impl(q.device).paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale, out=out,
-                                           max_seq_len=max_seq_len, num_splits=num_splits)
+                                           max_seq_len=max_seq_len, num_splits=num_splits,
+                                           k_scale=k_scale, v_scale=v_scale)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                block_mapping: torch.Tensor) -> None:
+                block_mapping: torch.Tensor, *, k_scales: list[torch.Tensor] | None = None,
+                v_scales: list[torch.Tensor] | None = None) -> None:
     """Copy-on-write: page ``block_mapping[i, 0]`` -> ``block_mapping[i, 1]`` in every layer's
-    K and V cache. No dst may also be a src in the same call."""
+    K and V cache, and in its per-token scale pages (required for int8/int4). No dst may
+    also be a src in the same call."""
     if not k_caches:
         return
-    _impl(k_caches[0].device).copy_blocks(k_caches, v_caches, block_mapping)
+    _impl(k_caches[0].device).copy_blocks(k_caches, v_caches, block_mapping,
+                                          k_scales=k_scales, v_scales=v_scales)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -10,7 +10,10 @@ matmuls; only prefill segments (q_len > 1) loop, once per sequence (in bounded q
 chunks). Unlike the Triton kernels they read tensor values to validate them (cheap on
 CPU) and raise ValueError before writing anything.
 
-Quantized page formats will add keyword-only arguments (``k_scale``, ``v_scale``); the
+Quantized pages (``kernels.quant``): the format follows from the cache dtype; scales are
+keyword-only ``k_scale``/``v_scale`` (fp8: per-head [Hkv]; int8/int4: per-token pages
+[num_blocks, block_size, Hkv, P]). ``reshape_and_cache`` quantizes as it writes;
+``paged_attention`` dequantizes only the pages it gathers, never the whole cache. The
 positional argument lists here are the stable interface.
 """
 
@@ -18,17 +21,22 @@ from __future__ import annotations
 
 import torch
 
-from kernels import validate
+from kernels import quant, validate
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Write key/value ``[T, Hkv, D]`` into the pages at ``slot_mapping[T]``, in place.
 
-    Slots < 0 are padding and skipped. Values are cast to the cache dtype. Two tokens must
-    not share a slot (which one wins would be unspecified).
+    Slots < 0 are padding and skipped. Values are cast to the cache dtype, or quantized
+    for fp8/int8/int4 pages (int8/int4 also write each token's scales into ``k_scale``/
+    ``v_scale`` at the same slot). Two tokens must not share a slot (which one wins would
+    be unspecified).
     """
     validate.check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    fmt = validate.check_scales(k_cache, k_scale, v_scale)
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -36,15 +44,24 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     # One index_put per cache through the (block, offset) pair: valid for any cache strides,
     # unlike a flattened view, which would silently copy a non-contiguous cache.
     index = (slots // block_size, slots % block_size)
-    k_cache.index_put_(index, key[keep].to(k_cache.dtype))
-    v_cache.index_put_(index, value[keep].to(v_cache.dtype))
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        x = x[keep]
+        if fmt == "auto":
+            cache.index_put_(index, x.to(cache.dtype))
+        elif fmt == "fp8":
+            cache.index_put_(index, quant.quantize_fp8(x, scale))
+        else:
+            codes, scales = quant.quantize(x, fmt)
+            cache.index_put_(index, codes)
+            scale.index_put_(index, scales)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, max_seq_len: int | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``q [T, Hq, D]`` over each sequence's paged K/V.
 
     Sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (q_len >= 1), the last
@@ -52,10 +69,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Query i of b sees key positions < context_len + i + 1, context_len = seq_len - q_len.
     Query head h reads KV head h // (Hq // Hkv). Softmax in fp32; returns q's dtype (written
     into ``out`` when given). ``max_seq_len`` and ``num_splits`` only tune the Triton
-    backend; they are accepted here so both backends share one signature.
+    backend; they are accepted here so both backends share one signature. Quantized pages
+    are dequantized (with ``k_scale``/``v_scale``) as they are gathered.
     """
     del max_seq_len, num_splits
     validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    validate.check_scales(k_cache, k_scale, v_scale)
+    kv = _Pages(k_cache, v_cache, k_scale, v_scale)
     num_blocks, block_size = k_cache.shape[:2]
     cu = cu_seqlens_q.long()
     lens = seq_lens.long()
@@ -68,16 +88,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     is_decode = q_lens == 1
     if bool(is_decode.all()):  # pure decode batch: row b is token b
-        result.copy_(_decode(q, k_cache, v_cache, block_tables, lens, scale))
+        result.copy_(_decode(q, kv, block_tables, lens, scale))
         return result
     decode_rows = is_decode.nonzero().flatten()
     if decode_rows.numel():
         tokens = cu[decode_rows]
-        result[tokens] = _decode(q[tokens], k_cache, v_cache, block_tables[decode_rows],
+        result[tokens] = _decode(q[tokens], kv, block_tables[decode_rows],
                                  lens[decode_rows], scale).to(result.dtype)
     for b in (~is_decode).nonzero().flatten().tolist():
         start, end = int(cu[b]), int(cu[b + 1])
-        result[start:end] = _prefill_one(q[start:end], k_cache, v_cache, block_tables[b],
+        result[start:end] = _prefill_one(q[start:end], kv, block_tables[b],
                                          int(lens[b]), scale).to(result.dtype)
     return result
 
@@ -99,8 +119,29 @@ def _check_lengths(q: torch.Tensor, cu: torch.Tensor, q_lens: torch.Tensor, lens
     validate.check_index_range("block_tables", block_tables[used], num_blocks)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+class _Pages:
+    """One layer's K/V pages with their scales; ``gather`` dequantizes selected pages."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale = k_cache, v_cache, k_scale, v_scale
+        self.format = quant.format_of(k_cache)
+        self.per_token = quant.scale_params(self.format) > 0
+
+    def gather(self, pages: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``[n]`` -> K, V ``[n, block_size, Hkv, D]`` in ``dtype``."""
+        out = []
+        for cache, scale in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale)):
+            codes = cache.index_select(0, pages)
+            if self.per_token:
+                scale = scale.index_select(0, pages)
+            out.append(quant.dequantize(codes, scale, self.format, dtype))
+        return out[0], out[1]
+
+
+def _decode(q: torch.Tensor, kv: _Pages, block_tables: torch.Tensor, lens: torch.Tensor,
+            scale: float) -> torch.Tensor:
     """One query per sequence: q [n, Hq, D], all n sequences in one gather per cache.
 
     Keys stay in the gathered [n, L, Hkv, D] layout; a short loop over KV heads hands BLAS
@@ -108,16 +149,17 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     a [n, Hkv, L, D] permute would force (measured 2x faster on 2 CPU cores).
     """
     n, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    num_blocks, block_size, num_kv_heads = kv.k_cache.shape[:3]
     group = num_heads // num_kv_heads
     max_len = int(lens.max())
     pages = block_tables[:, : (max_len + block_size - 1) // block_size].long()
     # Pages past a sequence's end may hold any id (padding); clamp so the gather stays in
     # range, the length mask below hides them.
     pages = pages.clamp(0, num_blocks - 1).flatten()
-    dtype = _compute_dtype(k_cache)
-    k = k_cache.index_select(0, pages).to(dtype).view(n, -1, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, pages).to(dtype).view(n, -1, num_kv_heads, head_dim)
+    dtype = _compute_dtype(kv.k_cache, q)
+    k, v = kv.gather(pages, dtype)
+    k = k.view(n, -1, num_kv_heads, head_dim)
+    v = v.view(n, -1, num_kv_heads, head_dim)
     qg = q.to(dtype).view(n, num_kv_heads, group, head_dim)
     beyond = torch.arange(k.shape[1], device=q.device)[None, None, :] >= lens[:, None, None]
     heads = []
@@ -133,8 +175,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 _PREFILL_SCORE_BUDGET = 16 << 20
 
 
-def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+def _prefill_one(q: torch.Tensor, kv: _Pages, table: torch.Tensor, seq_len: int,
+                 scale: float) -> torch.Tensor:
     """One sequence's q_len > 1 queries [q_len, Hq, D] against its first seq_len keys.
 
     Explicit batched matmuls per KV head group (the G query heads of a KV head become G x
@@ -142,13 +184,14 @@ def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     visible key. Measured ~2x faster than SDPA with enable_gqa and a mask on CPU.
     """
     q_len, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv.k_cache.shape[1], kv.k_cache.shape[2]
     group = num_heads // num_kv_heads
     pages = table[: (seq_len + block_size - 1) // block_size].long()
-    dtype = _compute_dtype(k_cache)
+    dtype = _compute_dtype(kv.k_cache, q)
+    k, v = kv.gather(pages, dtype)
     # [Hkv, L, D]
-    k = k_cache.index_select(0, pages).flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)
-    v = v_cache.index_select(0, pages).flatten(0, 1)[:seq_len].to(dtype).transpose(0, 1)
+    k = k.flatten(0, 1)[:seq_len].transpose(0, 1)
+    v = v.flatten(0, 1)[:seq_len].transpose(0, 1)
     context_len = seq_len - q_len
     out = torch.empty(q_len, num_heads, head_dim, dtype=dtype, device=q.device)
     chunk = max(1, _PREFILL_SCORE_BUDGET // (num_heads * seq_len))
@@ -169,27 +212,38 @@ def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def _compute_dtype(cache: torch.Tensor) -> torch.dtype:
-    """fp32 on CPU (half matmuls are slow there); the page dtype on GPU (fp32 accumulate)."""
-    return torch.float32 if cache.device.type == "cpu" else cache.dtype
+def _compute_dtype(cache: torch.Tensor, q: torch.Tensor) -> torch.dtype:
+    """fp32 on CPU (half matmuls are slow there); on GPU the page dtype (fp32 accumulate),
+    or q's dtype for quantized pages (dequantized into it)."""
+    if cache.device.type == "cpu":
+        return torch.float32
+    return cache.dtype if quant.format_of(cache) == "auto" else q.dtype
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                block_mapping: torch.Tensor) -> None:
+                block_mapping: torch.Tensor, *, k_scales: list[torch.Tensor] | None = None,
+                v_scales: list[torch.Tensor] | None = None) -> None:
     """Copy page ``src`` to page ``dst`` for each row of ``block_mapping [N, 2]``, every layer.
 
-    All sources are read before any destination is written (a snapshot), which is what the
-    Triton kernel computes too as long as no dst is also a src (true for copy-on-write: dst
-    pages are freshly allocated).
+    int8/int4 pages need their per-token scale tensors (one per layer) in ``k_scales``/
+    ``v_scales``: a page is copied with its scales. All sources are read before any
+    destination is written (a snapshot), which is what the Triton kernel computes too as
+    long as no dst is also a src (true for copy-on-write: dst pages are freshly allocated).
     """
-    validate.check_copy_blocks(k_caches, v_caches, block_mapping)
+    tensors = validate.check_copy_blocks(k_caches, v_caches, block_mapping, k_scales, v_scales)
     if block_mapping.numel() == 0:
         return
-    for cache in (*k_caches, *v_caches):
+    for cache in tensors:
         validate.check_index_range("block_mapping", block_mapping, cache.shape[0])
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
-    for cache in (*k_caches, *v_caches):
-        cache.index_copy_(0, dst, cache.index_select(0, src))
+    for cache in tensors:
+        raw = _raw(cache)
+        raw.index_copy_(0, dst, raw.index_select(0, src))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 pages as bytes: torch has no CPU index_copy_ for float8 (copying is dtype-blind)."""
+    return t.view(torch.uint8) if t.dtype == quant.FP8_DTYPE else t
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -197,7 +251,8 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
     Batched: one gather on the source device, one transfer, one scatter on the destination;
     never one copy per block. Host staging is pinned when the destination is a GPU so the
-    upload runs at full PCIe/NVLink speed. Call once per cache tensor (K and V of a layer).
+    upload runs at full PCIe/NVLink speed. Call once per cache tensor (K and V of a layer),
+    and once per per-token scale tensor of int8/int4 pages: scales travel with the block.
     """
     validate.check_block_mapping(block_mapping)
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
@@ -210,6 +265,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     validate.check_index_range("block_mapping[:, 1]", mapping[:, 1], dst.shape[0])
     src_idx = mapping[:, 0].to(src.device)
     dst_idx = mapping[:, 1].to(dst.device)
+    src, dst = _raw(src), _raw(dst)
     if src.device.type == "cpu" and dst.device.type == "cuda":
         staged = torch.empty((len(mapping), *src.shape[1:]), dtype=src.dtype, pin_memory=True)
         torch.index_select(src, 0, src_idx, out=staged)

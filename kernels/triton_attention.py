@@ -13,6 +13,12 @@ the same tile, so each K/V tile is loaded once for all of them.
   partial output and log2-sum-exp; the reduction rescales and sums the splits per head.
   Splits past the sequence's end write lse = -inf and weigh nothing.
 
+Quantized pages (FORMAT 1 fp8, 2 int8, 3 int4; ``kernels.quant``) are dequantized inside
+the key loop: each K/V tile is loaded as codes, with its per-key scales (int8/int4: from
+the scale pages, through the same page/slot as the codes; fp8: one per KV head), and
+turned into fp32 (interpreter, fp32 q) or q's dtype before tl.dot. int4 tiles load each
+byte for both of its nibbles (offset d // 2, shift 4 * (d % 2)).
+
 Offsets are int64; every load is masked, and page ids outside [0, num_blocks) read as zero
 instead of out of bounds. Softmax runs in base 2 with the scale folded into log2(e).
 Invariant kept by the caller (checked by the reference, not here, to avoid a device sync):
@@ -29,11 +35,41 @@ import triton
 import triton.language as tl
 
 from kernels import validate
+from kernels.triton_cache import FORMAT_IDS, scale_args
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # A row max that is finite even before any key is seen: exp2(-inf - (-inf)) would be NaN.
-_NEG_BIG = -1.0e30
+# (constexpr: a jit function may read only constexpr globals when compiled for a GPU)
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _load_tile(ptr, scale_ptr, page, within, kv_head, valid, offs_d, d_mask,
+               stride_b, stride_s, stride_h, stride_d,
+               stride_sb, stride_ss, stride_sh, stride_sp, FORMAT: tl.constexpr):
+    """K or V rows of BLOCK_N key positions, [BLOCK_N, BLOCK_D]: as stored (FORMAT 0),
+    else dequantized to fp32. Invalid rows read as 0 (and scale 0)."""
+    row = page * stride_b + within * stride_s + kv_head * stride_h
+    mask = valid[:, None] & d_mask[None, :]
+    if FORMAT == 3:
+        byte = tl.load(ptr + row[:, None] + (offs_d // 2)[None, :].to(tl.int64) * stride_d,
+                       mask=mask, other=0)
+        code = (byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF
+        srow = scale_ptr + page * stride_sb + within * stride_ss + kv_head * stride_sh
+        scale = tl.load(srow, mask=valid, other=0.0).to(tl.float32)
+        zero = tl.load(srow + stride_sp, mask=valid, other=0.0).to(tl.float32)
+        return code.to(tl.float32) * scale[:, None] + zero[:, None]
+    ptrs = ptr + row[:, None] + offs_d[None, :].to(tl.int64) * stride_d
+    if FORMAT == 0:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    if FORMAT == 1:  # no `other` for fp8 loads: zero the masked lanes after the upcast
+        x = tl.load(ptrs, mask=mask).to(tl.float32)
+        return tl.where(mask, x * tl.load(scale_ptr + kv_head * stride_sh), 0.0)
+    x = tl.load(ptrs, mask=mask, other=0)
+    srow = scale_ptr + page * stride_sb + within * stride_ss + kv_head * stride_sh
+    scale = tl.load(srow, mask=valid, other=0.0).to(tl.float32)
+    return x.to(tl.float32) * scale[:, None]
 
 
 @triton.jit
@@ -42,8 +78,10 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
                  stride_kb, stride_ks, stride_kh, stride_kd,
                  stride_vb, stride_vs, stride_vh, stride_vd,
                  visible_upto, scale_log2,
+                 k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
+                 stride_vsb, stride_vss, stride_vsh, stride_vsp,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST: tl.constexpr, CAUSAL: tl.constexpr):
+                 UPCAST: tl.constexpr, CAUSAL: tl.constexpr, FORMAT: tl.constexpr):
     """One online-softmax step over key positions [start_n, start_n + BLOCK_N) < kv_end.
 
     ``visible_upto`` [rows]: a row sees key positions <= it (only used when CAUSAL).
@@ -57,17 +95,16 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
     page = page.to(tl.int64)
     within = (offs_n % block_size).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k_off = page * stride_kb + within * stride_ks + kv_head * stride_kh
-    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :].to(tl.int64) * stride_kd,
-                mask=kv_mask, other=0.0)
-    v_off = page * stride_vb + within * stride_vs + kv_head * stride_vh
-    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :].to(tl.int64) * stride_vd,
-                mask=kv_mask, other=0.0)
+    k = _load_tile(k_ptr, k_scale_ptr, page, within, kv_head, valid, offs_d, d_mask,
+                   stride_kb, stride_ks, stride_kh, stride_kd,
+                   stride_ksb, stride_kss, stride_ksh, stride_ksp, FORMAT)
+    v = _load_tile(v_ptr, v_scale_ptr, page, within, kv_head, valid, offs_d, d_mask,
+                   stride_vb, stride_vs, stride_vh, stride_vd,
+                   stride_vsb, stride_vss, stride_vsh, stride_vsp, FORMAT)
     if UPCAST:  # fp32 math: fp32 pages, or the interpreter (whose bf16 tl.dot is broken)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    else:  # q is in the page dtype, or (quantized pages) the dequantized tiles in q's
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
     s = s * scale_log2
     keep = in_range[None, :]
     if CAUSAL:
@@ -80,7 +117,7 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
     if UPCAST:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
@@ -94,9 +131,11 @@ def _prefill_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bt_b, stride_bt_i,
+    k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
+    stride_vsb, stride_vss, stride_vsh, stride_vsp,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_B: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_B: tl.constexpr, UPCAST: tl.constexpr, FORMAT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,7 +165,7 @@ def _prefill_kernel(
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    else:
+    elif FORMAT == 0:
         q = q.to(k_ptr.dtype.element_ty)
 
     visible_upto = context_len + token  # inclusive
@@ -141,7 +180,10 @@ def _prefill_kernel(
             start_n, kv_end, num_blocks, block_size,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd,
-            visible_upto, scale_log2, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, True)
+            visible_upto, scale_log2,
+            k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
+            stride_vsb, stride_vss, stride_vsh, stride_vsp,
+            HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, True, FORMAT)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_off = q_rows * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :].to(tl.int64) * stride_od,
@@ -157,9 +199,11 @@ def _decode_split_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bt_b, stride_bt_i,
+    k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
+    stride_vsb, stride_vss, stride_vsh, stride_vsp,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,7 +224,7 @@ def _decode_split_kernel(
                 mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    else:
+    elif FORMAT == 0:
         q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + _NEG_BIG
@@ -195,7 +239,10 @@ def _decode_split_kernel(
             start_n, end, num_blocks, block_size,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd,
-            m_i, scale_log2, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, False)
+            m_i, scale_log2,
+            k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
+            stride_vsb, stride_vss, stride_vsh, stride_vsp,
+            HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, False, FORMAT)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SINGLE_SPLIT:
         o_off = b.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -238,9 +285,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, max_seq_len: int | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged attention; same contract as ``kernels.reference.paged_attention``."""
     validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    fmt = validate.check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.device != q.device:
@@ -250,7 +299,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
     upcast = _INTERPRET or k_cache.dtype == torch.float32 or q.dtype == torch.float32
+    ks, ks_strides = scale_args(fmt, k_cache, k_scale)
+    vs, vs_strides = scale_args(fmt, v_cache, v_scale)
     common = dict(
+        k_scale_ptr=ks, v_scale_ptr=vs,
+        stride_ksb=ks_strides[0], stride_kss=ks_strides[1], stride_ksh=ks_strides[2],
+        stride_ksp=ks_strides[3], stride_vsb=vs_strides[0], stride_vss=vs_strides[1],
+        stride_vsh=vs_strides[2], stride_vsp=vs_strides[3], FORMAT=FORMAT_IDS[fmt],
         scale_log2=scale * LOG2E, num_blocks=num_blocks, block_size=block_size,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
         stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1),

@@ -68,6 +68,16 @@ class PageFormat:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * \
             self.bytes_per_token_head
 
+    def rotation(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """The [head_dim, head_dim] Hadamard matrix H whose basis quantized pages store K and
+        V in (k H, v H; q H attends, the output is rotated back by H^T), or None: auto
+        pages, or a head_dim that is not a power of two. Why: SmolLM2's keys have a few
+        outlier channels (|k| ~16 against a median ~1) that set every per-token scale;
+        rotation spreads them, halving int8's attention error (docs/BENCHMARKS.md)."""
+        if self.kv_cache_dtype == "auto" or self.head_dim & (self.head_dim - 1):
+            return None
+        return quant.hadamard(self.head_dim, self.model_dtype, device)
+
     def num_blocks(self, budget_bytes: int) -> int:
         return int(budget_bytes) // self.bytes_per_block
 
