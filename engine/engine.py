@@ -58,9 +58,6 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_supported(config.kv_cache_dtype, self.device)  # before any weight is loaded
-        if config.preemption_mode != "recompute" or config.swap_space:
-            raise ValueError("preemption_mode='swap' and swap_space need the CPU swap tier, "
-                             "which this build does not have yet; use 'recompute'")
         self.model, self.tokenizer, self.model_config = loaded or load_model(
             config.model, device=self.device, dtype=self.dtype)
         mc = self.model_config
@@ -70,9 +67,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         num_blocks = self._num_kv_blocks()
+        num_cpu_blocks = self._num_cpu_blocks()
         self.events = self._open_events()
         self.cache = KVCacheManager(
-            num_blocks, config.block_size,
+            num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
@@ -86,6 +84,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
         self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device,
                                   self.dtype, kv_cache_dtype=config.kv_cache_dtype)
+        self.swapper = None  # the cpu tier's tensors (engine.swapper)
+        if num_cpu_blocks:
+            from engine.swapper import Swapper
+
+            self.swapper = Swapper(self.runner.kv.per_block_tensors, num_cpu_blocks)
         self.requests: dict[str, _Request] = {}
         self.step_count = 0
         self._seeds = np.random.default_rng(config.seed)  # same draw order as LLM's reference
@@ -114,6 +117,15 @@ class LLMEngine:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
                              f"{per_block} bytes; raise it")
         return int(blocks)
+
+    def _num_cpu_blocks(self) -> int:
+        """Blocks of the cpu tier: ``swap_space`` GiB of pages of the device's format."""
+        cfg = self.config
+        blocks = int(cfg.swap_space * (1 << 30)) // self.page_format.bytes_per_block
+        if cfg.preemption_mode == "swap" and blocks < 1:
+            raise ValueError(f"preemption_mode='swap' needs swap_space > 0 GiB holding at "
+                             f"least one block of {self.page_format.bytes_per_block} bytes")
+        return blocks
 
     @torch.inference_mode()
     def _profile_cuda_budget(self) -> int:
@@ -254,6 +266,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        if self.swapper is not None:  # before copy-on-write (cache.take_swap_rounds)
+            self.swapper.execute(self.cache.take_swap_rounds())
         touched: dict[str, _Request] = {}
         for seq in out.truncated:
             touched[seq.request_id] = self.requests[seq.request_id]
@@ -342,7 +356,7 @@ class LLMEngine:
         self.stats = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "swapped": 0,
+            "swapped": len(self.scheduler.swapped),
             "scheduled_tokens": out.num_batched_tokens if out else 0,
             "prefill_tokens": sum(s.num_new_tokens for s in out.scheduled
                                   if s.num_new_tokens > 1) if out else 0,
@@ -356,6 +370,11 @@ class LLMEngine:
             "used_tokens": m["used_tokens"],
             "tiers": m["tiers"],
         }
+        if self.swapper is not None:
+            self.stats.update(self.swapper.stats())
+            self.stats.update({k: m[k] for k in (
+                "swap_outs", "swap_ins", "swap_out_blocks", "swap_in_blocks",
+                "offloaded_blocks", "host_hit_tokens", "swap_fallbacks")})
         self.cache.flush_step_events()
         if self.events:
             self.events.end_step(self.step_count, self.stats)

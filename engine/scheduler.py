@@ -8,11 +8,18 @@ when the cache can hold their next chunk above the watermark, and not at all in 
 that had to preempt (admitting then would only thrash).
 
 When a running sequence cannot get blocks, the scheduler preempts the running sequence
-with the largest (priority, arrival) — lowest priority, latest arrival — which may be the
-sequence itself. Preemption frees the victim's blocks and puts it back in the waiting
-queue with its generated tokens kept (recompute mode), so it resumes exactly where it
-stopped. A sequence that cannot fit even alone in an otherwise empty cache finishes with
-reason "length" instead of looping forever.
+with the largest (priority, arrival) — lowest priority, latest arrival — among those not
+yet scheduled in this step, which may be the sequence itself. (A sequence scheduled this
+step holds slots whose K/V the step has not computed yet, and its full blocks are already
+in the prefix index: preempting it would leave uncomputed blocks cached, or swap them out.)
+Recompute mode frees the victim's blocks and puts it back in the waiting queue with its
+generated tokens kept, so it resumes exactly where it stopped. Swap mode
+(``preemption_mode="swap"``) moves its blocks to the cpu tier and parks it in the swapped
+queue; when the host pool is too full the cache manager preempts it by recompute instead
+(counted). Swapped sequences come back, by (priority, arrival), before any waiting
+sequence is admitted, in steps that preempted nothing; their blocks are copied back before
+the step's forward pass. A sequence that cannot fit even alone in an otherwise empty cache
+finishes with reason "length" instead of looping forever.
 
 Layouts: "paged" allocates blocks on demand; "contiguous" reserves ``max_model_len``
 tokens of blocks at admission (the HF/FasterTransformer baseline, for comparison only).
@@ -68,6 +75,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # admission order
+        self.swapped: list[Sequence] = []  # sorted by Sequence.sort_key; blocks on the cpu
         self.num_preemptions = 0
 
     # ------------------------------------------------------------- queues
@@ -83,10 +91,11 @@ class Scheduler:
         child.status = "running"
         self.running.append(child)
 
-    def _enqueue(self, seq: Sequence) -> None:
-        seq.status = "waiting"
-        keys = [s.sort_key() for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
+    def _enqueue(self, seq: Sequence, queue: list[Sequence] | None = None) -> None:
+        queue = self.waiting if queue is None else queue
+        seq.status = "waiting" if queue is self.waiting else "swapped"
+        keys = [s.sort_key() for s in queue]
+        queue.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished, stopped or aborted) and free its blocks."""
@@ -94,6 +103,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == "waiting":
             self.waiting.remove(seq)
+        elif seq.status == "swapped":
+            self.swapped.remove(seq)
         seq.status = "finished"
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()
@@ -101,7 +112,7 @@ class Scheduler:
                           ("length" if reason == "length" else "stop"))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -122,7 +133,9 @@ class Scheduler:
                 s.num_new_tokens for s in scheduled.values())
 
         if not out.preempted:
-            self._admit(scheduled, budget)
+            budget = self._swap_in(scheduled, budget, out)
+            if not self.swapped:
+                self._admit(scheduled, budget)
 
         # Keep the order of self.running so batches are deterministic.
         out.scheduled = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
@@ -135,7 +148,8 @@ class Scheduler:
         if self.config.kv_layout == "contiguous":
             return True  # everything was reserved at admission
         while self.cache.allocate_slots(seq.seq_id, n) is None:
-            victim = max(self.running, key=Sequence.sort_key)
+            victim = max((s for s in self.running if s.seq_id not in scheduled),
+                         key=Sequence.sort_key)
             if victim is seq and len(self.running) == 1:
                 # Alone in the cache and still too big: it can never fit.
                 self.finish(seq, "length")
@@ -149,12 +163,35 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.cache.preempt(seq.seq_id, "recompute")
-        seq.num_computed_tokens = 0
+        mode = self.cache.preempt(seq.seq_id, self.config.preemption_mode)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
-        self._enqueue(seq)
+        if mode == "swap":  # its computed tokens stay valid, on the host
+            self._enqueue(seq, self.swapped)
+        else:
+            seq.num_computed_tokens = 0
+            self._enqueue(seq)
+
+    def _swap_in(self, scheduled: dict[str, ScheduledSeq], budget: int,
+                 out: SchedulerOutput) -> int:
+        """Bring swapped sequences back while the cache and the budget allow; returns the
+        budget left. Swapped sequences need no watermark: they were running already."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens_to_compute, budget)
+            # Alone and too big even with nothing else running: _grow finishes it.
+            if not (self.cache.can_swap_in(seq.seq_id, n)
+                    or not self.running and self.cache.can_swap_in(seq.seq_id, 0)):
+                break
+            self.swapped.pop(0)
+            self.cache.swap_in(seq.seq_id)
+            seq.status = "running"
+            self.running.append(seq)
+            if self._grow(seq, n, scheduled, out):
+                scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+                budget -= n
+        return budget
 
     def _admit(self, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
         contiguous = self.config.kv_layout == "contiguous"

@@ -19,12 +19,16 @@ The manager's match and store loops read ``cached`` and ``entry`` directly (per-
 method calls would double their cost).
 
 The pool emits ``evict`` itself (it alone decides which cached blocks to reuse); the
-manager emits the events that name a sequence. The "cpu" tier uses the same class; the
-swap and offload paths that fill it are reserved for the CPU swap tier issue.
+manager emits the events that name a sequence. The "cpu" tier uses the same class (its
+blocks hold swapped-out sequences and the host prefix cache, see engine.cache.host_tier);
+``writeback``, when set, is called with every batch of evicted blocks and their entries
+right after ``evict`` is emitted, before the blocks are handed out again: the gpu pool's
+hook writes them back to the host tier.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.cache.eviction import EvictionPolicy
@@ -52,6 +56,7 @@ class BlockPool:
         self.sink = sink
         self.num_evictions = 0
         self.num_stored = 0  # blocks ever indexed; also the last serial handed out
+        self.writeback: Callable[[list[int], list[Entry]], None] | None = None
 
     # ---------------------------------------------------------------- counts
     @property
@@ -71,6 +76,15 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks (ref 1, unhashed): free blocks first, then evict cached ones.
         The caller has checked ``n <= num_free_blocks``."""
+        blocks = self.take(n)
+        ref = self.ref
+        for b in blocks:
+            ref[b] = 1
+        return blocks
+
+    def take(self, n: int) -> list[int]:
+        """``n`` blocks out of the free stack and the eviction order, unhashed, ref still 0:
+        the caller gives them a reference or an index entry."""
         free = self.free_blocks
         k = len(free)
         if n <= k:
@@ -81,9 +95,6 @@ class BlockPool:
             blocks = free[::-1]
             free.clear()
             blocks += self._evict(n - k)
-        ref = self.ref
-        for b in blocks:
-            ref[b] = 1
         return blocks
 
     def release(self, blocks: list[int]) -> None:
@@ -135,10 +146,13 @@ class BlockPool:
         entry, cached = self.entry, self.cached
         victims = self.evictable.pop(n)
         victims.sort()
-        for b in victims:
-            del cached[entry[b][0]]
+        entries = [entry[b] for b in victims]
+        for b, e in zip(victims, entries, strict=True):
+            del cached[e[0]]
             entry[b] = None
         self.num_evictions += n
         if self.sink.enabled:
             self.sink.emit(S.EVICT, tier=self.tier, blocks=victims)
+        if self.writeback is not None:
+            self.writeback(victims, entries)
         return victims

@@ -18,6 +18,10 @@ def _require(cond: bool, msg: str) -> None:
 
 
 def check_invariants(m: KVCacheManager) -> None:
+    """Per tier: ref counts equal the block-table entries of the sequences whose table is
+    in that tier; every block is exactly one of free / cached free / used; the hash index
+    and the entries agree. Per sequence: its table is in the tier its status implies
+    (swapped <=> cpu) and its indexed blocks hold its own chain of hashes and tokens."""
     bs = m.block_size
     for name, pool in m.pools.items():
         n, ref, entry, evictable = pool.num_blocks, pool.ref, pool.entry, pool.evictable
@@ -27,7 +31,7 @@ def check_invariants(m: KVCacheManager) -> None:
         # ref counts = block-table entries (the prefix index holds no reference)
         expected = [0] * n
         for s in m._seqs.values():
-            if name == "gpu":
+            if s.tier == name:
                 for b in s.block_table:
                     expected[b] += 1
         if ref != expected:
@@ -55,6 +59,10 @@ def check_invariants(m: KVCacheManager) -> None:
             _require(e is not None and e[0] == h and len(e[2]) == bs,
                      f"{name}: index maps {h} to block {b}, which holds {e!r}")
     for sid, s in m._seqs.items():
+        pool = m.pools.get(s.tier)
+        _require(pool is not None, f"{sid}: table in missing tier {s.tier!r}")
+        _require((s.status == "swapped") == (s.tier == "cpu"),
+                 f"{sid}: status {s.status} with its table in tier {s.tier}")
         _require(s.num_tokens >= 0, f"{sid}: negative token count")
         _require(len(s.block_table) == -(-s.num_tokens // bs),
                  f"{sid}: {len(s.block_table)} blocks for {s.num_tokens} tokens")
@@ -62,22 +70,23 @@ def check_invariants(m: KVCacheManager) -> None:
         _require(s.num_stored <= min(s.num_tokens, len(s.token_ids)) // bs,
                  f"{sid}: {s.num_stored} blocks offered to the index beyond the known tokens")
         if m.enable_prefix_caching:
-            _require(s.num_stored == min(s.num_tokens, len(s.token_ids)) // bs,
+            _require(s.tier == "cpu"  # swapped: its blocks are offered when it swaps in
+                     or s.num_stored == min(s.num_tokens, len(s.token_ids)) // bs,
                      f"{sid}: a full, known block was not offered to the prefix index")
             # the manager's inlined hashing is the documented chain
             chain = chain_hashes(s.token_ids[:s.num_stored * bs], bs, s.cache_salt)
             _require(s.chain_hash == (chain[-1] if chain else s.root_hash),
                      f"{sid}: chain tip disagrees with hashing.chain_hashes")
             for i, h in enumerate(chain):
-                e = m.gpu.entry[s.block_table[i]]
+                e = pool.entry[s.block_table[i]]
                 tokens = tuple(s.token_ids[i * bs:(i + 1) * bs])
                 _require(e is None or (e[0] == h and e[2] == tokens),
                          f"{sid}: cached block {i} holds another hash or other tokens")
         if s.num_tokens % bs:
             last = s.block_table[-1]
-            _require(m.gpu.entry[last] is None, f"{sid}: its partial last block is hashed")
+            _require(pool.entry[last] is None, f"{sid}: its partial last block is hashed")
             for o in m._seqs.values():
-                if o.block_table and o.block_table[-1] == last:
+                if o.tier == s.tier and o.block_table and o.block_table[-1] == last:
                     _require(o.num_tokens % bs == s.num_tokens % bs,
                              f"{sid}: shared partial block {last} filled differently")
         _require(s.status in ("waiting", "running", "swapped"), f"{sid}: bad status")

@@ -18,8 +18,13 @@ The scheduler's flow, per sequence::
         then, after sampling, append_token_ids(sid, [new_id])
     preempt(sid)                     # recompute: blocks freed, back to waiting; token ids
                                      # kept, so match_prefix can re-share them later
+    preempt(sid, "swap")             # -> "swap": table moved to the cpu tier, status
+                                     # swapped; -> "recompute" when the host is too full
+    if can_swap_in(sid, n, watermark):
+        swap_in(sid)                 # table back on the gpu, running; then allocate_slots
     finish(sid, "stop")              # frees and forgets the sequence
-    ... end of every step: take_copy_orders() for the runner, flush_step_events()
+    ... end of every step: take_swap_rounds() and take_copy_orders() for the runner (in
+        that order), flush_step_events()
 
 Rules:
 - Blocks are allocated on demand, never reserved: a sequence holds
@@ -44,15 +49,25 @@ Rules:
   order of the swappable policy ("lru", "lfu", "priority"); blocks with ref > 0 are never
   evicted. ``priority``: larger = more important (kept longer by the "priority" policy).
 - Every bad call raises CacheError before changing anything.
-- The "cpu" pool exists when ``num_cpu_blocks > 0``; swap (``preempt(mode="swap")``) and
-  offload are reserved for the CPU swap tier issue and raise CacheError for now.
+- The "cpu" tier exists when ``num_cpu_blocks > 0`` (engine.cache.host_tier): swap space
+  for ``preempt(mode="swap")``, and, with prefix caching, a write-back host prefix cache:
+  an evicted cached gpu block is copied to the host, and ``match_prefix`` continues past
+  the gpu index into the host index, loading those blocks back (``host_hit``). A swapped
+  sequence's table holds host block ids; it can only be finished or swapped in.
+- Block copies between tiers are queued as swap orders with a sequential meaning; the
+  runner executes ``take_swap_rounds()`` (batched, engine.cache.transfers) before the
+  step's copy-on-write orders and forward pass.
 
 Events: the constructor emits ``tier_init`` per tier; ``add_sequence``/``fork`` emit
 ``seq_add`` (``fork`` also ``fork``, and ``seq_start`` when the parent runs);
 ``match_prefix`` ``hit``; ``allocate_slots`` ``evict`` (lazy eviction), ``cow``, ``alloc``,
 ``store``; ``append_token_ids`` ``store`` (lookahead only); ``free``/``preempt``/``finish``
 ``free`` then ``seq_preempt``/``seq_finish``; ``start``/``resume`` ``seq_start``/
-``seq_resume``; ``evict_cached`` ``evict``. Token counts are not an event per token:
+``seq_resume``; ``evict_cached`` ``evict``; ``preempt(mode="swap")`` ``offload`` (the
+host copies that get indexed) then ``swap_out`` and ``seq_preempt``; ``swap_in``
+``swap_in``, ``store`` (gpu) and ``seq_resume``; any gpu eviction with a host tier
+``evict`` then ``offload``, and a host eviction ``evict`` (tier cpu); ``match_prefix``
+``hit``/``host_hit`` in table order. Token counts are not an event per token:
 ``flush_step_events`` emits one ``seq_tokens`` for the sequences whose count changed.
 """
 
@@ -66,8 +81,10 @@ from engine.cache.block_pool import BlockPool
 from engine.cache.errors import CacheError
 from engine.cache.eviction import make_policy
 from engine.cache.hashing import root_hash
+from engine.cache.host_tier import HostTier
 from engine.cache.sequence import CacheSeq
 from engine.cache.slots import slot_mapping
+from engine.cache.transfers import Round, plan_rounds
 from engine.cache.validation import check_count, is_int, token_list
 from engine.events import schema as S
 from engine.events.sink import EventSink, NullSink
@@ -107,12 +124,17 @@ class KVCacheManager:
                 )
         self.gpu = self.pools["gpu"]
         self._ref = self.gpu.ref  # the decode fast path reads it directly
+        self.host: HostTier | None = None
+        if "cpu" in self.pools:
+            self.host = HostTier(self.gpu, self.pools["cpu"], self.sink,
+                                 write_back=self.enable_prefix_caching)
         self._seqs: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_cow_copies = 0
         self.num_preemptions = 0
+        self.num_swap_fallbacks = 0  # swap preemptions done as recompute: host too full
         if self.sink.enabled:
             for pool in self.pools.values():
                 self.sink.emit(
@@ -171,6 +193,8 @@ class KVCacheManager:
         the block whose first positions are already computed), or, when the pool has too
         few blocks, the fork raises CacheError and nothing changes."""
         parent = self._get(parent_id)
+        if parent.tier != "gpu":
+            raise CacheError(f"cannot fork {parent_id!r}: it is swapped out")
         if not isinstance(child_id, str):
             raise CacheError(f"sequence ids are str, got {child_id!r}")
         if child_id in self._seqs:
@@ -224,33 +248,86 @@ class KVCacheManager:
         if self.sink.enabled:
             self.sink.emit(S.SEQ_START, seq=seq_id)
 
-    def preempt(self, seq_id: str, mode: str = "recompute") -> None:
-        """Running -> waiting, all blocks freed (its token ids are kept for recompute)."""
+    def preempt(self, seq_id: str, mode: str = "recompute") -> str:
+        """Take a running sequence off the gpu; returns the mode used.
+
+        "recompute": running -> waiting, all blocks freed (its token ids are kept, so it
+        recomputes, re-sharing what is still cached). "swap": running -> swapped, its table
+        moved to the cpu tier (its gpu blocks are released, so hashed ones stay cached
+        there until evicted); when the host pool cannot take it, it is preempted by
+        recompute instead (counted in ``num_swap_fallbacks``)."""
         seq = self._get(seq_id)
-        if mode == "swap":
-            raise CacheError("swap preemption is reserved for the CPU swap tier")
-        if mode != "recompute":
-            raise CacheError(f"unknown preemption mode {mode!r}")
+        if mode not in S.PREEMPT_MODES:
+            raise CacheError(f"unknown preemption mode {mode!r}; one of {S.PREEMPT_MODES}")
+        if mode == "swap" and self.host is None:
+            raise CacheError("swap preemption needs a cpu tier (num_cpu_blocks > 0)")
         if seq.status != "running":
             raise CacheError(f"cannot preempt {seq_id!r}: it is {seq.status}")
+        self.num_preemptions += 1
+        if mode == "swap":
+            if self.host.swap_out(seq):
+                seq.status = "swapped"
+                if self.sink.enabled:
+                    self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode="swap")
+                return "swap"
+            self.num_swap_fallbacks += 1
         self._free(seq)
         seq.status = "waiting"
-        self.num_preemptions += 1
         if self.sink.enabled:
-            self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode=mode)
+            self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode="recompute")
+        return "recompute"
+
+    def can_swap_in(self, seq_id: str, num_new_tokens: int = 0,
+                    watermark: float = 0.0) -> bool:
+        """Whether ``swap_in(seq_id)`` followed by ``allocate_slots(seq_id,
+        num_new_tokens)`` would succeed and leave ``watermark * num_gpu_blocks`` blocks."""
+        seq = self._swapped(seq_id)
+        check_count(num_new_tokens)
+        if not (isinstance(watermark, (int, float)) and 0.0 <= watermark < 1.0):
+            raise CacheError(f"watermark must be in [0, 1), got {watermark!r}")
+        _, need = self.host.swap_in_cost(seq.block_table)
+        if num_new_tokens:  # after the swap-in its partial last block is private
+            need += -(-(seq.num_tokens + num_new_tokens) // self.block_size) \
+                - len(seq.block_table)
+        return need <= self.gpu.num_free_blocks - int(watermark * self.gpu.num_blocks)
+
+    def swap_in(self, seq_id: str) -> bool:
+        """Swapped -> running: the table moves back to gpu blocks (shared where the gpu
+        still indexes the same content). False, with nothing changed, when the gpu pool is
+        too full."""
+        seq = self._swapped(seq_id)
+        if not self.host.swap_in(seq):
+            return False
+        seq.status = "running"
+        if self.enable_prefix_caching:
+            self._store_full_blocks(seq)  # blocks whose ids arrived while swapped out
+        if self.sink.enabled:
+            self.sink.emit(S.SEQ_RESUME, seq=seq_id)
+        return True
+
+    def _swapped(self, seq_id: str) -> CacheSeq:
+        seq = self._get(seq_id)
+        if seq.status != "swapped":
+            raise CacheError(f"{seq_id!r} is not swapped out (status {seq.status})")
+        return seq
 
     def resume(self, seq_id: str) -> None:
         """A preempted sequence runs again (allocate its blocks first)."""
         seq = self._get(seq_id)
-        if not seq.started or seq.status == "running":
-            raise CacheError(f"{seq_id!r} was not preempted (status {seq.status})")
+        if not seq.started or seq.status != "waiting":
+            raise CacheError(f"{seq_id!r} was not preempted by recompute (status "
+                             f"{seq.status}; a swapped sequence resumes with swap_in)")
         seq.status = "running"
         if self.sink.enabled:
             self.sink.emit(S.SEQ_RESUME, seq=seq_id)
 
     def free(self, seq_id: str) -> None:
-        """Drop the sequence's blocks; it stays known (status unchanged)."""
-        self._free(self._get(seq_id))
+        """Drop the sequence's blocks; it stays known (status unchanged). A swapped
+        sequence cannot be freed (it would be swapped with nothing): finish it instead."""
+        seq = self._get(seq_id)
+        if seq.status == "swapped":
+            raise CacheError(f"{seq_id!r} is swapped out: finish it or swap it in")
+        self._free(seq)
 
     def finish(self, seq_id: str, reason: str) -> None:
         """Free the sequence's blocks and forget it."""
@@ -266,21 +343,27 @@ class KVCacheManager:
         table = seq.block_table
         if not table:
             return
-        self.gpu.release(table)
+        self.pools[seq.tier].release(table)
         if self.sink.enabled:
-            self.sink.emit(S.FREE, tier="gpu", seq=seq.seq_id, blocks=table)
+            self.sink.emit(S.FREE, tier=seq.tier, seq=seq.seq_id, blocks=table)
         seq.drop_table()
 
     # --------------------------------------------------------- prefix cache
     def match_prefix(self, seq_id: str) -> int:
         """Share the longest verified cached prefix of the sequence's token ids (up to all
         but the last token); return the number of computed tokens. Call it while the
-        sequence holds no blocks (admission, or re-admission after a preemption)."""
+        sequence holds no blocks (admission, or re-admission after a preemption). With a
+        cpu tier the prefix may continue in the host index: those blocks are loaded into
+        fresh gpu blocks (as many as the gpu pool can take)."""
         seq = self._get(seq_id)
         if seq.block_table:
             raise CacheError(f"{seq_id!r} already holds blocks; free it before matching")
+        if seq.status == "swapped":
+            raise CacheError(f"{seq_id!r} is swapped out: swap it in instead")
         if not self.enable_prefix_caching:
             return 0
+        if self.host is not None:
+            return self._match_both_tiers(seq)
         bs, toks, pool = self.block_size, seq.token_ids, self.gpu
         cached, entry = pool.cached, pool.entry
         blocks: list[int] = []
@@ -311,22 +394,90 @@ class KVCacheManager:
                                tokens=num_hit)
         return num_hit
 
+    def _match_both_tiers(self, seq: CacheSeq) -> int:
+        """match_prefix over the gpu index, then the host index, block by block."""
+        bs, toks, gpu, host = self.block_size, seq.token_ids, self.gpu, self.host.host
+        found: list[tuple[bool, int]] = []  # (on the host?, block), in table order
+        ph, pid = seq.root_hash, seq.root_id
+        for chunk in zip(*[islice(toks, (len(toks) - 1) // bs * bs)] * bs, strict=True):
+            h = hash((ph, chunk))
+            b = gpu.cached.get(h)
+            if b is not None:
+                e = gpu.entry[b]
+                if e[1] != pid or e[2] != chunk:  # a collision: the host copy could not be
+                    break  # indexed on the gpu under this hash either
+                found.append((False, b))
+            else:
+                y = host.cached.get(h)
+                if y is None:
+                    break
+                e = host.entry[y]
+                if e[1] != pid or e[2] != chunk:
+                    break
+                found.append((True, y))
+            pid = e[3]
+            ph = h
+        # Loading host blocks takes gpu blocks: keep the prefix that fits.
+        room = gpu.num_free_blocks - sum(1 for on_host, b in found
+                                         if not on_host and gpu.ref[b] == 0)
+        for i, (on_host, _) in enumerate(found):
+            if on_host:
+                room -= 1
+                if room < 0:
+                    del found[i:]
+                    break
+        if not found:
+            self.num_query_tokens += len(toks)
+            return 0
+        on_gpu = [b for on_host, b in found if not on_host]
+        if on_gpu:  # revive first: loading the host blocks may evict cached gpu blocks
+            gpu.share(on_gpu, seq.priority)
+        loaded = iter(self.host.load([b for on_host, b in found if on_host], seq.priority))
+        table = []
+        runs: list[tuple[bool, list[int], list[int]]] = []  # (host?, src, table blocks)
+        for on_host, b in found:
+            x = next(loaded) if on_host else b
+            table.append(x)
+            if not runs or runs[-1][0] != on_host:
+                runs.append((on_host, [], []))
+            runs[-1][1].append(b)
+            runs[-1][2].append(x)
+        num_hit = len(table) * bs
+        self.num_query_tokens += len(toks)
+        self.num_hit_tokens += num_hit
+        last = gpu.entry[table[-1]]
+        seq.block_table = table
+        seq.tier = "gpu"
+        seq.num_tokens = num_hit
+        seq.num_stored = len(table)
+        seq.chain_hash, seq.chain_id = last[0], last[3]
+        if self.sink.enabled:
+            for on_host, src, dst in runs:
+                if on_host:
+                    self.sink.emit(S.HOST_HIT, seq=seq.seq_id, src=src, dst=dst,
+                                   tokens=len(dst) * bs)
+                else:
+                    self.sink.emit(S.HIT, tier="gpu", seq=seq.seq_id, blocks=dst,
+                                   tokens=len(dst) * bs)
+        return num_hit
+
     def evict_cached(self, max_blocks: int | None = None) -> int:
         """Evict up to ``max_blocks`` (default: all) cached free blocks now, in policy
         order; returns how many. (Allocation evicts lazily; this is a prefix-cache reset.)"""
         if max_blocks is not None and (not is_int(max_blocks) or max_blocks < 0):
             raise CacheError(f"max_blocks must be an int >= 0, got {max_blocks!r}")
-        return self.gpu.evict(max_blocks)
+        return self.gpu.evict(max_blocks)  # with a cpu tier, written back to the host
 
     def _store_full_blocks(self, seq: CacheSeq) -> None:
         """Index the sequence's newly full blocks whose token ids are known."""
         bs = self.block_size
         full = min(seq.num_tokens, len(seq.token_ids)) // bs
         first = seq.num_stored
-        if first >= full:
+        if first >= full or seq.tier != "gpu":  # swapped: stored when it is swapped in
             return
         pool = self.gpu
         cached, entry, serial = pool.cached, pool.entry, pool.num_stored
+        host = self.host.host.cached if self.host is not None else None
         ph, pid = seq.chain_hash, seq.chain_id
         stored = []
         # zip(*[it] * bs) cuts the token span into bs-tuples at C speed.
@@ -339,11 +490,18 @@ class KVCacheManager:
             elif pid is not None:
                 other = cached.get(h)
                 if other is None:
-                    serial += 1
-                    entry[b] = (h, pid, chunk, serial)
+                    # A content the host still holds keeps its serial (host_tier docstring).
+                    y = host.get(h) if host else None
+                    he = self.host.host.entry[y] if y is not None else None
+                    if he is not None and he[1] == pid and he[2] == chunk:
+                        entry[b] = he
+                        pid = he[3]
+                    else:
+                        serial += 1
+                        entry[b] = (h, pid, chunk, serial)
+                        pid = serial
                     cached[h] = b
                     stored.append(b)
-                    pid = serial
                 else:  # the same content under another block stays the indexed one
                     oe = entry[other]
                     pid = oe[3] if oe[1] == pid and oe[2] == chunk else None
@@ -365,6 +523,8 @@ class KVCacheManager:
         check_count(num_new_tokens)
         if not (isinstance(watermark, (int, float)) and 0.0 <= watermark < 1.0):
             raise CacheError(f"watermark must be in [0, 1), got {watermark!r}")
+        if seq.tier != "gpu":
+            raise CacheError(f"{seq_id!r} is swapped out: use can_swap_in")
         need = self._blocks_needed(seq, num_new_tokens)
         reserve = int(watermark * self.gpu.num_blocks)
         return need == 0 or need <= self.gpu.num_free_blocks - reserve
@@ -379,7 +539,7 @@ class KVCacheManager:
             n = seq.num_tokens
             bs = self.block_size
             off = n % bs
-            if off:
+            if off and seq.tier == "gpu":
                 last = seq.block_table[-1]
                 if self._ref[last] == 1:
                     seq.num_tokens = n + 1
@@ -389,6 +549,8 @@ class KVCacheManager:
         if seq is None:
             self._get(seq_id)  # raises
         check_count(num_new_tokens)
+        if seq.tier != "gpu":
+            raise CacheError(f"{seq_id!r} is swapped out: swap it in before allocating")
         return self._allocate(seq, num_new_tokens)
 
     def _blocks_needed(self, seq: CacheSeq, n: int) -> int:
@@ -421,12 +583,20 @@ class KVCacheManager:
                                src=[src], dst=[dst])
         if blocks:
             table += blocks
+            seq.tier = "gpu"  # as the mirror's alloc does (a table emptied on the cpu)
             if self.sink.enabled:
                 self.sink.emit(S.ALLOC, tier="gpu", seq=seq.seq_id, blocks=blocks)
         seq.num_tokens = end = start + n
         if self.enable_prefix_caching and min(end, len(seq.token_ids)) // bs > seq.num_stored:
             self._store_full_blocks(seq)
         return slot_mapping(table, bs, start, end)
+
+    def take_swap_rounds(self) -> list[Round]:
+        """The block copies between tiers queued since the last call, batched into rounds
+        of (gpu->cpu pairs, cpu->gpu pairs) (engine.cache.transfers). The runner performs
+        them in order, each round's first list before its second, before the step's
+        copy-on-write orders and forward pass."""
+        return plan_rounds(self.host.take_orders()) if self.host is not None else []
 
     def take_copy_orders(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued by copy-on-write since the last call. The
@@ -450,6 +620,10 @@ class KVCacheManager:
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
+
+    @property
+    def num_swapped(self) -> int:
+        return sum(1 for s in self._seqs.values() if s.status == "swapped")
 
     @property
     def num_free_blocks(self) -> int:

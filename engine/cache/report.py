@@ -24,7 +24,7 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
         "seqs": {
             sid: {
                 "status": s.status,
-                "tier": "gpu",
+                "tier": s.tier,
                 "block_table": list(s.block_table),
                 "num_tokens": s.num_tokens,
             }
@@ -47,6 +47,16 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
     prefix_hit_rate     hit / query tokens
     stored_blocks       blocks ever indexed; evictions: cached blocks ever evicted
     cow_copies          copy-on-write copies; preemptions; num_seqs (known sequences)
+    cpu tier (zeros without one):
+    swapped             sequences swapped out now; swap_outs, swap_ins: sequences moved
+    swap_out_blocks     table entries moved to the host (a block shared on the host counts
+                        per holder); swap_in_blocks likewise back
+    copied_out_blocks   gpu -> host block copies (swap-outs and write-backs, the transfer
+                        volume); copied_in_blocks host -> gpu (swap-ins and host hits)
+    offloaded_blocks    evicted cached gpu blocks written back to the host
+    host_hit_tokens     prefix tokens loaded from the host instead of recomputed (also in
+                        prefix_hit_tokens)
+    swap_fallbacks      swap preemptions done by recompute because the host was full
     """
     tiers = {
         name: {
@@ -65,6 +75,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
         for s in m._seqs.values() if s.num_tokens % bs
     }
     used_tokens = gpu.num_used_blocks * bs - sum(unfilled.values())
+    h = m.host
     return {
         "tiers": tiers,
         "block_usage": gpu.num_used_blocks / gpu.num_blocks,
@@ -78,4 +89,14 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
         "cow_copies": m.num_cow_copies,
         "preemptions": m.num_preemptions,
         "num_seqs": len(m._seqs),
+        "swapped": m.num_swapped,
+        "swap_outs": h.num_swap_outs if h else 0,
+        "swap_ins": h.num_swap_ins if h else 0,
+        "swap_out_blocks": h.swapped_out_blocks if h else 0,
+        "swap_in_blocks": h.swapped_in_blocks if h else 0,
+        "copied_out_blocks": h.copied_out_blocks if h else 0,
+        "copied_in_blocks": h.copied_in_blocks if h else 0,
+        "offloaded_blocks": h.offloaded_blocks if h else 0,
+        "host_hit_tokens": h.host_hit_blocks * bs if h else 0,
+        "swap_fallbacks": m.num_swap_fallbacks,
     }

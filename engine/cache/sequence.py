@@ -18,12 +18,15 @@ class CacheSeq:
       (``root_hash`` when none) and ``chain_id`` the serial of the cache entry holding
       its content (``root_id`` when none), or None when that could not be proven (then
       no later block is indexed). Only the tip is kept: the next block needs no more.
+    - ``tier`` is the pool ``block_table`` points into: "cpu" exactly while the sequence
+      is swapped out (status "swapped"); it keeps the last tier when the table empties,
+      as the event mirror does.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "num_tokens", "block_table", "status",
         "started", "priority", "cache_salt", "root_hash", "root_id", "chain_hash", "chain_id",
-        "num_stored", "reported_tokens",
+        "num_stored", "reported_tokens", "tier",
     )
 
     def __init__(
@@ -45,6 +48,7 @@ class CacheSeq:
         self.chain_id: Any = self.root_id
         self.num_stored = 0
         self.reported_tokens = 0  # num_tokens as the event stream last stated it
+        self.tier = "gpu"
 
     def drop_table(self) -> None:
         self.block_table = []

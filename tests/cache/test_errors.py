@@ -67,7 +67,7 @@ BAD_CALLS = {
     "resume a never-preempted waiting seq": lambda m: m.resume("wait"),
     "resume a running seq": lambda m: m.resume("run"),
     "preempt a waiting seq": lambda m: m.preempt("wait"),
-    "swap preemption is reserved": lambda m: m.preempt("run", mode="swap"),
+    "swap preemption without a cpu tier": lambda m: m.preempt("run", mode="swap"),
     "unknown preemption mode": lambda m: m.preempt("run", mode="drop"),
     "unknown finish reason": lambda m: m.finish("run", "bored"),
     "match while holding blocks": lambda m: m.match_prefix("run"),
