@@ -380,6 +380,9 @@ class LLMEngine:
             self.events.end_step(self.step_count, self.stats)
 
     def close(self) -> None:
+        """Publish what happened since the last step (e.g. an abort on an idle engine) as
+        a final batch, then flush and close the event stream and recording."""
         if self.events:
+            self._close_step(0.0, None)
             self.events.close()
             self.events = None

@@ -70,9 +70,10 @@ class Timeline:
         col[_TIME, n] = _num(batch.get("time", 0.0))
         for i, key in _STAT_COLS:
             col[i, n] = _num(stats.get(key, 0))
-        # Prefer what the events say; stats may be absent in hand-made recordings.
-        col[_PREEMPT, n] = max(preempts, _num(stats.get("preemptions")))
-        col[_EVICT, n] = max(evicted, _num(stats.get("evictions")))
+        # Per-step marks come from the events themselves (the stats' counters are
+        # cumulative totals, see engine.events.schema).
+        col[_PREEMPT, n] = preempts
+        col[_EVICT, n] = evicted
         col[_EVENTS, n] = len(events)
         tiers = stats.get("tiers") or {}
         for tier, (iu, ic, i_f) in _TIER_COLS.items():
@@ -96,9 +97,10 @@ class Timeline:
         self.n = int(np.searchsorted(self.col("step"), step, side="right"))
 
     def hit_rate(self) -> np.ndarray:
-        """Cumulative prefix-cache hit rate: hit tokens / query tokens so far (NaN before any)."""
-        q = np.cumsum(self.col("query_tokens"))
-        h = np.cumsum(self.col("hit_tokens"))
+        """Prefix-cache hit rate since the engine started: the stats' hit and query token
+        counters are cumulative (NaN before any query)."""
+        q = self.col("query_tokens")
+        h = self.col("hit_tokens")
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(q > 0, h / np.maximum(q, 1), np.nan)
 

@@ -43,7 +43,6 @@ def manager_steps(steps: int, seed: int) -> Any:
     budget: dict[str, int] = {}  # tokens still to generate
     started: set[str] = set()  # sequences that ran once (a re-admission is a resume)
     next_id = 0
-    prev = mgr.metrics()
     for step in range(steps):
         # Arrivals: a burst (the queue builds, the pool fills, preemption), then a lull
         # (the queue drains). A shared system prompt plus a user tail; some fork.
@@ -102,12 +101,10 @@ def manager_steps(steps: int, seed: int) -> Any:
         stats = {
             "running": len(running), "waiting": len(waiting), "swapped": 0,
             "scheduled_tokens": scheduled, "step_time_s": 0.05,
-            "hit_tokens": m["prefix_hit_tokens"] - prev["prefix_hit_tokens"],
-            "query_tokens": m["prefix_query_tokens"] - prev["prefix_query_tokens"],
-            "preemptions": m["preemptions"] - prev["preemptions"],
-            "evictions": m["evictions"] - prev["evictions"], "tiers": m["tiers"],
+            # counters are cumulative, as the engine reports them (schema docstring)
+            "hit_tokens": m["prefix_hit_tokens"], "query_tokens": m["prefix_query_tokens"],
+            "preemptions": m["preemptions"], "evictions": m["evictions"], "tiers": m["tiers"],
         }
-        prev = m
         batch = {"v": PROTOCOL_VERSION, "epoch": "sample", "seq": step + 1, "step": step,
                  "time": T0 + 0.05 * step, "events": sink.drain(), "stats": stats}
         state.apply(batch)

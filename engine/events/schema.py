@@ -34,9 +34,12 @@ Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id 
     host_hit     seq, src, dst, tokens                   host-cached src loaded into gpu dst
     quantize     tier, blocks, format                    (reserved) per-block format change
 
-``stats`` is a free-form map; known keys: running, waiting, swapped, scheduled_tokens,
-prefill_tokens, decode_tokens, hit_tokens, query_tokens, step_time_s, preemptions,
-evictions, and "tiers": {tier: {"total", "used", "cached", "free"}}.
+``stats`` is a free-form map; known keys: gauges running, waiting, swapped,
+scheduled_tokens, prefill_tokens, decode_tokens, step_time_s and "tiers": {tier: {"total",
+"used", "cached", "free"}}; counters hit_tokens, query_tokens (prefix cache, in tokens),
+preemptions, evictions, cow_copies, swap_out_blocks, swap_in_blocks. Counters are
+cumulative since the engine started (as Prometheus counters), so a reader that joins late
+or misses batches still reads correct totals; per-step rates are differences.
 """
 
 from __future__ import annotations
