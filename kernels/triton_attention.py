@@ -52,24 +52,27 @@ def _load_tile(ptr, scale_ptr, page, within, kv_head, valid, offs_d, d_mask,
     else dequantized to fp32. Invalid rows read as 0 (and scale 0)."""
     row = page * stride_b + within * stride_s + kv_head * stride_h
     mask = valid[:, None] & d_mask[None, :]
+    srow = scale_ptr + page * stride_sb + within * stride_ss + kv_head * stride_sh
+    # One return at the end: every branch is static (FORMAT is constexpr).
     if FORMAT == 3:
         byte = tl.load(ptr + row[:, None] + (offs_d // 2)[None, :].to(tl.int64) * stride_d,
                        mask=mask, other=0)
         code = (byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF
-        srow = scale_ptr + page * stride_sb + within * stride_ss + kv_head * stride_sh
         scale = tl.load(srow, mask=valid, other=0.0).to(tl.float32)
         zero = tl.load(srow + stride_sp, mask=valid, other=0.0).to(tl.float32)
-        return code.to(tl.float32) * scale[:, None] + zero[:, None]
-    ptrs = ptr + row[:, None] + offs_d[None, :].to(tl.int64) * stride_d
-    if FORMAT == 0:
-        return tl.load(ptrs, mask=mask, other=0.0)
-    if FORMAT == 1:  # no `other` for fp8 loads: zero the masked lanes after the upcast
-        x = tl.load(ptrs, mask=mask).to(tl.float32)
-        return tl.where(mask, x * tl.load(scale_ptr + kv_head * stride_sh), 0.0)
-    x = tl.load(ptrs, mask=mask, other=0)
-    srow = scale_ptr + page * stride_sb + within * stride_ss + kv_head * stride_sh
-    scale = tl.load(srow, mask=valid, other=0.0).to(tl.float32)
-    return x.to(tl.float32) * scale[:, None]
+        tile = code.to(tl.float32) * scale[:, None] + zero[:, None]
+    else:
+        ptrs = ptr + row[:, None] + offs_d[None, :].to(tl.int64) * stride_d
+        if FORMAT == 0:
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+        elif FORMAT == 1:  # no `other` for fp8 loads: zero the masked lanes after the upcast
+            x = tl.load(ptrs, mask=mask).to(tl.float32)
+            tile = tl.where(mask, x * tl.load(scale_ptr + kv_head * stride_sh), 0.0)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0)
+            scale = tl.load(srow, mask=valid, other=0.0).to(tl.float32)
+            tile = x.to(tl.float32) * scale[:, None]
+    return tile
 
 
 @triton.jit
