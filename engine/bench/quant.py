@@ -11,6 +11,9 @@ For each kv_cache_dtype (auto, fp8, int8, int4) on the default model:
   every chunk after the first attends over context read back from quantized pages. Against
   the same run on unquantized (auto) pages: perplexity and its ratio, mean KL(auto || fmt)
   of the next-token distributions, top-1 agreement.
+- ``--bf16-reference``: the same teacher-forced scores for bf16 pages (what "auto" is on a
+  GPU) against the fp32 pages of the CPU run, as ``bf16_pages``: how far 16-bit pages
+  alone already move these metrics (top-1 flips at near-ties in particular).
 - greedy generation through LLMEngine on the engine's invariance prompts: tokens generated
   before the first divergence from auto, per prompt (``greedy_agree_tokens`` is the mean,
   out of ``--max-tokens``).
@@ -49,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-mib", type=int, default=1024, help="KV budget for capacity")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list; auto is added")
+    p.add_argument("--bf16-reference", action="store_true",
+                   help="also score bf16 pages against fp32 pages (no greedy run)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     p.set_defaults(func=run)
@@ -70,11 +75,14 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"text": str(text_path), "tokens": len(ids), "chunk": args.chunk,
                               "block_size": args.block_size, "budget_mib": args.budget_mib}
     capacity = capacity_table(dtypes, cfg, args.block_size, args.budget_mib << 20)
-    accuracy = teacher_forced(model, cfg, ids, dtypes, args.chunk, args.block_size)
+    scored = dtypes + (["bf16"] if args.bf16_reference else [])
+    accuracy = teacher_forced(model, cfg, ids, scored, args.chunk, args.block_size)
     greedy = greedy_agreement((model, tokenizer, cfg), dtypes, args.max_tokens,
                               args.block_size)
     for d in dtypes:
         result[d] = {**capacity[d], **accuracy[d], **greedy[d]}
+    if args.bf16_reference:
+        result["bf16_pages"] = accuracy["bf16"]
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         print(json.dumps(result))
@@ -117,8 +125,12 @@ def teacher_forced(model, cfg, ids: list[int], dtypes: list[str], chunk: int,
 
     n = len(ids)
     num_blocks = (n + block_size - 1) // block_size
-    runners = {d: ModelRunner(model, cfg, num_blocks, block_size, torch.device("cpu"),
-                              torch.float32, kv_cache_dtype=d) for d in dtypes}
+    def runner(d: str) -> ModelRunner:  # "bf16": unquantized bf16 pages under the fp32 model
+        page_dtype = torch.bfloat16 if d == "bf16" else torch.float32
+        return ModelRunner(model, cfg, num_blocks, block_size, torch.device("cpu"),
+                           page_dtype, kv_cache_dtype="auto" if d == "bf16" else d)
+
+    runners = {d: runner(d) for d in dtypes}
     tokens = torch.tensor(ids, dtype=torch.int64)
     table = torch.arange(num_blocks, dtype=torch.int32)[None, :]  # one sequence, in order
     nll = dict.fromkeys(dtypes, 0.0)
