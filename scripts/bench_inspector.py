@@ -98,7 +98,7 @@ def bench_map(sizes: list[int], frames: int) -> None:
 def bench_seek(steps: int) -> None:
     from PySide6.QtWidgets import QApplication
 
-    from engine.events.recording import RecordingWriter
+    from engine.events.recording import Recording, RecordingWriter
     from engine.events.synthetic import SyntheticCache
     from inspector import theme
     from inspector.app import open_recording
@@ -111,7 +111,8 @@ def bench_seek(steps: int) -> None:
         t = time.perf_counter()
         cache, sink, state = SyntheticCache(seed=1, gpu_blocks=8192, cpu_blocks=2048,
                                             max_running=32, arrival_rate=0.9), ListSink(), KVState()
-        with RecordingWriter(path, {}, keyframe_every_steps=500, keyframe_every_s=1e9) as w:
+        # The writer's default keyframe spacing: what the engine's recordings get.
+        with RecordingWriter(path, {}) as w:
             for step in range(steps):
                 stats = cache.step(sink)
                 b = {"v": PROTOCOL_VERSION, "epoch": "bench", "seq": step + 1, "step": step,
@@ -119,7 +120,7 @@ def bench_seek(steps: int) -> None:
                 state.apply(b)
                 w.add(b, state)
         print(f"\nseek: recording of {steps:,} steps ({steps * 0.1 / 3600:.2f} h at 10 steps/s), "
-              f"8192+2048 blocks, keyframe every 500 steps: "
+              f"8192+2048 blocks, {len(Recording(path).keyframe_steps)} keyframes: "
               f"{path.stat().st_size / 2**20:.1f} MiB, written in {time.perf_counter() - t:.0f} s")
         rec, _ = open_recording(path)
         win = MainWindow()
@@ -131,11 +132,19 @@ def bench_seek(steps: int) -> None:
         print(f"open (index + timeline pass + first frame): {time.perf_counter() - t:.2f} s")
         rng = np.random.default_rng(0)
         times = []
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
         for target in rng.integers(0, steps, 20).tolist():
             t = time.perf_counter()
+            prof.enable()
             win.replay.seek_step(int(target))
             app.processEvents()
+            prof.disable()
             times.append(time.perf_counter() - t)
+        if os.environ.get("KVSCOPE_PROFILE"):
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
         print(f"seek to a random step (state_at + event-log context + redraw of all views), "
               f"20 seeks: median {statistics.median(times) * 1e3:.0f} ms, "
               f"max {max(times) * 1e3:.0f} ms")

@@ -70,8 +70,11 @@ class TimelinesView(QWidget):
             # Stacked areas: draw the totals back to front, each filled down to 0.
             for part, colour in (("free", P.SERIES["free"]), ("cached", P.CACHED),
                                  ("used", P.USED if tier == "gpu" else P.SWAPPED)):
+                # No antialiasing on long curves: QPainter's antialiased fills of tens of
+                # thousands of points cost ~25 ms each and are redrawn on every seek.
                 self.curves[f"{tier}_{part}"] = p.plot(
-                    pen=_pen(colour, 1), fillLevel=0, brush=_brush(colour), name=part)
+                    pen=_pen(colour, 1), fillLevel=0, brush=_brush(colour), name=part,
+                    antialias=False)
             self.curves[f"{tier}_preempt"] = p.plot(
                 pen=None, symbol="t", symbolSize=9, symbolBrush=P.SERIES["preempt"],
                 symbolPen=None)
@@ -80,12 +83,12 @@ class TimelinesView(QWidget):
                 symbolPen=None)
         p = plot("hit", "hit rate", 2)
         p.setYRange(0, 1, padding=0.05)
-        self.curves["hit"] = p.plot(pen=_pen(P.SERIES["hit"], 2))
+        self.curves["hit"] = p.plot(pen=_pen(P.SERIES["hit"], 2), antialias=False)
         p = plot("seqs", "sequences", 3)
         for k in ("running", "waiting", "swapped"):
-            self.curves[k] = p.plot(pen=_pen(P.SERIES[k], 1.5), stepMode=None)
+            self.curves[k] = p.plot(pen=_pen(P.SERIES[k], 1.5), stepMode=None, antialias=False)
         p = plot("tput", "tokens/s", 4)
-        self.curves["tput"] = p.plot(pen=_pen(P.SERIES["throughput"], 1.5))
+        self.curves["tput"] = p.plot(pen=_pen(P.SERIES["throughput"], 1.5), antialias=False)
         p.getAxis("bottom").setStyle(showValues=True, tickFont=self._tick_font)
         p.setLabel("bottom", f"<span style='color:{P.TEXT_DIM}; font-size:8pt'>engine step</span>")
         for row, stretch in enumerate((3, 2, 1, 2, 1)):
