@@ -104,12 +104,6 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, (1 << 31) - 1)
 
 
-def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, *,
