@@ -1,0 +1,81 @@
+"""Publishing overhead on a real engine step: the same seeded workload on two LLMEngines
+sharing one loaded model, one with events off, one publishing on loopback AND recording,
+stepped alternately so both see the same machine load. Prints mean step times and the
+overhead; `kvscope bench events` measures the stream itself.
+
+    .venv/bin/python scripts/bench_publish_overhead.py [--requests 24] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model import load_model
+from engine.sampling import SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model("smollm2", device="cpu", dtype=torch.float32)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 200))]
+               for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        common = {"block_size": 16, "num_gpu_blocks": 512, "watermark": 0.0}
+        engines = {
+            "off": LLMEngine(EngineConfig(**common), loaded=loaded),
+            "on": LLMEngine(EngineConfig(**common,
+                                         events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                         record_path=str(Path(tmp) / "run.kvtrace")),
+                            loaded=loaded),
+        }
+        for eng in engines.values():
+            for i, ids in enumerate(prompts):
+                eng.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+        times: dict[str, list[float]] = {k: [] for k in engines}
+        events = 0
+        while any(e.has_unfinished_requests() for e in engines.values()):
+            for name, eng in engines.items():
+                if eng.has_unfinished_requests():
+                    t = time.perf_counter()
+                    eng.step()
+                    times[name].append(time.perf_counter() - t)
+        on = engines["on"]
+        on.events.wait_idle(30)
+        events = sum(on.events.mirror.kind_counts.values())
+        for eng in engines.values():
+            eng.close()
+    off_mean = sum(times["off"]) / len(times["off"])
+    on_mean = sum(times["on"]) / len(times["on"])
+    print(json.dumps({
+        "steps": len(times["on"]), "events": events, "threads": args.threads,
+        "step_ms_off": round(off_mean * 1e3, 2), "step_ms_on": round(on_mean * 1e3, 2),
+        "overhead_pct": round(100 * (on_mean - off_mean) / off_mean, 2),
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
