@@ -9,6 +9,17 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model import load_model
+from engine.reference_generate import generate_reference
+from engine.sampling import SamplingParams
+
+# Prompts and greedy params of the invariance tests (engine and swap tier alike).
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "List three colours of the rainbow:",
+    "In 1969, the first humans",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +27,13 @@ def loaded():
     # One thread: on a shared 2-core box a second torch thread makes every small op wait.
     torch.set_num_threads(1)
     return load_model("smollm2", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def reference(loaded):
+    """{prompt: greedy token ids} from plain contiguous generation, the correctness oracle."""
+    model, tok, _ = loaded
+    return {p: generate_reference(model, tok, tok.encode(p), GREEDY).token_ids for p in PROMPTS}
 
 
 @pytest.fixture

@@ -7,21 +7,7 @@ import pytest
 
 from engine.reference_generate import generate_reference
 from engine.sampling import SamplingParams
-from tests.engine.conftest import run_all
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "List three colours of the rainbow:",
-    "In 1969, the first humans",
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(loaded):
-    model, tok, _ = loaded
-    return {p: generate_reference(model, tok, tok.encode(p), GREEDY).token_ids for p in PROMPTS}
+from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
 
 def generate(engine, prompts, params=GREEDY):

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from tests.engine.conftest import loaded, make_engine, run_all  # noqa: F401  (fixtures)
+from tests.engine.conftest import loaded, make_engine, reference, run_all  # noqa: F401  (fixtures)

@@ -11,21 +11,7 @@ import pytest
 from engine.events import KVState
 from engine.events.recording import Recording
 from engine.reference_generate import generate_reference
-from engine.sampling import SamplingParams
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "List three colours of the rainbow:",
-    "In 1969, the first humans",
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(loaded):
-    model, tok, _ = loaded
-    return {p: generate_reference(model, tok, tok.encode(p), GREEDY).token_ids for p in PROMPTS}
+from tests.engine.conftest import GREEDY, PROMPTS
 
 
 def swap_gib(engine_blocks: int, block_size: int, loaded) -> float:
