@@ -64,19 +64,7 @@ class HostTier:
     def swap_out_cost(self, table: list[int]) -> tuple[list[int | None], int]:
         """Per gpu block of ``table``: the host block already holding its content, or None;
         and how many host blocks the swap-out would take (fresh plus revived)."""
-        gpu, host = self.gpu, self.host
-        plan: list[int | None] = []
-        need = 0
-        for b in table:
-            e = gpu.entry[b]
-            y = host.cached.get(e[0]) if e is not None else None
-            if y is not None and host.entry[y][3] == e[3]:
-                plan.append(y)
-                need += host.ref[y] == 0  # reviving it takes it from the allocatable ones
-            else:
-                plan.append(None)
-                need += 1
-        return plan, need
+        return _dedup_plan(table, self.gpu, self.host)
 
     def swap_out(self, seq: CacheSeq) -> bool:
         """Move ``seq``'s table to the host; False (nothing changed) when the host pool is
@@ -122,19 +110,7 @@ class HostTier:
     def swap_in_cost(self, table: list[int]) -> tuple[list[int | None], int]:
         """Per host block of ``table``: the gpu block already holding its content, or None;
         and how many gpu blocks the swap-in would take (fresh plus revived)."""
-        gpu, host = self.gpu, self.host
-        plan: list[int | None] = []
-        need = 0
-        for y in table:
-            e = host.entry[y]
-            x = gpu.cached.get(e[0]) if e is not None else None
-            if x is not None and gpu.entry[x][3] == e[3]:
-                plan.append(x)
-                need += gpu.ref[x] == 0
-            else:
-                plan.append(None)
-                need += 1
-        return plan, need
+        return _dedup_plan(table, self.host, self.gpu)
 
     def swap_in(self, seq: CacheSeq) -> bool:
         """Move ``seq``'s table back to the gpu; False (nothing changed) when the gpu pool is
@@ -224,3 +200,21 @@ class HostTier:
     def take_orders(self) -> list[Order]:
         out, self.orders = self.orders, []
         return out
+
+
+def _dedup_plan(table: list[int], src, dst) -> tuple[list[int | None], int]:
+    """Moving ``table`` from pool ``src`` to pool ``dst``: per block, the ``dst`` block that
+    already holds the same content (same hash and same cache entry serial), or None; and how
+    many ``dst`` blocks the move takes (fresh ones plus cached free ones it revives)."""
+    plan: list[int | None] = []
+    need = 0
+    for b in table:
+        e = src.entry[b]
+        y = dst.cached.get(e[0]) if e is not None else None
+        if y is not None and dst.entry[y][3] == e[3]:
+            plan.append(y)
+            need += dst.ref[y] == 0  # reviving it takes it from the allocatable ones
+        else:
+            plan.append(None)
+            need += 1
+    return plan, need
