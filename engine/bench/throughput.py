@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights and activations, the same for both (bfloat16 uses AMX "
+                        "matmuls on CPUs that have them)")
     p.add_argument("--skip-hf", action="store_true", help="measure kvscope only")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     p.set_defaults(func=run)
@@ -43,10 +46,10 @@ def make_prompts(n: int, seed: int) -> list[str]:
     return out
 
 
-def run_kvscope(prompts: list[str], max_tokens: int) -> dict:
+def run_kvscope(prompts: list[str], max_tokens: int, dtype: str) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM("smollm2", device="cpu", dtype="float32")
+    llm = LLM("smollm2", device="cpu", dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     t0 = time.perf_counter()
@@ -57,7 +60,7 @@ def run_kvscope(prompts: list[str], max_tokens: int) -> dict:
             "preemptions": llm.llm_engine.scheduler.num_preemptions}
 
 
-def run_hf(prompts: list[str], max_tokens: int, batch: int) -> dict:
+def run_hf(prompts: list[str], max_tokens: int, batch: int, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,7 +72,7 @@ def run_hf(prompts: list[str], max_tokens: int, batch: int) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
+                                                 dtype=getattr(torch, dtype))
     model.eval()
     tokens = 0
     with torch.inference_mode():
@@ -93,14 +96,14 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.num_prompts, args.seed)
     result = {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "hf_batch": args.hf_batch, "threads": torch.get_num_threads(),
-              "dtype": "float32", "text": str(TEXT)}
+              "dtype": args.dtype, "text": str(TEXT)}
     if not args.json:
         print("kvscope ...", flush=True)
-    result["kvscope"] = run_kvscope(prompts, args.max_tokens)
+    result["kvscope"] = run_kvscope(prompts, args.max_tokens, args.dtype)
     if not args.skip_hf:
         if not args.json:
             print("transformers generate ...", flush=True)
-        result["hf"] = run_hf(prompts, args.max_tokens, args.hf_batch)
+        result["hf"] = run_hf(prompts, args.max_tokens, args.hf_batch, args.dtype)
         result["ratio"] = result["kvscope"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

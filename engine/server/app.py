@@ -371,9 +371,15 @@ def _stream_completion(state: ServerState, request: Request, job: _Job,
     created = int(time.time())
     model = state.settings.served_model_name
 
+    next_offset: dict[int, int] = {}  # choice -> text_offset of its next streamed token
+
     def chunk(choice: int, c: Any, text: str, t0: int, t1: int, done: bool) -> dict:
-        lp = (fmt.completion_logprobs(c, t0, t1, req.logprobs, text_of)
-              if req.logprobs is not None else None)
+        lp = None
+        if req.logprobs is not None:
+            lp = fmt.completion_logprobs(c, t0, t1, req.logprobs, text_of,
+                                         next_offset.get(choice, 0))
+            if lp["tokens"]:  # offsets run on across chunks, as in the non-streamed body
+                next_offset[choice] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return {"id": job.id, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": choice, "text": text, "logprobs": lp,
                              "finish_reason": c.finish_reason if done else None}]}

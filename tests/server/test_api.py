@@ -89,6 +89,13 @@ def test_completion_stream_sse_format_and_logprobs(daemon: Daemon) -> None:
     first = chunks[0]["choices"][0]["logprobs"]
     assert len(first["top_logprobs"][0]) == 2 and first["token_logprobs"][0] <= 0
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # text offsets run on across chunks and equal the non-streamed response's
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    whole = httpx.post(daemon.url + "/v1/completions", timeout=120, json={
+        "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+        "logprobs": 2}).json()["choices"][0]["logprobs"]
+    assert whole["tokens"] == tokens and whole["text_offset"] == offsets
+    assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
 
 
 def test_batch_prompts_n_and_stop(daemon: Daemon) -> None:
