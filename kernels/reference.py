@@ -5,10 +5,10 @@ Cache layout per layer: K and V ``[num_blocks, block_size, num_kv_heads, head_di
 A token's slot is ``block * block_size + offset``; slot -1 marks a padding token.
 
 These run the engine on CPU (30 layers x 32 concurrent sequences), so they are vectorised:
-decode gathers every sequence's pages with one index_select per cache and runs batched
-matmuls; only prefill segments (q_len > 1) loop, once per sequence (in bounded query
-chunks). Unlike the Triton kernels they read tensor values to validate them (cheap on
-CPU) and raise ValueError before writing anything.
+decode gathers the sequences' pages with one index_select per cache per length group and
+runs SDPA; only prefill segments (q_len > 1) loop, once per sequence (SDPA, causal).
+Unlike the Triton kernels they read tensor values to validate them (cheap on CPU) and
+raise ValueError before writing anything.
 
 Quantized pages (``kernels.quant``): the format follows from the cache dtype; scales are
 keyword-only ``k_scale``/``v_scale`` (fp8: per-head [Hkv]; int8/int4: per-token pages
@@ -20,6 +20,7 @@ positional argument lists here are the stable interface.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import quant, validate
 
@@ -140,84 +141,79 @@ class _Pages:
         return out[0], out[1]
 
 
+# Decode sequences per attention call: sorted by length and cut into groups of this many,
+# each padded only to its own longest (one call pads a mixed batch to its longest; with
+# prompts of 10..450 tokens that doubled the keys read).
+_DECODE_GROUP = 8
+
+
 def _decode(q: torch.Tensor, kv: _Pages, block_tables: torch.Tensor, lens: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """One query per sequence: q [n, Hq, D], all n sequences in one gather per cache.
+    """One query per sequence: q [n, Hq, D]; one gather per cache per length group, then
+    SDPA with a length mask (GQA via ``enable_gqa``: head h reads KV head h // G).
 
-    Keys stay in the gathered [n, L, Hkv, D] layout; a short loop over KV heads hands BLAS
-    strided [n, L, D] views (leading dimension Hkv*D), which avoids the transpose copy that
-    a [n, Hkv, L, D] permute would force (measured 2x faster on 2 CPU cores).
+    SDPA's fused CPU kernel (fp32 accumulation, also for bf16 pages) measured 2x faster
+    than explicit batched matmuls in fp32 and 3-4x in bf16 on 2 cores (docs/BENCHMARKS.md).
     """
     n, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = kv.k_cache.shape[:3]
-    group = num_heads // num_kv_heads
-    max_len = int(lens.max())
-    pages = block_tables[:, : (max_len + block_size - 1) // block_size].long()
-    # Pages past a sequence's end may hold any id (padding); clamp so the gather stays in
-    # range, the length mask below hides them.
-    pages = pages.clamp(0, num_blocks - 1).flatten()
     dtype = _compute_dtype(kv.k_cache, q)
-    k, v = kv.gather(pages, dtype)
-    k = k.view(n, -1, num_kv_heads, head_dim)
-    v = v.view(n, -1, num_kv_heads, head_dim)
-    qg = q.to(dtype).view(n, num_kv_heads, group, head_dim)
-    beyond = torch.arange(k.shape[1], device=q.device)[None, None, :] >= lens[:, None, None]
-    heads = []
-    for h in range(num_kv_heads):
-        scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).float()  # [n, G, L]
-        scores.mul_(scale).masked_fill_(beyond, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(dtype)
-        heads.append(torch.bmm(probs, v[:, :, h]))  # [n, G, D]
-    return torch.stack(heads, dim=1).view(n, num_heads, head_dim)
-
-
-# Scores held at once by one prefill chunk: [Hq, rows, keys] fp32 elements (64 MiB).
-_PREFILL_SCORE_BUDGET = 16 << 20
+    out = torch.empty(n, num_heads, head_dim, dtype=dtype, device=q.device)
+    order = torch.argsort(lens)
+    for lo in range(0, n, _DECODE_GROUP):
+        rows = order[lo:lo + _DECODE_GROUP]
+        group_lens = lens[rows]
+        max_len = int(group_lens.max())
+        # Pages past a sequence's end may hold any id (padding); clamp so the gather stays
+        # in range, the length mask hides them.
+        pages = block_tables[rows, : (max_len + block_size - 1) // block_size].long()
+        k, v = kv.gather(pages.clamp(0, num_blocks - 1).flatten(), dtype)
+        k = k.view(rows.numel(), -1, num_kv_heads, head_dim).transpose(1, 2)  # [m, Hkv, L, D]
+        v = v.view(rows.numel(), -1, num_kv_heads, head_dim).transpose(1, 2)
+        visible = torch.arange(k.shape[2], device=q.device)[None, :] < group_lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q[rows].to(dtype).unsqueeze(2), k, v, attn_mask=visible[:, None, None, :],
+            scale=scale, enable_gqa=True)
+        out[rows] = o.squeeze(2)
+    return out
 
 
 def _prefill_one(q: torch.Tensor, kv: _Pages, table: torch.Tensor, seq_len: int,
                  scale: float) -> torch.Tensor:
     """One sequence's q_len > 1 queries [q_len, Hq, D] against its first seq_len keys.
 
-    Explicit batched matmuls per KV head group (the G query heads of a KV head become G x
-    more rows), in query chunks that bound the score memory and stop at the chunk's last
-    visible key. Measured ~2x faster than SDPA with enable_gqa and a mask on CPU.
+    SDPA's fused kernel (it never holds the whole [Hq, q_len, seq_len] score matrix):
+    ``is_causal`` when there is no cached context, else a mask with the causal rule
+    offset by the context. Measured 2.8x (fp32) to 8x (bf16) faster than explicit
+    batched matmuls on 2 CPU cores, 2,000-token prompt (docs/BENCHMARKS.md).
     """
-    q_len, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv.k_cache.shape[1], kv.k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    q_len = q.shape[0]
+    block_size = kv.k_cache.shape[1]
     pages = table[: (seq_len + block_size - 1) // block_size].long()
     dtype = _compute_dtype(kv.k_cache, q)
     k, v = kv.gather(pages, dtype)
-    # [Hkv, L, D]
-    k = k.flatten(0, 1)[:seq_len].transpose(0, 1)
-    v = v.flatten(0, 1)[:seq_len].transpose(0, 1)
+    k = k.flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v = v.flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+    qh = q.to(dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     context_len = seq_len - q_len
-    out = torch.empty(q_len, num_heads, head_dim, dtype=dtype, device=q.device)
-    chunk = max(1, _PREFILL_SCORE_BUDGET // (num_heads * seq_len))
-    for lo in range(0, q_len, chunk):
-        hi = min(q_len, lo + chunk)
-        keys = context_len + hi  # keys visible to the chunk's last query
-        rows = hi - lo
-        qg = q[lo:hi].to(dtype).view(rows, num_kv_heads, group, head_dim)
-        qg = qg.permute(1, 0, 2, 3).reshape(num_kv_heads, rows * group, head_dim)
-        scores = torch.bmm(qg, k[:, :keys].transpose(1, 2)).float().mul_(scale)
-        query_pos = torch.arange(lo, hi, device=q.device)[:, None] + context_len
-        hidden = torch.arange(keys, device=q.device)[None, :] > query_pos  # [rows, keys]
-        scores.view(num_kv_heads, rows, group, keys).masked_fill_(
-            hidden[None, :, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(dtype)
-        o = torch.bmm(probs, v[:, :keys]).view(num_kv_heads, rows, group, head_dim)
-        out[lo:hi] = o.permute(1, 0, 2, 3).reshape(rows, num_heads, head_dim)
-    return out
+    if context_len == 0:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    else:  # query i sees keys < context_len + i + 1
+        keys = torch.arange(seq_len, device=q.device)[None, :]
+        visible = keys <= torch.arange(q_len, device=q.device)[:, None] + context_len
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale,
+                                           enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def _compute_dtype(cache: torch.Tensor, q: torch.Tensor) -> torch.dtype:
-    """fp32 on CPU (half matmuls are slow there); on GPU the page dtype (fp32 accumulate),
-    or q's dtype for quantized pages (dequantized into it)."""
-    if cache.device.type == "cpu":
-        return torch.float32
-    return cache.dtype if quant.format_of(cache) == "auto" else q.dtype
+    """The wider of the page and query dtypes (fp32 accumulation inside), or q's dtype for
+    quantized pages (dequantized into it). bf16 on CPU runs on AMX/AVX512-BF16 where the
+    CPU has them."""
+    if quant.format_of(cache) == "auto":
+        return torch.promote_types(cache.dtype, q.dtype)
+    return q.dtype
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

@@ -210,29 +210,35 @@ def _best_ms(fn, repeats: int) -> tuple[float, float]:
     return wall * 1e3, cpu * 1e3
 
 
-def bench_cpu(repeats: int, threads: int | None) -> int:
+def bench_cpu(repeats: int, threads: int | None, dtype: torch.dtype) -> int:
     hq, hkv, d, block, scale = 9, 3, 64, 16, 0.125
     if threads:
         torch.set_num_threads(threads)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"torch reference on CPU ({platform.machine()}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} torch threads, load average {load}), "
-          f"Hq={hq} Hkv={hkv} D={d} block={block} fp32; best of {repeats}")
+          f"Hq={hq} Hkv={hkv} D={d} block={block} {dtype}; best of {repeats}")
     # decode: 32 sequences x 512 tokens
-    dec = paged_decode_batch(32, 512, hq, hkv, d, block, torch.float32, "cpu")
+    dec = paged_decode_batch(32, 512, hq, hkv, d, block, dtype, "cpu")
     cases = [("decode B=32 ctx=512", dec)]
+    # decode at mixed lengths (the throughput benchmark's prompts): 32 x 10..470 tokens
+    ragged = paged_decode_batch(32, 512, hq, hkv, d, block, dtype, "cpu", seed=2)
+    ragged["seq_lens"] = torch.randint(10, 471, (32,), generator=torch.Generator().manual_seed(2),
+                                       dtype=torch.int32)
+    cases.append(("decode B=32 ctx=10..470", ragged))
     # mixed: 28 decodes at 512 + 4 prefill chunks of 128 tokens after 256 cached ones
-    mixed = paged_decode_batch(32, 512, hq, hkv, d, block, torch.float32, "cpu", seed=1)
+    mixed = paged_decode_batch(32, 512, hq, hkv, d, block, dtype, "cpu", seed=1)
     q_lens = [1] * 28 + [128] * 4
     seq_lens = [512] * 28 + [384] * 4
     mixed["seq_lens"] = torch.tensor(seq_lens, dtype=torch.int32)
     mixed["cu_seqlens_q"] = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
                                          dtype=torch.int32)
-    mixed["q"] = torch.randn(sum(q_lens), hq, d)
+    mixed["q"] = torch.randn(sum(q_lens), hq, d, dtype=dtype)
     cases.append(("mixed 28 decode@512 + 4 prefill 128@256", mixed))
     for name, b in cases:
         args = attention_args(b, scale)
-        diff = float((reference.paged_attention(*args) - naive_paged_attention(*args)).abs().max())
+        diff = float((reference.paged_attention(*args).float()
+                      - naive_paged_attention(*args).float()).abs().max())
         ref = _best_ms(lambda: reference.paged_attention(*args), repeats)  # noqa: B023
         naive = _best_ms(lambda: naive_paged_attention(*args), repeats)  # noqa: B023
         print(f"{name}: max|reference - naive| {diff:.1e}\n"
@@ -241,9 +247,9 @@ def bench_cpu(repeats: int, threads: int | None) -> int:
               f"  naive loop wall {naive[0]:7.2f} ms  cpu {naive[1]:7.2f} ms  "
               f"speed-up wall x{naive[0] / ref[0]:.1f}, cpu x{naive[1] / ref[1]:.1f}")
     for tokens in (32, 2048):
-        kc = torch.zeros(4096, block, hkv, d)
+        kc = torch.zeros(4096, block, hkv, d, dtype=dtype)
         vc = torch.zeros_like(kc)
-        key, value = torch.randn(tokens, hkv, d), torch.randn(tokens, hkv, d)
+        key, value = (torch.randn(tokens, hkv, d, dtype=dtype) for _ in range(2))
         slots = torch.randperm(4096 * block)[:tokens]
         wall, cpu = _best_ms(
             lambda: reference.reshape_and_cache(key, value, kc, vc, slots), repeats)  # noqa: B023
@@ -258,9 +264,11 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("build/bench_kernels"))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="CPU mode: page and query dtype")
     args = parser.parse_args()
     if args.cpu_reference:
-        return bench_cpu(args.repeats, args.threads)
+        return bench_cpu(args.repeats, args.threads, getattr(torch, args.dtype))
     return bench_gpu(args.out_dir)
 
 
