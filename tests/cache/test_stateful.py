@@ -187,7 +187,19 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.digests)
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(self.seqs()))
+        forked = self._fork(data.draw(st.sampled_from(self.seqs())))
+        if forked is None:
+            return
+        child, table, private = forked
+        shared = len(table) - private
+        assert self.m.block_table(child)[:shared] == table[:shared]
+        assert not set(self.m.block_table(child)[shared:]) & set(table)
+        if private:
+            event("fork with lookahead slots")
+
+    def _fork(self, parent: str) -> tuple[str, list[int], int] | None:
+        """Fork ``parent``, or check that the pool refuses it (None): (child, the parent's
+        table, how many of its blocks the child gets privately for lookahead slots)."""
         child = f"s{self.counter}"
         self.counter += 1
         known, table = len(self.digests[parent]), self.m.block_table(parent)
@@ -195,15 +207,11 @@ class CacheMachine(RuleBasedStateMachine):
         if private > self.m.num_free_blocks:
             with pytest.raises(CacheError):
                 self.m.fork(parent, child)
-            return
+            return None
         self.m.fork(parent, child)
         self._run_copies()
         self.digests[child] = list(self.digests[parent])
-        shared = len(table) - private
-        assert self.m.block_table(child)[:shared] == table[:shared]
-        assert not set(self.m.block_table(child)[shared:]) & set(table)
-        if private:
-            event("fork with lookahead slots")
+        return child, table, private
 
     @precondition(lambda self: self.digests)
     @rule(data=st.data())
@@ -213,7 +221,9 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.digests)
     @rule(data=st.data())
     def start_or_resume(self, data):
-        sid = data.draw(st.sampled_from(self.seqs()))
+        self._start_or_resume(data.draw(st.sampled_from(self.seqs())))
+
+    def _start_or_resume(self, sid: str) -> None:
         seq = self.m._seqs[sid]
         if seq.status == "running":
             with pytest.raises(CacheError):

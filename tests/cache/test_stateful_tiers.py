@@ -161,17 +161,6 @@ class TieredCacheMachine(CacheMachine):
             return
         self._start_or_resume(sid)
 
-    def _start_or_resume(self, sid: str) -> None:
-        seq = self.m._seqs[sid]
-        if seq.status == "running":
-            with pytest.raises(CacheError):
-                self.m.resume(sid)
-        elif seq.started:
-            self.m.resume(sid)
-        else:
-            self.m.start(sid)
-        assert self.m.status(sid) == "running"
-
     @precondition(lambda self: self.digests)
     @rule(data=st.data())
     def match(self, data):
@@ -196,19 +185,6 @@ class TieredCacheMachine(CacheMachine):
                 self.m.fork(parent, "never")
             return
         self._fork(parent)
-
-    def _fork(self, parent: str) -> None:
-        child = f"s{self.counter}"
-        self.counter += 1
-        known, table = len(self.digests[parent]), self.m.block_table(parent)
-        private = len(table) - known // self.bs if self.m.num_tokens(parent) > known else 0
-        if private > self.m.num_free_blocks:
-            with pytest.raises(CacheError):
-                self.m.fork(parent, child)
-            return
-        self.m.fork(parent, child)
-        self._run_copies()
-        self.digests[child] = list(self.digests[parent])
 
     @rule()
     def end_step(self):
