@@ -11,7 +11,9 @@ can be compared at any step.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +54,15 @@ class _Request:
         return len(self.seqs) == self.params.n and all(s.status == "finished" for s in self.seqs)
 
 
+def _holding_cache_lock(method):
+    """Run an engine method that changes the cache while holding ``self._cache_lock``."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._cache_lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded: tuple | None = None) -> None:
         self.config = config
@@ -68,6 +79,9 @@ class LLMEngine:
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         num_blocks = self._num_kv_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
+        # Held while the cache changes: the event stream's thread snapshots the cache (for
+        # late joiners, keyframes) at once when it can take it and no events are pending.
+        self._cache_lock = threading.RLock()
         self.events = self._open_events()
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
@@ -75,12 +89,8 @@ class LLMEngine:
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
         )
-        if self.events:
-            # Re-seeds the stream's mirror if it ever drops a batch (called at a step boundary).
-            from engine.events.state import KVState
-
-            self.events.snapshot_fn = lambda: KVState.from_canonical(
-                self.cache.snapshot()).snapshot()
+        if self.events:  # snapshots and keyframes come from the cache, between steps
+            self.events.snapshot_fn = self.cache.snapshot
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
         self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device,
                                   self.dtype, kv_cache_dtype=config.kv_cache_dtype)
@@ -158,9 +168,10 @@ class LLMEngine:
         header = {"model": cfg.model, "config": {k: v for k, v in vars(cfg).items()
                                                   if isinstance(v, (int, float, str, bool))}}
         return EventStream(endpoint=cfg.events_endpoint, record_path=cfg.record_path,
-                           header=header)
+                           header=header, engine_lock=self._cache_lock)
 
     # ------------------------------------------------------------- requests
+    @_holding_cache_lock
     def add_request(self, request_id: str, prompt: str | dict | list[int],
                     params: SamplingParams | dict | None = None, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:
@@ -241,6 +252,7 @@ class LLMEngine:
         raise TypeError(f"a prompt is a str, a list of token ids or a dict, "
                         f"got {type(prompt).__name__}")
 
+    @_holding_cache_lock
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -263,6 +275,7 @@ class LLMEngine:
         return self.cache.snapshot()
 
     # ------------------------------------------------------------------ step
+    @_holding_cache_lock
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
@@ -379,6 +392,7 @@ class LLMEngine:
         if self.events:
             self.events.end_step(self.step_count, self.stats)
 
+    @_holding_cache_lock
     def close(self) -> None:
         """Publish what happened since the last step (e.g. an abort on an idle engine) as
         a final batch, then flush and close the event stream and recording."""

@@ -14,4 +14,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print measured numbers")
     bench_sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for info in sorted(pkgutil.iter_modules(engine.bench.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # helpers of a benchmark, not benchmarks
+            continue
         importlib.import_module(f"engine.bench.{info.name}").register(bench_sub)

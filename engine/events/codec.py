@@ -32,7 +32,13 @@ from typing import Any
 
 import msgpack
 
-from engine.events.schema import PROTOCOL_VERSION, ProtocolError
+from engine.events.schema import (
+    BLOCK_ID_FIELDS,
+    PROTOCOL_VERSION,
+    READABLE_VERSIONS,
+    ProtocolError,
+)
+from engine.events.state import pack_ids
 
 TOPIC = b"kv"
 
@@ -81,8 +87,9 @@ def validate(msg: Any) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise ProtocolError(f"message is a {type(msg).__name__}, expected a map")
     v = msg.get("v")
-    if v != PROTOCOL_VERSION or isinstance(v, bool):
-        raise ProtocolError(f"protocol version {v!r}, this reader speaks {PROTOCOL_VERSION}")
+    if v not in READABLE_VERSIONS or isinstance(v, bool):
+        raise ProtocolError(f"protocol version {v!r}, this reader speaks "
+                            f"{'/'.join(map(str, READABLE_VERSIONS))}")
     mtype = msg.get("type")
     fields = _REQUIRED.get(mtype)  # type: ignore[arg-type]
     if fields is None:
@@ -164,6 +171,18 @@ class Codec:
     def _fail(self, reason: str, text: str) -> ProtocolError:
         self.errors[reason] += 1
         return ProtocolError(text)
+
+
+def pack_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Protocol 2 wire form, in place: each ``BLOCK_ID_FIELDS`` list becomes packed
+    little-endian int32 bytes (5 bytes per id as msgpack ints -> 4, and one memcpy to
+    decode instead of one object per id). Returns ``events``."""
+    for ev in events:
+        for name in BLOCK_ID_FIELDS:
+            ids = ev.get(name)
+            if type(ids) is list:
+                ev[name] = pack_ids(ids)
+    return events
 
 
 def make_batch(epoch: str, seq: int, step: int, time: float, events: list[dict[str, Any]],

@@ -5,10 +5,13 @@ Used only from the EventStream's publisher thread (ZeroMQ sockets belong to one 
 they are created and bound in the constructor so that bind errors reach the caller, and
 handed over when the thread starts).
 
-Requests arrive as one msgpack frame from a DEALER: ``{"v", "type": "get_snapshot", "id"}``
-or ``{"v", "type": "replay", "from": seq, "id"}``; every reply echoes ``id``. A replay
-reply is the buffered batch payloads (byte-identical to what PUB sent) followed by a
-``replay_end`` with ``ok`` False when any requested seq is no longer buffered.
+Snapshot requests wait until the engine hands over a cache snapshot (at its next step
+boundary, or at once when it idles; see ``EventStream``); every client waiting then gets
+that one snapshot. Requests arrive as one msgpack frame from a DEALER:
+``{"v", "type": "get_snapshot", "id"}`` or ``{"v", "type": "replay", "from": seq, "id"}``;
+every reply echoes ``id``. A replay reply is the buffered batch payloads (byte-identical
+to what PUB sent) followed by a ``replay_end`` with ``ok`` False when any requested seq
+is no longer buffered.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import collections
 import logging
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -27,6 +29,7 @@ from engine.events.schema import ProtocolError
 
 log = logging.getLogger(__name__)
 
+MAX_SNAPSHOT_WAITERS = 1024  # clients waiting for the next snapshot at once
 _TCP = re.compile(r"^tcp://(?P<host>[^:]+|\[[^\]]+\]):(?P<port>\d+|\*)$")
 
 
@@ -65,6 +68,7 @@ class Publisher:
         self.snapshots_served = 0
         self.replays_served = 0
         self.request_errors = 0
+        self.snapshot_waiters: dict[bytes, Any] = {}  # client identity -> request id
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -95,13 +99,12 @@ class Publisher:
             self._pub.send_multipart(self.codec.encode_frames(msg))
             self._last_send = now
 
-    def serve_requests(self, snapshot: Callable[[], dict[str, Any] | None]) -> int:
-        """Answer every waiting request. ``snapshot()`` returns KVState.snapshot() as of
-        ``last_seq``, or None when the publisher's state is not trustworthy right now."""
-        served = 0
+    def serve_requests(self, can_snapshot: bool = True) -> int:
+        """Answer every waiting replay request; queue snapshot requests (answered by
+        ``answer_snapshots`` once the engine has taken one) or refuse them at once when
+        ``can_snapshot`` is False. Returns how many snapshot requests wait."""
         while self._router.poll(0, zmq.POLLIN):
             frames = self._router.recv_multipart()
-            served += 1
             ident, body = frames[0], frames[-1]
             try:
                 if len(frames) < 2:
@@ -113,21 +116,34 @@ class Publisher:
                 continue
             rid = req.get("id")
             if req["type"] == C.MSG_GET_SNAPSHOT:
-                state = snapshot()
-                if state is None:
+                if not can_snapshot:
                     self._reply(ident, C.make_request(
-                        C.MSG_ERROR, id=rid, reason="publisher state unavailable (lost batches)"))
-                    continue
-                self._reply(ident, {**C.make_snapshot(self.epoch, self.last_seq, state),
-                                    "id": rid, "info": self.info})
-                self.snapshots_served += 1
+                        C.MSG_ERROR, id=rid, reason="this publisher has no snapshot source"))
+                elif ident in self.snapshot_waiters or \
+                        len(self.snapshot_waiters) < MAX_SNAPSHOT_WAITERS:
+                    self.snapshot_waiters[ident] = rid  # a client's newest request wins
+                else:
+                    self.request_errors += 1
+                    self._reply(ident, C.make_request(
+                        C.MSG_ERROR, id=rid, reason="too many snapshot requests waiting"))
             elif req["type"] == C.MSG_REPLAY:
                 self._replay(ident, int(req["from"]), rid)
             else:
                 self.request_errors += 1
                 self._reply(ident, C.make_request(
                     C.MSG_ERROR, id=rid, reason=f"cannot serve a {req['type']!r} request"))
-        return served
+        return len(self.snapshot_waiters)
+
+    def answer_snapshots(self, seq: int, state: dict[str, Any]) -> None:
+        """Send ``state`` (``KVState.snapshot()`` form, the state after batch ``seq``,
+        which was published before this call) to every waiting snapshot request."""
+        if not self.snapshot_waiters:
+            return
+        msg = {**C.make_snapshot(self.epoch, seq, state), "info": self.info}
+        for ident, rid in self.snapshot_waiters.items():
+            self._reply(ident, {**msg, "id": rid})
+            self.snapshots_served += 1
+        self.snapshot_waiters = {}
 
     def _replay(self, ident: bytes, start: int, rid: Any) -> None:
         wanted = [(s, p) for s, p in self.ring if s >= start]

@@ -42,7 +42,7 @@ import msgpack
 import zstandard
 
 from engine.events.codec import Codec
-from engine.events.schema import PROTOCOL_VERSION, ProtocolError
+from engine.events.schema import PROTOCOL_VERSION, READABLE_VERSIONS, ProtocolError
 from engine.events.state import KVState
 
 MAGIC = b"KVSTRACE"
@@ -68,8 +68,11 @@ class RecordingWriter:
     """Writes a .kvtrace file. Call ``add(batch, state)`` per batch, ``close()`` at the end.
 
     ``state`` is the KVState *after* the batch: the writer snapshots it when a keyframe
-    is due (every ``keyframe_every_steps`` steps or ``keyframe_every_s`` seconds). Not
-    thread-safe: one thread writes (the EventStream's publisher thread, or the record CLI).
+    is due (every ``keyframe_every_steps`` steps or ``keyframe_every_s`` seconds). A
+    writer without a mirror (the EventStream) passes no state, watches ``keyframe_due``
+    and hands a snapshot to ``keyframe()`` when it has one (at a later step boundary).
+    Not thread-safe: one thread writes (the EventStream's publisher thread, or the record
+    CLI).
     """
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any] | None = None, *,
@@ -89,6 +92,7 @@ class RecordingWriter:
         self._pending_seq: list[int] = []
         self._pending_since = 0.0
         self._last_key_step: int | None = None
+        self._last_step = -1
         self._last_key_time = 0.0
         self.bytes_written = 0
         head = {"format": FORMAT_VERSION, "protocol": PROTOCOL_VERSION, "created": time.time(),
@@ -100,7 +104,19 @@ class RecordingWriter:
     def closed(self) -> bool:
         return self._file is None
 
-    def add(self, batch: dict[str, Any], state: KVState, payload: bytes | None = None) -> None:
+    @property
+    def keyframe_due_by_time(self) -> bool:
+        return time.monotonic() - self._last_key_time >= self.keyframe_every_s
+
+    @property
+    def keyframe_due(self) -> bool:
+        """A keyframe is wanted (interval in steps or seconds passed since the last)."""
+        return self._last_key_step is None or (
+            self._last_step - self._last_key_step >= self.keyframe_every_steps
+            or time.monotonic() - self._last_key_time >= self.keyframe_every_s)
+
+    def add(self, batch: dict[str, Any], state: KVState | None = None,
+            payload: bytes | None = None) -> None:
         """Append one batch (``payload`` = its encoded bytes, if already at hand)."""
         if self._file is None:
             raise RecordingError(f"{self.path}: recording is closed")
@@ -110,21 +126,21 @@ class RecordingWriter:
         self._pending.append(payload if payload is not None else self._codec.encode(batch))
         self._pending_steps.append(int(batch["step"]))
         self._pending_seq.append(int(batch.get("seq", 0)))
-        if self._last_key_step is None or (
-            batch["step"] - self._last_key_step >= self.keyframe_every_steps
-            or now - self._last_key_time >= self.keyframe_every_s
-        ):
+        self._last_step = int(batch["step"])
+        if state is not None and self.keyframe_due:
             self.keyframe(state, int(batch.get("seq", 0)), str(batch.get("epoch", "")))
         elif (len(self._pending) >= self.chunk_steps
               or now - self._pending_since >= self.chunk_s):
             self.flush()
 
-    def keyframe(self, state: KVState, seq: int, epoch: str = "") -> None:
-        """Write the full state (after step ``state.step``, batch ``seq``) as a keyframe."""
+    def keyframe(self, state: KVState | dict[str, Any], seq: int, epoch: str = "") -> None:
+        """Write the full state (after its step, batch ``seq``) as a keyframe: a KVState
+        or its ``snapshot()`` form."""
         self.flush()
-        body = self._codec.encode({"epoch": epoch, "seq": seq, "state": state.snapshot()})
-        self._frame(KEYFRAME, {"step": state.step, "seq": seq}, body)
-        self._last_key_step = state.step
+        snap = state.snapshot() if isinstance(state, KVState) else state
+        body = self._codec.encode({"epoch": epoch, "seq": seq, "state": snap})
+        self._frame(KEYFRAME, {"step": snap["step"], "seq": seq}, body)
+        self._last_key_step = self._last_step = snap["step"]
         self._last_key_time = time.monotonic()
 
     def flush(self) -> None:
@@ -273,9 +289,9 @@ class Recording:
             raise self._error(f"header is not valid msgpack ({e})") from None
         if not isinstance(header, dict):
             raise self._error("header is not a map")
-        if header.get("protocol") != PROTOCOL_VERSION:
-            raise self._error(f"event protocol {header.get('protocol')!r}, "
-                              f"this reader speaks {PROTOCOL_VERSION}")
+        if header.get("protocol") not in READABLE_VERSIONS:
+            raise self._error(f"event protocol {header.get('protocol')!r}, this reader "
+                              f"speaks {'/'.join(map(str, READABLE_VERSIONS))}")
         self._frames_start = self._file.tell()
         return header
 

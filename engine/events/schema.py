@@ -6,8 +6,10 @@ Torch-free. A *batch* is one engine step:
      "events": [event, ...], "stats": {...}}
 
 The publisher adds "seq" (strictly increasing per epoch) and "epoch". An *event* is a
-self-describing map ``{"kind": KIND, ...fields}``. Block ids are plain ints, per tier,
-``0 <= id < num_blocks``; bulk changes carry lists of ids. Sequence ids are strings.
+self-describing map ``{"kind": KIND, ...fields}``. Block ids are ints, per tier,
+``0 <= id < num_blocks``; bulk changes carry id lists (protocol 1: msgpack arrays of ints;
+protocol 2: the same ids packed as little-endian int32 bytes, see ``BLOCK_ID_FIELDS``).
+Sequence ids are strings.
 Readers ignore fields they do not know and count (then ignore) kinds they do not know,
 so adding a field or a kind never breaks a reader. What each kind *means* is defined in
 one place only: ``engine.events.state.KVState.apply``.
@@ -32,7 +34,8 @@ Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id 
     swap_in      seq, src, dst                           seq's table moves cpu src -> gpu dst
     offload      src, dst, hashes                        cached gpu blocks written to host dst
     host_hit     seq, src, dst, tokens                   host-cached src loaded into gpu dst
-    quantize     tier, blocks, format                    (reserved) per-block format change
+    quantize     tier, blocks, format                    blocks change page format in place
+                                                         (refs, hashes, tables unchanged)
 
 ``stats`` is a free-form map; known keys: gauges running, waiting, swapped,
 scheduled_tokens, prefill_tokens, decode_tokens, step_time_s and "tiers": {tier: {"total",
@@ -44,7 +47,12 @@ or misses batches still reads correct totals; per-step rates are differences.
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# Version 2 differs from 1 only in the wire form of id lists (``BLOCK_ID_FIELDS``: packed
+# little-endian int32 bytes, msgpack bin) and in snapshots (ref counts and id lists
+# packed, hashes packed int64). Readers take both; version-1 recordings replay as before.
+READABLE_VERSIONS = (1, 2)
+BLOCK_ID_FIELDS = ("blocks", "src", "dst")
 
 TIERS = ("gpu", "cpu")
 SEQ_STATUSES = ("waiting", "running", "swapped")

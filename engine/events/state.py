@@ -5,17 +5,36 @@ are listed in ``engine.events.schema``). The inspector draws from a KVState; the
 rebuild one from the engine's events and compare ``canonical()`` with the engine's own
 ``kv_state()`` after every step.
 
+The page table is held as flat per-tier arrays (``TierState``): ref count, prefix-cache
+hash (value + presence), owner, per-block format and the step of the last change. Each
+array is a ``Column``: a numpy view (bulk reads and writes: block maps, snapshots, large
+events) over an ``array.array`` (scalar reads and writes, ~3x cheaper than numpy's for
+the 1-8 block events that dominate a decode step) sharing the same memory. Sequence
+bookkeeping stays in dicts.
+
 Invariants the mirror keeps (and ``apply`` enforces, raising ProtocolError otherwise):
 - every sequence's block table lives in one tier (``seq.tier``) and points at blocks of
   that tier with ref > 0;
 - a block's ref count equals the number of block-table entries pointing at it;
 - only blocks with ref 0 can be evicted; ``alloc``/``cow`` destinations are free
   (ref 0, no hash).
-A batch is applied atomically: if any event in it is rejected, the state is unchanged.
+A batch is applied atomically: if any event in it is rejected, the state is unchanged
+(an undo log of what each handler overwrites; small tiers save a touched column whole,
+once per batch, which is one memcpy).
+
+Owner (display only, not part of ``canonical()``): the sequence that took the block from
+ref 0 (alloc, a hit on an unheld cached block, cow/host_hit/swap destinations), as
+``seq_owner_id(seq)``; -1 when nobody holds it or when its taker released it while others
+still hold it (shared leftovers). A state rebuilt from a snapshot assigns each held
+block to the first sequence (in snapshot order) whose table points at it.
 """
 
 from __future__ import annotations
 
+import sys
+import zlib
+from array import array
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,27 +43,175 @@ import numpy as np
 from engine.events import schema as S
 from engine.events.schema import ProtocolError
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_LITTLE = sys.byteorder == "little"
+_WHOLE_COPY_MAX = 1 << 16  # up to this many blocks, undo copies a touched column whole
+_SMALL = 24  # events with more ids than this take the numpy path
 
-@dataclass
+
+def seq_owner_id(seq_id: str) -> int:
+    """The owner id a block map stores for a sequence: crc32 of its id (stable across
+    runs, seeks and snapshots; ``% n`` gives the inspector's colour slot)."""
+    return zlib.crc32(seq_id.encode())
+
+
+def pack_ids(ids: Any) -> bytes:
+    """Block ids -> packed little-endian int32 (the v2 wire form of id lists)."""
+    a = array("i", ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_ids(value: Any) -> list[int]:
+    """A wire id list (v1: list of ints; v2: packed little-endian int32 bytes) -> list.
+
+    Raises ProtocolError for anything else (bools, floats, strings, ragged bytes)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if len(value) % 4:
+            raise ProtocolError(f"packed id list of {len(value)} bytes is not int32s")
+        a = array("i")
+        a.frombytes(value)
+        if not _LITTLE:
+            a.byteswap()
+        return a.tolist()
+    if type(value) is not list:
+        raise ProtocolError(f"id list is a {type(value).__name__}")
+    for b in value:
+        if type(b) is not int:  # bool is an int subclass: numpy would read it as a mask
+            raise ProtocolError(f"block id {b!r} is not an int")
+    return value
+
+
+class Column:
+    """One per-block array: ``np`` (numpy view) and ``py`` (array.array), same memory."""
+
+    __slots__ = ("py", "np", "saved_in")
+
+    def __init__(self, typecode: str, n: int, fill: int = 0) -> None:
+        self.py = array(typecode, [fill]) * n if n else array(typecode)
+        self.np = np.frombuffer(self.py, dtype=self.py.typecode) if n else np.zeros(
+            0, dtype=np.dtype(typecode))
+        self.saved_in = -1  # batch number in which undo copied this column whole
+
+    @classmethod
+    def of(cls, typecode: str, values: np.ndarray) -> Column:
+        c = cls(typecode, len(values))
+        if len(values):
+            c.np[:] = values
+        return c
+
+    def copy(self) -> Column:
+        return Column.of(self.py.typecode, self.np)
+
+
+class _HashView(Mapping):
+    """Read-only ``{block: hash}`` view of a tier's cached blocks (for hover/inspector)."""
+
+    def __init__(self, t: TierState) -> None:
+        self._t = t
+
+    def __getitem__(self, b: int) -> int:
+        t = self._t
+        if not isinstance(b, int) or not 0 <= b < t.num_blocks or not t.hashed_c.py[b]:
+            raise KeyError(b)
+        return t.big_hashes.get(b, t.hash_c.py[b])
+
+    def __contains__(self, b: object) -> bool:
+        t = self._t
+        return isinstance(b, int) and 0 <= b < t.num_blocks and bool(t.hashed_c.py[b])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self._t.hashed_c.np).tolist())
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._t.hashed_c.np))
+
+
 class TierState:
-    """One physical block pool: per-block ref counts and prefix-cache hashes."""
+    """One physical block pool as columns (see the module docstring)."""
 
-    name: str
-    num_blocks: int
-    block_size: int
-    format: str = "auto"
-    ref: np.ndarray = field(default=None)  # int32 [num_blocks]
-    hashes: dict[int, int] = field(default_factory=dict)  # block id -> hash (cached blocks)
+    def __init__(self, name: str, num_blocks: int, block_size: int,
+                 format: str = "auto") -> None:  # noqa: A002 - the wire field's name
+        self.name, self.num_blocks, self.block_size, self.format = (
+            name, num_blocks, block_size, format)
+        n = num_blocks
+        self.ref_c = Column("i", n)
+        self.hashed_c = Column("B", n)  # 1 = the block holds a prefix-cache hash
+        self.hash_c = Column("q", n)
+        self.owner_c = Column("q", n, -1)
+        self.fmt_c = Column("B", n)  # index into self.format_names; 0 = the tier's format
+        self.touched_c = Column("i", n, -1)  # step of the last change to the block
+        self.big_hashes: dict[int, int] = {}  # hashes outside int64 (foreign producers)
+        self.format_names: list[str] = [format]
 
-    def __post_init__(self) -> None:
-        if self.ref is None:
-            self.ref = np.zeros(self.num_blocks, dtype=np.int32)
+    # numpy views, for readers (block maps, tests)
+    @property
+    def ref(self) -> np.ndarray:
+        return self.ref_c.np
 
-    def check_ids(self, blocks: list[int]) -> None:
-        for b in blocks:
-            # bool is an int, and numpy would read ref[True] as a mask over every block
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
+    @property
+    def owner(self) -> np.ndarray:
+        return self.owner_c.np
+
+    @property
+    def touched(self) -> np.ndarray:
+        return self.touched_c.np
+
+    @property
+    def hashes(self) -> Mapping[int, int]:
+        return _HashView(self)
+
+    def block_format_codes(self) -> np.ndarray:
+        """uint8 per block: index into ``format_names`` (0 = the tier's format)."""
+        return self.fmt_c.np
+
+    def block_formats(self) -> dict[int, str]:
+        """{block: format} for blocks whose format differs from the tier's."""
+        names = self.format_names
+        idx = np.flatnonzero(self.fmt_c.np)
+        return {b: names[c] for b, c in zip(idx.tolist(), self.fmt_c.np[idx].tolist(),
+                                              strict=True) if names[c] != self.format}
+
+    def hash_list(self) -> list[int | None]:
+        """Per block: its hash, or None (the canonical form)."""
+        out = [h if m else None for h, m in zip(self.hash_c.py, self.hashed_c.py, strict=True)]
+        for b, h in self.big_hashes.items():
+            out[b] = h
+        return out
+
+    def columns(self) -> tuple[Column, ...]:
+        return (self.ref_c, self.hashed_c, self.hash_c, self.owner_c, self.fmt_c,
+                self.touched_c)
+
+    def clone(self) -> TierState:
+        t = TierState.__new__(TierState)
+        t.name, t.num_blocks, t.block_size, t.format = (
+            self.name, self.num_blocks, self.block_size, self.format)
+        t.ref_c, t.hashed_c, t.hash_c, t.owner_c, t.fmt_c, t.touched_c = (
+            c.copy() for c in self.columns())
+        t.big_hashes = dict(self.big_hashes)
+        t.format_names = list(self.format_names)
+        return t
+
+    def check_ids(self, ids: list[int]) -> None:
+        n = self.num_blocks
+        for b in ids:
+            if not 0 <= b < n:
                 raise ProtocolError(f"tier {self.name}: block id {b!r} out of range")
+
+    def set_hash(self, b: int, h: int) -> None:
+        if _INT64_MIN <= h <= _INT64_MAX:
+            self.hash_c.py[b] = h
+            self.big_hashes.pop(b, None)
+        else:
+            self.hash_c.py[b] = 0
+            self.big_hashes[b] = h
+        self.hashed_c.py[b] = 1
+
+    def hash_value(self, b: int) -> int:
+        return self.big_hashes[b] if self.big_hashes and b in self.big_hashes else (
+            self.hash_c.py[b])
 
 
 @dataclass
@@ -61,10 +228,39 @@ class SeqState:
     parent: str | None = None
     preemptions: int = 0
     hit_tokens: int = 0
+    owner_id: int = -1
+
+
+class Canonical(dict):
+    """``canonical()``'s dict. Compares equal to a plain canonical dict in which a tier
+    lacks ``block_formats`` exactly when this one's is empty: a producer that does not
+    report per-block formats has every block in its tier's format. Any real difference
+    (a block in another format on either side) still makes them unequal."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, dict):
+            return NotImplemented
+        return _with_formats(self) == _with_formats(other)
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _with_formats(canon: dict) -> dict:
+    tiers = canon.get("tiers")
+    if not isinstance(tiers, dict) or all(
+            isinstance(t, dict) and "block_formats" in t for t in tiers.values()):
+        return dict(canon)
+    return {**canon, "tiers": {
+        name: ({**t, "block_formats": {}} if isinstance(t, dict) and "block_formats" not in t
+               else t) for name, t in tiers.items()}}
 
 
 class KVState:
-    """The cache mirror. Cheap to copy via ``clone()`` (used by seek keyframes)."""
+    """The cache mirror. ``clone()`` gives an independent copy (seek keyframes)."""
 
     def __init__(self) -> None:
         self.tiers: dict[str, TierState] = {}
@@ -75,18 +271,17 @@ class KVState:
         self.kind_counts: dict[str, int] = {}  # cumulative events applied, by kind
         self.unknown_kinds: int = 0
         self._undo: list[tuple] | None = None  # a list only while apply() runs
+        self._batch_no = 0
+        self._cur_step = -1
 
     # ------------------------------------------------------------------ reading
     def block_codes(self, tier: str) -> np.ndarray:
         """uint8 state code per block (schema.BLOCK_*), vectorised for 1M-block maps."""
         t = self.tiers[tier]
-        codes = np.zeros(t.num_blocks, dtype=np.uint8)
-        if t.hashes:
-            codes[np.fromiter(t.hashes.keys(), dtype=np.int64, count=len(t.hashes))] = (
-                S.BLOCK_CACHED
-            )
-        codes[t.ref == 1] = S.BLOCK_USED
-        codes[t.ref > 1] = S.BLOCK_SHARED
+        ref = t.ref_c.np
+        codes = t.hashed_c.np.copy()  # 1 = BLOCK_CACHED where hashed
+        codes[ref == 1] = S.BLOCK_USED
+        codes[ref > 1] = S.BLOCK_SHARED
         return codes
 
     def owners(self, tier: str, block: int) -> list[str]:
@@ -95,16 +290,17 @@ class KVState:
             s.seq_id for s in self.seqs.values() if s.tier == tier and block in s.block_table
         ]
 
-    def canonical(self) -> dict[str, Any]:
+    def canonical(self) -> Canonical:
         """Plain-dict form for equality checks; same shape as ``LLMEngine.kv_state()``."""
-        return {
+        return Canonical({
             "tiers": {
                 name: {
                     "num_blocks": t.num_blocks,
                     "block_size": t.block_size,
                     "format": t.format,
-                    "ref": t.ref.tolist(),
-                    "hash": [t.hashes.get(b) for b in range(t.num_blocks)],
+                    "ref": t.ref_c.np.tolist(),
+                    "hash": t.hash_list(),
+                    "block_formats": t.block_formats(),
                 }
                 for name, t in sorted(self.tiers.items())
             },
@@ -117,31 +313,37 @@ class KVState:
                 }
                 for sid, s in sorted(self.seqs.items())
             },
-        }
+        })
 
     # ------------------------------------------------------------- snapshots
     def snapshot(self) -> dict[str, Any]:
-        """Full state as a msgpack-friendly map (str keys only); see ``from_snapshot``."""
+        """Full state as a msgpack-friendly map (str keys only); see ``from_snapshot``.
+
+        Protocol 2: id lists and ref counts are packed little-endian int32 bytes,
+        hashes packed int64 (a list when one does not fit)."""
+        tiers = {}
+        for name, t in self.tiers.items():
+            hashed = np.flatnonzero(t.hashed_c.np)
+            hashes: Any = t.hash_c.np[hashed].astype("<i8").tobytes()
+            if t.big_hashes:
+                hashes = [t.hash_value(b) for b in hashed.tolist()]
+            fmts = t.block_formats()
+            tiers[name] = {
+                "num_blocks": t.num_blocks, "block_size": t.block_size, "format": t.format,
+                "ref": t.ref_c.np.astype("<i4").tobytes(),
+                "hashed": hashed.astype("<i4").tobytes(), "hashes": hashes,
+                "formatted": pack_ids(list(fmts)), "formats": list(fmts.values()),
+            }
         return {
             "v": S.PROTOCOL_VERSION,
             "step": self.step,
             "time": self.time,
             "stats": self.stats,
-            "tiers": {
-                name: {
-                    "num_blocks": t.num_blocks,
-                    "block_size": t.block_size,
-                    "format": t.format,
-                    "ref": t.ref.tolist(),
-                    "hashed": list(t.hashes.keys()),
-                    "hashes": list(t.hashes.values()),
-                }
-                for name, t in self.tiers.items()
-            },
+            "tiers": tiers,
             "seqs": [
                 {
                     "seq": s.seq_id, "status": s.status, "tier": s.tier,
-                    "block_table": list(s.block_table), "num_tokens": s.num_tokens,
+                    "block_table": pack_ids(s.block_table), "num_tokens": s.num_tokens,
                     "prompt_tokens": s.prompt_tokens, "priority": s.priority,
                     "parent": s.parent, "preemptions": s.preemptions,
                     "hit_tokens": s.hit_tokens,
@@ -153,64 +355,94 @@ class KVState:
 
     @classmethod
     def from_snapshot(cls, snap: dict[str, Any]) -> KVState:
-        if snap.get("v") != S.PROTOCOL_VERSION:
+        """A KVState from ``snapshot()`` form, protocol 1 (lists) or 2 (packed)."""
+        if not isinstance(snap, dict) or snap.get("v") not in S.READABLE_VERSIONS:
+            v = snap.get("v") if isinstance(snap, dict) else None
             raise ProtocolError(
-                f"snapshot protocol version {snap.get('v')!r}, expected {S.PROTOCOL_VERSION}"
-            )
+                f"snapshot protocol version {v!r}, expected one of {S.READABLE_VERSIONS}")
         st = cls()
         try:
             st.step = int(snap["step"])
             st.time = float(snap.get("time", 0.0))
             st.stats = dict(snap.get("stats") or {})
             for name, t in snap["tiers"].items():
-                tier = TierState(name, int(t["num_blocks"]), int(t["block_size"]), t["format"])
-                ref = np.asarray(t["ref"], dtype=np.int32)
-                if ref.shape != (tier.num_blocks,):
+                tier = TierState(name, int(t["num_blocks"]), int(t["block_size"]),
+                                 str(t["format"]))
+                n = tier.num_blocks
+                ref = t["ref"]
+                ref = (np.frombuffer(ref, dtype="<i4") if isinstance(ref, bytes)
+                       else np.asarray(ref, dtype=np.int64))
+                if ref.shape != (n,):
                     raise ProtocolError(f"snapshot tier {name}: ref has {ref.shape} entries")
-                tier.ref = ref
-                tier.hashes = dict(zip(t["hashed"], t["hashes"], strict=True))
+                tier.ref_c.np[:] = ref
+                hashed = unpack_ids(t["hashed"])
+                tier.check_ids(hashed)
+                hashes = t["hashes"]
+                hashes = (np.frombuffer(hashes, dtype="<i8").tolist()
+                          if isinstance(hashes, bytes) else [int(h) for h in hashes])
+                if len(hashes) != len(hashed):
+                    raise ProtocolError(f"snapshot tier {name}: hashed and hashes differ")
+                for b, h in zip(hashed, hashes, strict=True):
+                    tier.set_hash(b, h)
+                formatted = unpack_ids(t.get("formatted", []))
+                tier.check_ids(formatted)
+                for b, f in zip(formatted, t.get("formats", []), strict=True):
+                    tier.fmt_c.py[b] = _format_code(tier, str(f))
                 st.tiers[name] = tier
             for s in snap["seqs"]:
-                st.seqs[s["seq"]] = SeqState(
-                    seq_id=s["seq"], status=s["status"], tier=s["tier"],
-                    block_table=list(s["block_table"]), num_tokens=int(s["num_tokens"]),
+                sid = s["seq"]
+                if not isinstance(sid, str):
+                    raise ProtocolError(f"snapshot sequence id {sid!r} is not a string")
+                table = unpack_ids(s["block_table"])
+                st.seqs[sid] = SeqState(
+                    seq_id=sid, status=s["status"], tier=s["tier"],
+                    block_table=list(table), num_tokens=int(s["num_tokens"]),
                     prompt_tokens=int(s.get("prompt_tokens", 0)),
                     priority=int(s.get("priority", 0)), parent=s.get("parent"),
                     preemptions=int(s.get("preemptions", 0)),
-                    hit_tokens=int(s.get("hit_tokens", 0)),
+                    hit_tokens=int(s.get("hit_tokens", 0)), owner_id=seq_owner_id(sid),
                 )
             st.kind_counts = dict(snap.get("kind_counts") or {})
-        except (KeyError, TypeError, ValueError) as e:
+            st._assign_owners()
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             if isinstance(e, ProtocolError):
                 raise
             raise ProtocolError(f"malformed snapshot: {e!r}") from e
         return st
 
+    def _assign_owners(self) -> None:
+        """Owners from the block tables: the first holder in sequence order wins."""
+        for name, t in self.tiers.items():
+            seqs = [s for s in self.seqs.values() if s.tier == name and s.block_table]
+            if not seqs:
+                continue
+            blocks = np.fromiter((b for s in seqs for b in s.block_table), dtype=np.int64)
+            if blocks.size and (blocks.min() < 0 or blocks.max() >= t.num_blocks):
+                raise ProtocolError(f"snapshot tier {name}: a block table is out of range")
+            ids = np.repeat(np.array([s.owner_id for s in seqs], dtype=np.int64),
+                            [len(s.block_table) for s in seqs])
+            t.owner_c.np[blocks[::-1]] = ids[::-1]
+
     @classmethod
     def from_canonical(cls, canon: dict[str, Any]) -> KVState:
         """A KVState from ``canonical()``/``kv_state()`` form (what canonical() leaves out,
         such as priorities, parents and counters, starts at its defaults)."""
-        snap = {
-            "v": S.PROTOCOL_VERSION, "step": -1,
-            "tiers": {
-                name: {"num_blocks": t["num_blocks"], "block_size": t["block_size"],
-                       "format": t["format"], "ref": t["ref"],
-                       "hashed": [b for b, h in enumerate(t["hash"]) if h is not None],
-                       "hashes": [h for h in t["hash"] if h is not None]}
-                for name, t in canon["tiers"].items()
-            },
-            "seqs": [{"seq": sid, **s} for sid, s in canon["seqs"].items()],
-        }
+        tiers = {}
+        for name, t in canon["tiers"].items():
+            hashed = [b for b, h in enumerate(t["hash"]) if h is not None]
+            fmts = t.get("block_formats") or {}
+            tiers[name] = {"num_blocks": t["num_blocks"], "block_size": t["block_size"],
+                           "format": t["format"], "ref": t["ref"], "hashed": hashed,
+                           "hashes": [t["hash"][b] for b in hashed],
+                           "formatted": [int(b) for b in fmts], "formats": list(fmts.values())}
+        snap = {"v": S.PROTOCOL_VERSION, "step": -1, "tiers": tiers,
+                "seqs": [{"seq": sid, **s} for sid, s in canon["seqs"].items()]}
         return cls.from_snapshot(snap)
 
     def clone(self) -> KVState:
         """An independent copy: arrays, dicts and block tables are copied, not shared."""
         st = KVState()
-        st.tiers = {
-            n: TierState(t.name, t.num_blocks, t.block_size, t.format, t.ref.copy(),
-                         dict(t.hashes))
-            for n, t in self.tiers.items()
-        }
+        st.tiers = {n: t.clone() for n, t in self.tiers.items()}
         st.seqs = {sid: _copy_seq(s) for sid, s in self.seqs.items()}
         st.step, st.time, st.stats = self.step, self.time, self.stats
         st.kind_counts, st.unknown_kinds = dict(self.kind_counts), self.unknown_kinds
@@ -220,21 +452,28 @@ class KVState:
     def apply(self, batch: dict[str, Any]) -> None:
         """Apply one step's batch. Atomic: on ProtocolError the state is unchanged.
 
-        Atomicity comes from an undo log (what each handler is about to overwrite), so
-        a batch costs time in proportion to what it touches, not to the cache's size.
-        """
-        if not isinstance(batch, dict) or batch.get("v") != S.PROTOCOL_VERSION:
+        Accepts protocol 1 (id lists as lists of ints) and 2 (id lists packed)."""
+        if not isinstance(batch, dict) or batch.get("v") not in S.READABLE_VERSIONS:
             raise ProtocolError(
                 f"batch protocol version {getattr(batch, 'get', lambda _k: None)('v')!r}, "
-                f"expected {S.PROTOCOL_VERSION}"
+                f"expected one of {S.READABLE_VERSIONS}"
             )
         events = batch.get("events", [])
         if not isinstance(events, list):
             raise ProtocolError("batch 'events' is not a list")
+        step = batch.get("step", self.step + 1)
+        self._cur_step = step if type(step) is int and -(1 << 31) <= step < (1 << 31) else -1
         self._begin()
+        handlers, counts = _HANDLERS, self.kind_counts
         try:
             for ev in events:
-                self._apply_event(ev)
+                kind = ev["kind"]
+                handler = handlers.get(kind)
+                if handler is None:
+                    self.unknown_kinds += 1
+                    continue
+                handler(self, ev)
+                counts[kind] = counts.get(kind, 0) + 1
         except ProtocolError:
             self._rollback()
             raise
@@ -242,51 +481,51 @@ class KVState:
             self._rollback()
             raise ProtocolError(f"malformed event: {e!r}") from e
         self._undo = None
-        self.step = int(batch.get("step", self.step + 1))
+        self.step = int(step)
         self.time = float(batch.get("time", self.time))
         stats = batch.get("stats")
         if isinstance(stats, dict):
             self.stats = stats
 
     # ------------------------------------------------------------- undo log
-    # Every mutation inside apply() first logs what it overwrites: _seq saves a sequence's
-    # fields the first time a batch touches it, _save_ref the old ref counts of the blocks
-    # about to change, _save_hash an old hash entry, _save_item a tier or sequence about
-    # to appear or disappear, _save_attr one field. _rollback replays the log backwards,
+    # Every mutation inside apply() first logs what it overwrites: _save a column's old
+    # values at the ids about to change (or the whole column, once per batch, for small
+    # tiers), _seq a sequence's fields the first time a batch touches it, _save_item a
+    # tier or sequence about to appear or disappear. _rollback replays the log backwards,
     # restoring objects in place, so entries logged in any order compose.
     def _begin(self) -> None:
         self._undo = []
+        self._batch_no += 1
         self._touched: set[str] = set()
         self._seq_order: list[str] | None = None  # saved before the first seq_finish
-        self._whole_ref_saved: set[int] = set()  # id() of ref arrays copied whole
         self._saved_counts = (dict(self.kind_counts), self.unknown_kinds)
 
-    def _save_ref(self, t: TierState, blocks: list[int]) -> None:
-        if self._undo is None or id(t.ref) in self._whole_ref_saved:
+    def _save(self, t: TierState, col: Column, ids: list[int]) -> None:
+        if col.saved_in == self._batch_no:
             return
-        if t.num_blocks <= _WHOLE_REF_COPY_MAX:  # one memcpy per tier and batch
-            self._whole_ref_saved.add(id(t.ref))
-            self._undo.append((_REF, t.ref, slice(None), t.ref.copy()))
-        else:  # huge tiers: only the blocks this event touches
-            self._undo.append((_REF, t.ref, blocks, t.ref[blocks]))
-
-    def _save_hash(self, t: TierState, b: int) -> None:
-        if self._undo is not None:
-            self._undo.append((_ITEM, t.hashes, b, t.hashes.get(b, _MISSING)))
+        if t.num_blocks <= _WHOLE_COPY_MAX:
+            col.saved_in = self._batch_no
+            self._undo.append((_COL, col, None, col.np.copy()))
+        else:
+            py = col.py
+            self._undo.append((_COL, col, ids, [py[b] for b in ids]))
 
     def _save_item(self, d: dict, key: Any) -> None:
-        if self._undo is not None:
-            self._undo.append((_ITEM, d, key, d.get(key, _MISSING)))
+        self._undo.append((_ITEM, d, key, d.get(key, _MISSING)))
 
-    def _save_attr(self, obj: Any, name: str) -> None:
-        if self._undo is not None:
-            self._undo.append((_ATTR, obj, name, getattr(obj, name)))
+    def _save_big_hashes(self, t: TierState) -> None:
+        self._undo.append((_BIG, t, None, dict(t.big_hashes)))
 
     def _rollback(self) -> None:
         undo, self._undo = self._undo or [], None
         for op, target, key, old in reversed(undo):
-            if op is _REF:
-                target[key] = old
+            if op is _COL:
+                if key is None:
+                    target.np[:] = old
+                else:
+                    py = target.py
+                    for b, v in zip(key, old, strict=True):
+                        py[b] = v
             elif op is _ITEM:
                 if old is _MISSING:
                     target.pop(key, None)
@@ -297,8 +536,10 @@ class KVState:
             elif op is _TOKENS:
                 for seq, n in zip(target, old, strict=True):
                     seq.num_tokens = n
-            else:
-                setattr(target, key, old)
+            elif op is _BIG:
+                target.big_hashes = old
+            else:  # _FORMATS
+                target.format_names[:] = old
         if self._seq_order is not None:  # re-inserted sequences go back to their place
             self.seqs = {sid: self.seqs[sid] for sid in self._seq_order if sid in self.seqs}
         self.kind_counts, self.unknown_kinds = self._saved_counts
@@ -311,24 +552,96 @@ class KVState:
 
     def _seq(self, sid: Any) -> SeqState:
         """The sequence, saved to the undo log the first time this batch touches it."""
-        s = self.seqs.get(sid)
+        s = self.seqs.get(sid) if isinstance(sid, str) else None
         if s is None:
             raise ProtocolError(f"unknown sequence {sid!r}")
-        if self._undo is not None and sid not in self._touched:
+        if sid not in self._touched:
             self._touched.add(sid)
             saved = s.__dict__.copy()
             saved["block_table"] = list(s.block_table)
             self._undo.append((_SEQ, s, None, saved))
         return s
 
-    def _apply_event(self, ev: dict[str, Any]) -> None:
-        kind = ev["kind"]
-        handler = _HANDLERS.get(kind)
-        if handler is None:
-            self.unknown_kinds += 1
-            return
-        handler(self, ev)
-        self.kind_counts[kind] = self.kind_counts.get(kind, 0) + 1
+    # ------------------------------------------------------- column helpers
+    # Each takes ids already range-checked. Small id lists loop over array.array (cheap
+    # scalar access); large ones use numpy fancy indexing on the same memory.
+    def _take(self, t: TierState, ids: list[int], owner: int) -> None:
+        """ids go from ref 0 to ref 1, owned by ``owner``, touched now."""
+        for col in (t.ref_c, t.owner_c, t.touched_c):
+            self._save(t, col, ids)
+        step = self._cur_step
+        if len(ids) <= _SMALL:
+            ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
+            for b in ids:
+                ref[b] = 1
+                own[b] = owner
+                tch[b] = step
+        else:
+            idx = np.asarray(ids, dtype=np.int64)
+            t.ref_c.np[idx] = 1
+            t.owner_c.np[idx] = owner
+            t.touched_c.np[idx] = step
+
+    def _hold(self, t: TierState, ids: list[int], owner: int) -> None:
+        """ref += 1 per entry; blocks that were unheld become ``owner``'s."""
+        for col in (t.ref_c, t.owner_c, t.touched_c):
+            self._save(t, col, ids)
+        step = self._cur_step
+        if len(ids) <= _SMALL:
+            ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
+            for b in ids:
+                r = ref[b] + 1
+                ref[b] = r
+                if r == 1:
+                    own[b] = owner
+                tch[b] = step
+        else:
+            idx = np.asarray(ids, dtype=np.int64)
+            ref = t.ref_c.np
+            was_free = ref[idx] == 0
+            np.add.at(ref, idx, 1)
+            t.owner_c.np[idx[was_free]] = owner
+            t.touched_c.np[idx] = step
+
+    def _release(self, t: TierState, ids: list[int], owner: int) -> None:
+        """ref -= 1 per entry; ``owner``'s blocks lose their owner (see module doc)."""
+        for col in (t.ref_c, t.owner_c, t.touched_c):
+            self._save(t, col, ids)
+        step = self._cur_step
+        if len(ids) <= _SMALL:
+            ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
+            for b in ids:
+                r = ref[b] - 1
+                ref[b] = r
+                if r == 0 or own[b] == owner:
+                    own[b] = -1
+                tch[b] = step
+        else:
+            idx = np.asarray(ids, dtype=np.int64)
+            ref, own = t.ref_c.np, t.owner_c.np
+            np.add.at(ref, idx, -1)
+            own[idx[(ref[idx] == 0) | (own[idx] == owner)]] = -1
+            t.touched_c.np[idx] = step
+
+    def _set_hashes(self, t: TierState, ids: list[int], hashes: list[Any]) -> None:
+        for col in (t.hashed_c, t.hash_c, t.touched_c):
+            self._save(t, col, ids)
+        step = self._cur_step
+        tch = t.touched_c.py
+        if t.big_hashes or any(not _INT64_MIN <= h <= _INT64_MAX for h in hashes):
+            self._save_big_hashes(t)
+        for b, h in zip(ids, hashes, strict=True):
+            t.set_hash(b, h)
+            tch[b] = step
+
+    def _free_blocks(self, t: TierState, ids: list[int], what: str) -> None:
+        """Raise unless every id is free (ref 0, no hash) and none repeats."""
+        ref, hashed = t.ref_c.py, t.hashed_c.py
+        for b in ids:
+            if ref[b] or hashed[b]:
+                raise ProtocolError(f"{what}: {t.name} block {b} is not free")
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            raise ProtocolError(f"{what}: duplicate block ids")
 
     # One method per kind. Each validates before it mutates what it touches.
     def _tier_init(self, ev: dict[str, Any]) -> None:
@@ -336,7 +649,7 @@ class KVState:
         if name not in S.TIERS:
             raise ProtocolError(f"unknown tier {name!r}")
         n, bs = int(ev["num_blocks"]), int(ev["block_size"])
-        if n < 0 or bs < 1:
+        if n < 0 or bs < 1 or n >= 1 << 31:
             raise ProtocolError(f"tier {name}: bad size {n} blocks x {bs} tokens")
         self._save_item(self.tiers, name)
         self.tiers[name] = TierState(name, n, bs, str(ev.get("format", "auto")))
@@ -349,94 +662,96 @@ class KVState:
         self.seqs[sid] = SeqState(
             seq_id=sid, prompt_tokens=int(ev.get("prompt_tokens", 0)),
             priority=int(ev.get("priority", 0)), parent=ev.get("parent"),
+            owner_id=seq_owner_id(sid),
         )
 
     def _seq_start(self, ev: dict[str, Any]) -> None:
         self._seq(ev["seq"]).status = "running"
 
     def _alloc(self, ev: dict[str, Any]) -> None:
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), list(ev["blocks"])
+        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
-        for b in blocks:
-            if t.ref[b] != 0 or b in t.hashes:
-                raise ProtocolError(f"alloc: {t.name} block {b} is not free")
-        if len(set(blocks)) != len(blocks):
-            raise ProtocolError("alloc: duplicate block ids")
-        self._save_ref(t, blocks)
-        t.ref[blocks] = 1
+        self._free_blocks(t, blocks, "alloc")
+        self._take(t, blocks, s.owner_id)
         s.block_table.extend(blocks)
 
     def _hit(self, ev: dict[str, Any]) -> None:
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), list(ev["blocks"])
+        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
+        hashed = t.hashed_c.py
         for b in blocks:
-            if b not in t.hashes:
+            if not hashed[b]:
                 raise ProtocolError(f"hit: {t.name} block {b} is not cached")
-        self._save_ref(t, blocks)
-        _add(t.ref, blocks, 1)
+        self._hold(t, blocks, s.owner_id)
         s.block_table.extend(blocks)
         s.hit_tokens += int(ev.get("tokens", 0))
 
     def _store(self, ev: dict[str, Any]) -> None:
-        t, blocks, hashes = self._tier(ev["tier"]), list(ev["blocks"]), list(ev["hashes"])
+        t, blocks, hashes = self._tier(ev["tier"]), unpack_ids(ev["blocks"]), ev["hashes"]
         t.check_ids(blocks)
+        hashes = [int(h) for h in hashes]
         if len(blocks) != len(hashes):
             raise ProtocolError("store: blocks and hashes differ in length")
-        for b, h in zip(blocks, hashes, strict=True):
-            self._save_hash(t, b)
-            t.hashes[b] = int(h)
+        self._set_hashes(t, blocks, hashes)
 
     def _evict(self, ev: dict[str, Any]) -> None:
-        t, blocks = self._tier(ev["tier"]), list(ev["blocks"])
+        t, blocks = self._tier(ev["tier"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
+        ref, hashed = t.ref_c.py, t.hashed_c.py
         for b in blocks:
-            if t.ref[b] != 0 or b not in t.hashes:
+            if ref[b] or not hashed[b]:
                 raise ProtocolError(f"evict: {t.name} block {b} is not a cached free block")
+        for col in (t.hashed_c, t.hash_c, t.touched_c):
+            self._save(t, col, blocks)
+        if t.big_hashes:
+            self._save_big_hashes(t)
+        hv, tch, step = t.hash_c.py, t.touched_c.py, self._cur_step
         for b in blocks:
-            self._save_hash(t, b)
-            del t.hashes[b]
+            hashed[b] = 0
+            hv[b] = 0
+            tch[b] = step
+            if t.big_hashes:
+                t.big_hashes.pop(b, None)
 
     def _free(self, ev: dict[str, Any]) -> None:
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), list(ev["blocks"])
+        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
-        self._save_ref(t, blocks)
-        _add(t.ref, blocks, -1)
+        self._release(t, blocks, s.owner_id)
         s.block_table = []
         s.num_tokens = 0
 
     def _fork(self, ev: dict[str, Any]) -> None:
         t, s, parent = self._tier(ev["tier"]), self._seq(ev["seq"]), self._seq(ev["parent"])
-        blocks = list(ev["blocks"])
+        blocks = unpack_ids(ev["blocks"])
         if parent.tier != t.name or blocks != parent.block_table or s.block_table:
             raise ProtocolError(f"fork: {s.seq_id} cannot share {parent.seq_id}'s blocks")
         s.tier = t.name
-        self._save_ref(t, blocks)
-        _add(t.ref, blocks, 1)
-        s.block_table = blocks
+        self._hold(t, blocks, s.owner_id)
+        s.block_table = list(blocks)
         s.num_tokens = parent.num_tokens
 
     def _cow(self, ev: dict[str, Any]) -> None:
         t, s = self._tier(ev["tier"]), self._seq(ev["seq"])
-        logical, src, dst = list(ev["logical"]), list(ev["src"]), list(ev["dst"])
-        t.check_ids(src + dst)
+        logical, src, dst = ev["logical"], unpack_ids(ev["src"]), unpack_ids(ev["dst"])
+        logical = unpack_ids(logical)
+        t.check_ids(src)
+        t.check_ids(dst)
         if not len(logical) == len(src) == len(dst):
             raise ProtocolError("cow: logical, src and dst differ in length")
         for i, a, b in zip(logical, src, dst, strict=True):
             if not 0 <= i < len(s.block_table) or s.block_table[i] != a:
                 raise ProtocolError(f"cow: {s.seq_id}[{i}] is not block {a}")
-            if t.ref[b] != 0 or b in t.hashes:
-                raise ProtocolError(f"cow: destination block {b} is not free")
-            self._save_ref(t, [a, b])
+            self._free_blocks(t, [b], "cow")  # checked per pair: dst may repeat a src
+            self._release(t, [a], s.owner_id)
+            self._take(t, [b], s.owner_id)
             s.block_table[i] = b
-            t.ref[a] -= 1
-            t.ref[b] = 1
 
     def _seq_tokens(self, ev: dict[str, Any]) -> None:
-        seqs, counts = list(ev["seqs"]), [int(n) for n in ev["num_tokens"]]
-        if len(seqs) != len(counts):
+        seqs, counts = ev["seqs"], [int(n) for n in ev["num_tokens"]]
+        if type(seqs) is not list or len(seqs) != len(counts):
             raise ProtocolError("seq_tokens: seqs and num_tokens differ in length")
         # the hot path of every decode step: one undo entry for all, not a copy per seq
         table = self.seqs
@@ -445,8 +760,7 @@ class KVState:
         except (KeyError, TypeError):
             missing = next(sid for sid in seqs if not isinstance(sid, str) or sid not in table)
             raise ProtocolError(f"unknown sequence {missing!r}") from None
-        if self._undo is not None:
-            self._undo.append((_TOKENS, objs, None, [s.num_tokens for s in objs]))
+        self._undo.append((_TOKENS, objs, None, [s.num_tokens for s in objs]))
         for s, n in zip(objs, counts, strict=True):
             s.num_tokens = n
 
@@ -464,7 +778,7 @@ class KVState:
         s = self._seq(ev["seq"])
         if s.block_table:
             raise ProtocolError(f"seq_finish: {s.seq_id} still holds blocks (free it first)")
-        if self._undo is not None and self._seq_order is None:
+        if self._seq_order is None:
             self._seq_order = list(self.seqs)
         self._save_item(self.seqs, s.seq_id)
         del self.seqs[s.seq_id]
@@ -472,16 +786,14 @@ class KVState:
     def _move(self, ev: dict[str, Any], src_tier: str, dst_tier: str) -> None:
         s = self._seq(ev["seq"])
         a, b = self._tier(src_tier), self._tier(dst_tier)
-        src, dst = list(ev["src"]), list(ev["dst"])
+        src, dst = unpack_ids(ev["src"]), unpack_ids(ev["dst"])
         a.check_ids(src)
         b.check_ids(dst)
         if s.tier != src_tier or src != s.block_table or len(dst) != len(src):
             raise ProtocolError(f"{ev['kind']}: {s.seq_id} does not hold {src_tier} {src}")
-        self._save_ref(a, src)
-        self._save_ref(b, dst)
-        _add(a.ref, src, -1)
-        _add(b.ref, dst, 1)
-        s.tier, s.block_table = dst_tier, dst
+        self._release(a, src, s.owner_id)
+        self._hold(b, dst, s.owner_id)
+        s.tier, s.block_table = dst_tier, list(dst)
 
     def _swap_out(self, ev: dict[str, Any]) -> None:
         self._move(ev, "gpu", "cpu")
@@ -491,35 +803,55 @@ class KVState:
 
     def _offload(self, ev: dict[str, Any]) -> None:
         host = self._tier("cpu")
-        dst, hashes = list(ev["dst"]), list(ev["hashes"])
+        dst, hashes = unpack_ids(ev["dst"]), [int(h) for h in ev["hashes"]]
         host.check_ids(dst)
         if len(dst) != len(hashes):
             raise ProtocolError("offload: dst and hashes differ in length")
-        for b, h in zip(dst, hashes, strict=True):
-            if host.ref[b] != 0:
+        ref = host.ref_c.py
+        for b in dst:
+            if ref[b]:
                 raise ProtocolError(f"offload: host block {b} is in use")
-            self._save_hash(host, b)
-            host.hashes[b] = int(h)
+        self._set_hashes(host, dst, hashes)
 
     def _host_hit(self, ev: dict[str, Any]) -> None:
         host, dev, s = self._tier("cpu"), self._tier("gpu"), self._seq(ev["seq"])
-        src, dst = list(ev["src"]), list(ev["dst"])
+        src, dst = unpack_ids(ev["src"]), unpack_ids(ev["dst"])
         host.check_ids(src)
         dev.check_ids(dst)
         self._require_table_tier(s, dev)
         if len(src) != len(dst):
             raise ProtocolError("host_hit: src and dst differ in length")
-        for a, b in zip(src, dst, strict=True):
-            if a not in host.hashes:
+        hashed = host.hashed_c.py
+        for a in src:
+            if not hashed[a]:
                 raise ProtocolError(f"host_hit: host block {a} is not cached")
-            if dev.ref[b] != 0 or b in dev.hashes:
-                raise ProtocolError(f"host_hit: gpu block {b} is not free")
-            self._save_ref(dev, [b])
-            self._save_hash(dev, b)
-            dev.ref[b] = 1
-            dev.hashes[b] = host.hashes[a]
+        self._free_blocks(dev, dst, "host_hit")
+        self._take(dev, dst, s.owner_id)
+        self._set_hashes(dev, dst, [host.hash_value(a) for a in src])
         s.block_table.extend(dst)
         s.hit_tokens += int(ev.get("tokens", 0))
+
+    def _quantize(self, ev: dict[str, Any]) -> None:
+        """Blocks change their per-block page format in place (refs, hashes and block
+        tables are unchanged)."""
+        t, blocks, fmt = self._tier(ev["tier"]), unpack_ids(ev["blocks"]), ev["format"]
+        if not isinstance(fmt, str) or not fmt:
+            raise ProtocolError(f"quantize: format {fmt!r} is not a name")
+        t.check_ids(blocks)
+        if fmt not in t.format_names:
+            self._undo.append((_FORMATS, t, None, list(t.format_names)))
+        code = _format_code(t, fmt)
+        for col in (t.fmt_c, t.touched_c):
+            self._save(t, col, blocks)
+        if len(blocks) <= _SMALL:
+            fc, tch, step = t.fmt_c.py, t.touched_c.py, self._cur_step
+            for b in blocks:
+                fc[b] = code
+                tch[b] = step
+        else:
+            idx = np.asarray(blocks, dtype=np.int64)
+            t.fmt_c.np[idx] = code
+            t.touched_c.np[idx] = self._cur_step
 
     def _require_table_tier(self, s: SeqState, t: TierState) -> None:
         if s.block_table and s.tier != t.name:
@@ -527,18 +859,22 @@ class KVState:
         s.tier = t.name
 
 
+def _format_code(t: TierState, fmt: str) -> int:
+    """Index of ``fmt`` in the tier's format names (appended when new; 0 = tier format)."""
+    if fmt == t.format:
+        return 0
+    try:
+        return t.format_names.index(fmt)
+    except ValueError:
+        if len(t.format_names) >= 255:
+            raise ProtocolError(f"tier {t.name}: too many distinct formats") from None
+        t.format_names.append(fmt)
+        return len(t.format_names) - 1
+
+
 _MISSING = object()  # undo-log marker: "this key did not exist"
-_REF, _ITEM, _SEQ, _ATTR, _TOKENS = "ref", "item", "seq", "attr", "tokens"  # undo entries
-_WHOLE_REF_COPY_MAX = 1 << 16  # up to this many blocks, undo copies a tier's refs whole
-
-
-def _add(ref: np.ndarray, blocks: list[int], delta: int) -> None:
-    """ref[blocks] += delta, duplicates counted (np.add.at costs ~10 us even for 1 id)."""
-    if len(blocks) <= 8:
-        for b in blocks:
-            ref[b] += delta
-    else:
-        np.add.at(ref, blocks, delta)
+# undo entries
+_COL, _ITEM, _SEQ, _TOKENS, _BIG, _FORMATS = "col", "item", "seq", "tokens", "big", "formats"
 
 
 def _copy_seq(s: SeqState) -> SeqState:
@@ -567,4 +903,5 @@ _HANDLERS = {
     S.SWAP_IN: KVState._swap_in,
     S.OFFLOAD: KVState._offload,
     S.HOST_HIT: KVState._host_hit,
+    S.QUANTIZE: KVState._quantize,
 }

@@ -1,28 +1,40 @@
 """EventStream: what the engine owns to publish and/or record its cache events.
 
     stream = EventStream(endpoint="tcp://127.0.0.1:5557", record_path="run.kvtrace",
-                         header={"engine": cfg, "model": name}, snapshot_fn=snap)
+                         header={"engine": cfg, "model": name},
+                         snapshot_fn=cache.snapshot, engine_lock=lock)
     cache_manager.sink = stream.sink          # the cache manager emits into it
-    ... each engine step ...
+    ... each engine step (holding engine_lock, if one was given) ...
     stream.end_step(step, stats)              # closes the step's batch; never blocks
     stream.close()                            # drains, writes the recording's index
 
-Design (why a mirror): the stream keeps its OWN ``KVState`` mirror, applying each batch
-it publishes, on its background thread. A snapshot for a late joiner is then the mirror
-*between* two batches, so its seq is exactly the last batch it includes, with no lock
-against the engine thread, and an idle engine can still serve joiners; the recorder's
-keyframes come from the same mirror, and a batch the mirror rejects (an engine bug) is
-counted in ``mirror_errors``. The price: applying every batch costs about what a
-subscriber pays, on the stream thread, which under the GIL still competes with the
-engine's Python code (docs/BENCHMARKS.md, "Event stream", has the numbers).
+Design (no second mirror): the stream never re-applies the events it publishes. Full
+states, for late joiners' snapshots and for the recording's keyframes, come from the
+cache itself: ``snapshot_fn()`` (the cache manager's ``snapshot()``, i.e. ``kv_state()``
+form, or ``KVState.snapshot()`` form; an independent copy) is called *on the engine
+thread at a step boundary*, when the stream thread has asked for one:
 
-``snapshot_fn`` (optional, also settable later as ``stream.snapshot_fn``; returns
-``KVState.snapshot()`` form; from the cache manager's canonical ``snapshot()`` use
-``KVState.from_canonical(manager.snapshot()).snapshot()``) is called only after
-batches were dropped, on the engine thread at the next ``end_step`` (a step boundary,
-so it is consistent), to re-seed the mirror (the recording gets a keyframe there).
-Without it, a drop leaves the mirror stale for good: snapshot requests are refused and
-the recording stops taking batches (it stays readable up to the drop).
+- at the next ``end_step`` (the state after that step's batch, so its seq is exact);
+- when the engine idles: ``serve_idle()`` from the engine thread, or, if the engine gave
+  an ``engine_lock`` that it holds while it changes the cache (LLMEngine does), the
+  stream thread takes the lock itself when no events wait in the sink and every batch
+  handed over has been handled: the cache then equals the state after the last batch.
+
+The stream thread turns that into the wire snapshot (adding what the cache does not keep:
+prompt sizes, priorities, parents, preemption and hit counters, event counts, from a
+small side table fed by the rare kinds), answers every waiting request with it and, when
+one is due, writes it to the recording as a keyframe. So the engine thread pays one
+cache snapshot per keyframe interval or late joiner, never a per-event apply.
+
+Without ``snapshot_fn`` snapshot requests are refused (the subscriber retries), and the
+recording gets its starting keyframe only. After dropped batches (queue full) the next
+``end_step`` attaches a snapshot (a resync): the recording takes a keyframe there and
+resumes; without ``snapshot_fn`` it stops taking batches (it stays readable up to the
+drop).
+
+Batch consumers (``add_consumer``): callables run on the stream thread with each batch
+handed over, in seq order, before it is encoded; the place for translators of the stream
+into other formats (see ``BatchConsumer``).
 
 Off (no endpoint and no record_path): ``sink`` is a NullSink (``enabled`` False), no
 thread, no socket; ``end_step`` returns at once.
@@ -35,9 +47,11 @@ import queue
 import secrets
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from engine.events import codec as C
+from engine.events import schema as S
 from engine.events.publisher import Publisher
 from engine.events.recording import RecordingWriter
 from engine.events.schema import ProtocolError
@@ -46,36 +60,59 @@ from engine.events.state import KVState
 
 log = logging.getLogger(__name__)
 
-SnapshotFn = Any  # Callable[[], dict[str, Any]]; kept loose for the engine's lambdas
+SnapshotFn = Callable[[], dict[str, Any]]
+
+
+class BatchConsumer(Protocol):
+    """Called on the stream thread with every batch handed to the stream, in seq order
+    (a dropped batch shows as a seq gap). The batch is the published message (``v``,
+    ``epoch``, ``seq``, ``step``, ``time``, ``events``, ``stats``) with id lists still
+    Python lists (packing happens after the consumers). Must not mutate it, must not
+    block; an exception is logged and counted (``consumer_errors``), the consumer stays."""
+
+    def __call__(self, batch: dict[str, Any]) -> None: ...
 
 
 class EventStream:
     """Engine-side event stream: a sink, one batch per step, a publisher/recorder thread.
 
-    Thread contract: ``sink.emit`` and ``end_step`` are called from the engine thread
-    only; everything else (encoding, the mirror, sockets, the file) happens on the
-    stream's own thread. ``end_step`` never blocks: when the bounded queue is full the
-    batch is dropped and counted (``dropped_batches``, and ``stats["dropped_batches"]`` in
-    every later batch), and subscribers see the seq gap.
+    Thread contract: ``sink.emit``, ``end_step`` and ``serve_idle`` are called from the
+    engine thread only; everything else (encoding, sockets, the file, turning cache
+    snapshots into wire snapshots) happens on the stream's own thread. ``end_step`` never
+    blocks: when the bounded queue is full the batch is dropped and counted
+    (``dropped_batches``, and ``stats["dropped_batches"]`` in every later batch), and
+    subscribers see the seq gap.
     """
 
     def __init__(self, endpoint: str | None = None, record_path: str | None = None, *,
                  snapshot_endpoint: str | None = None, header: dict[str, Any] | None = None,
-                 snapshot_fn: SnapshotFn | None = None, queue_size: int = 1024,
-                 replay_size: int = 4096, heartbeat_s: float = 1.0,
+                 snapshot_fn: SnapshotFn | None = None,
+                 engine_lock: threading.Lock | threading.RLock | None = None,
+                 queue_size: int = 1024, replay_size: int = 4096, heartbeat_s: float = 1.0,
                  keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0) -> None:
         self.enabled = endpoint is not None or record_path is not None
         self.sink: EventSink = ListSink() if self.enabled else NullSink()
         self.epoch = secrets.token_hex(8)
         self.seq = 0  # seq of the last batch handed over (assigned even if dropped)
         self.dropped_batches = 0
-        self.mirror_errors = 0
-        self.mirror = KVState()  # owned by the stream thread once started
         self.snapshot_fn = snapshot_fn
+        self.engine_lock = engine_lock
+        self.snapshots_taken = 0  # cache snapshots the engine side produced
+        self.consumer_errors = 0
+        self._consumers: list[BatchConsumer] = []
         self._need_resync = False
-        self._mirror_ok = True
+        # snapshot requests: the stream thread bumps _snap_wanted, whoever takes the
+        # snapshot (engine thread, or stream thread under engine_lock) copies it over
+        self._snap_wanted = 0
+        self._snap_taken = 0
+        self._last_meta: tuple[int, float, dict[str, Any]] = (-1, 0.0, {})
+        self._recording_ok = True
+        self.keyframe_every_steps = keyframe_every_steps
+        self._steps_since_key = 0  # engine thread: end_steps since the last keyframe
         self._last_seq_handled = 0  # written by the stream thread only
         self._last_enqueued = 0
+        self._extras: dict[str, list[Any]] = {}  # stream thread: see _note_extras
+        self._kind_counts: dict[str, int] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,7 +134,7 @@ class EventStream:
                 if self.publisher is not None:
                     self.publisher.close()
                 raise
-            self.recorder.keyframe(self.mirror, 0, self.epoch)  # the empty starting state
+            self.recorder.keyframe(KVState(), 0, self.epoch)  # the empty starting state
         self._codec = C.Codec()
         self._thread = threading.Thread(target=self._run, name="kvscope-events", daemon=True)
         self._thread.start()
@@ -112,9 +149,14 @@ class EventStream:
     def snapshot_endpoint(self) -> str | None:
         return self.publisher.snapshot_endpoint if self.publisher else None
 
+    def add_consumer(self, consumer: BatchConsumer) -> None:
+        """Run ``consumer(batch)`` on the stream thread for every later batch."""
+        self._consumers = [*self._consumers, consumer]
+
     def end_step(self, step: int, stats: dict[str, Any] | None = None) -> None:
         """Close this step's batch (the events emitted since the last call) and hand it
-        to the stream thread. Costs a dict and a queue put; never blocks."""
+        to the stream thread. Costs a dict and a queue put; never blocks. Takes a cache
+        snapshot (``snapshot_fn``) only when the stream thread asked for one."""
         if not self.enabled:
             return
         events = self.sink.drain()  # type: ignore[attr-defined]
@@ -122,25 +164,51 @@ class EventStream:
         stats = dict(stats) if stats else {}
         stats["dropped_batches"] = self.dropped_batches
         batch = C.make_batch(self.epoch, self.seq, step, time.time(), events, stats)
-        resync = None
-        if self._need_resync and self.snapshot_fn is not None:
-            resync = self.snapshot_fn()  # state after this step: consistent with batch
+        self._last_meta = (step, batch["time"], stats)
+        snap, wanted = None, self._snap_wanted
+        self._steps_since_key += 1
+        # keyframes every N steps are decided here, so a recording's keyframe steps do
+        # not depend on how far the stream thread lags
+        key = self.recorder is not None and self._steps_since_key >= self.keyframe_every_steps
+        if (self._need_resync or key or wanted != self._snap_taken) and \
+                self.snapshot_fn is not None:
+            snap = self.snapshot_fn()  # state after this step: consistent with batch
         try:
-            self._queue.put_nowait((batch, resync))
+            self._queue.put_nowait((batch, snap, self.seq, self._last_meta, key))
         except queue.Full:
             self.dropped_batches += 1
             self._need_resync = True
             return
         self._last_enqueued = self.seq
-        if resync is not None:
+        if snap is not None:
             self._need_resync = False
+            self._snap_taken = wanted
+            self._steps_since_key = 0
+            self.snapshots_taken += 1
+
+    def serve_idle(self) -> bool:
+        """Engine thread, between steps, with nothing to run: answer a pending snapshot
+        request now instead of at the next step. True if a snapshot was taken."""
+        if (not self.enabled or self.snapshot_fn is None or self._need_resync
+                or self._snap_wanted == self._snap_taken or self.sink.events):  # type: ignore[attr-defined]
+            return False
+        wanted = self._snap_wanted
+        try:
+            self._queue.put_nowait((None, self.snapshot_fn(), self.seq, self._last_meta,
+                                    False))
+        except queue.Full:
+            return False
+        self._snap_taken = wanted
+        self.snapshots_taken += 1
+        return True
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Wait until the stream thread has handled every batch handed over so far (for
         tests and benchmarks; the engine never needs to). False on timeout."""
         end = time.monotonic() + timeout
         # dropped batches never reach the thread: wait for the last one that was queued
-        while self._thread is not None and self._last_seq_handled < self._last_enqueued:
+        while self._thread is not None and (self._last_seq_handled < self._last_enqueued
+                                            or self._queue.qsize()):
             if time.monotonic() > end:
                 return False
             time.sleep(0.0002)
@@ -167,8 +235,8 @@ class EventStream:
         p, r = self.publisher, self.recorder
         return {
             "epoch": self.epoch, "seq": self.seq, "dropped_batches": self.dropped_batches,
-            "queue_depth": self._queue.qsize(), "mirror_errors": self.mirror_errors,
-            "mirror_ok": self._mirror_ok,
+            "queue_depth": self._queue.qsize(), "snapshots_taken": self.snapshots_taken,
+            "recording_ok": self._recording_ok, "consumer_errors": self.consumer_errors,
             "snapshots_served": p.snapshots_served if p else 0,
             "replays_served": p.replays_served if p else 0,
             "request_errors": p.request_errors if p else 0,
@@ -188,8 +256,16 @@ class EventStream:
                 if item is not None:
                     self._handle(*item)
                 if self.publisher is not None:
-                    self.publisher.serve_requests(self._snapshot_for_request)
+                    waiting = self.publisher.serve_requests(
+                        can_snapshot=self.snapshot_fn is not None)
+                    if waiting:
+                        self._want_snapshot()
                     self.publisher.heartbeat_if_idle()
+                if self.recorder is not None and self._recording_ok and \
+                        self.recorder.keyframe_due_by_time and self._last_seq_handled:
+                    self._want_snapshot()
+                if item is None:
+                    self._snapshot_if_engine_idle()
         except Exception:
             log.exception("event stream thread failed; events are no longer published")
         finally:
@@ -198,35 +274,103 @@ class EventStream:
             if self.publisher is not None:
                 self.publisher.close()
 
-    def _handle(self, batch: dict[str, Any], resync: dict[str, Any] | None) -> None:
-        gap = batch["seq"] != self._last_seq_handled + 1
-        keyframe = False
-        if resync is not None:
-            self.mirror = KVState.from_snapshot(resync)
-            self.mirror.step, self.mirror.time = batch["step"], batch["time"]
-            self.mirror.stats = batch["stats"]
-            self._mirror_ok = keyframe = True
-        elif gap:
-            self._mirror_ok = False  # a dropped batch: the mirror cannot be trusted
-            log.warning("event stream dropped batches before seq %d; mirror is stale until "
-                        "resync", batch["seq"])
-        elif self._mirror_ok:
-            try:
-                self.mirror.apply(batch)
-            except ProtocolError as e:
-                self.mirror_errors += 1
-                self._mirror_ok = False
-                log.error("engine emitted a batch its own mirror rejects (step %s): %s",
-                          batch["step"], e)
-        payload = self._codec.encode(batch)
-        if self.publisher is not None:
-            self.publisher.publish(batch["seq"], payload)
-        self._last_seq_handled = batch["seq"]
-        if self.recorder is not None and self._mirror_ok:
-            if keyframe:
-                self.recorder.keyframe(self.mirror, batch["seq"], self.epoch)
-            else:
-                self.recorder.add(batch, self.mirror, payload)
+    def _want_snapshot(self) -> None:
+        if self.snapshot_fn is not None and self._snap_wanted == self._snap_taken:
+            self._snap_wanted += 1
 
-    def _snapshot_for_request(self) -> dict[str, Any] | None:
-        return self.mirror.snapshot() if self._mirror_ok else None
+    def _snapshot_if_engine_idle(self) -> None:
+        """Take the snapshot here when the engine holds no lock and nothing is in flight:
+        the cache then equals the state after batch ``self.seq``."""
+        lock = self.engine_lock
+        if lock is None or self.snapshot_fn is None or self._snap_wanted == self._snap_taken:
+            return
+        if not lock.acquire(blocking=False):
+            return
+        try:
+            if (self.sink.events or self._need_resync  # type: ignore[attr-defined]
+                    or self._queue.qsize() or self._last_seq_handled != self._last_enqueued
+                    or self._snap_wanted == self._snap_taken):
+                return
+            wanted, seq, meta = self._snap_wanted, self.seq, self._last_meta
+            snap = self.snapshot_fn()
+            self._snap_taken = wanted
+            self.snapshots_taken += 1
+        finally:
+            lock.release()
+        self._handle(None, snap, seq, meta, False)
+
+    def _handle(self, batch: dict[str, Any] | None, snap: dict[str, Any] | None,
+                seq: int, meta: tuple[int, float, dict[str, Any]], key: bool) -> None:
+        """One queue item: a batch (published, recorded) and/or a cache snapshot taken
+        right after batch ``seq`` (answers waiting requests; a keyframe when ``key`` or
+        when one is due)."""
+        rec = self.recorder
+        if batch is not None:
+            if batch["seq"] != self._last_seq_handled + 1:
+                if self._recording_ok and rec is not None and snap is None:
+                    log.warning("event stream dropped batches before seq %d; the recording "
+                                "pauses until a snapshot", batch["seq"])
+                self._recording_ok = False
+            self._note_extras(batch["events"])
+            for consumer in self._consumers:
+                try:
+                    consumer(batch)
+                except Exception:  # noqa: BLE001 - a consumer must not stop the stream
+                    self.consumer_errors += 1
+                    log.exception("event batch consumer %r failed", consumer)
+            C.pack_events(batch["events"])
+            payload = self._codec.encode(batch)
+            if self.publisher is not None:
+                self.publisher.publish(batch["seq"], payload)
+            self._last_seq_handled = batch["seq"]
+            if rec is not None and self._recording_ok:
+                rec.add(batch, payload=payload)
+        if snap is None:
+            return
+        try:
+            wire = self._wire_snapshot(snap, meta)
+        except ProtocolError as e:
+            log.error("the engine's snapshot is malformed: %s", e)
+            return
+        if self.publisher is not None:
+            self.publisher.answer_snapshots(seq, wire)
+        if rec is not None and (key or not self._recording_ok or rec.keyframe_due):
+            rec.keyframe(wire, seq, self.epoch)  # after the batch's delta: a resync point
+            self._recording_ok = True
+
+    def _wire_snapshot(self, snap: dict[str, Any],
+                       meta: tuple[int, float, dict[str, Any]]) -> dict[str, Any]:
+        """A cache snapshot (``kv_state()`` or ``KVState.snapshot()`` form) as the wire
+        snapshot, with the side table's extras and the batch's step, time and stats."""
+        st = KVState.from_snapshot(snap) if "v" in snap else KVState.from_canonical(snap)
+        for sid, s in st.seqs.items():
+            extra = self._extras.get(sid)
+            if extra is not None:
+                s.prompt_tokens, s.priority, s.parent, s.preemptions, s.hit_tokens = extra
+        st.kind_counts = dict(self._kind_counts)
+        st.step, st.time, st.stats = meta
+        return st.snapshot()
+
+    def _note_extras(self, events: list[dict[str, Any]]) -> None:
+        """Per-sequence facts a cache snapshot lacks, from the few kinds that change them
+        (a dict lookup per event; never a replay of the page table)."""
+        counts, extras = self._kind_counts, self._extras
+        for ev in events:
+            kind = ev.get("kind")
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind not in _EXTRA_KINDS:
+                continue
+            sid = ev.get("seq")
+            if kind == S.SEQ_ADD:
+                extras[sid] = [ev.get("prompt_tokens", 0), ev.get("priority", 0),
+                               ev.get("parent"), 0, 0]
+            elif sid in extras:
+                if kind == S.SEQ_FINISH:
+                    del extras[sid]
+                elif kind == S.SEQ_PREEMPT:
+                    extras[sid][3] += 1
+                else:  # hit, host_hit
+                    extras[sid][4] += int(ev.get("tokens", 0))
+
+
+_EXTRA_KINDS = frozenset((S.SEQ_ADD, S.SEQ_FINISH, S.SEQ_PREEMPT, S.HIT, S.HOST_HIT))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.events import KVState
+from engine.events import EventStream, KVState
 from engine.events.subscriber import Subscriber
 
 DEADLINE_S = 15.0  # generous: the machine is shared; a healthy run takes milliseconds
@@ -33,6 +33,13 @@ def poll_until(subs: list[Subscriber], done: Callable[[], bool],
 
 def synced_to(subs: list[Subscriber], seq: int) -> Callable[[], bool]:
     return lambda: all(s.status != "waiting" and s.last_seq >= seq for s in subs)
+
+
+def cache_stream(cache, *args, **kwargs) -> EventStream:
+    """An EventStream whose snapshots come from ``cache`` (a SyntheticCache: the engine's
+    cache stand-in), as LLMEngine wires it: steps run under ``stream.engine_lock``."""
+    return EventStream(*args, snapshot_fn=cache.canonical, engine_lock=threading.Lock(),
+                       **kwargs)
 
 
 def apply_all(batches: list[dict]) -> KVState:

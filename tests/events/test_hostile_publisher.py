@@ -65,7 +65,7 @@ def test_malformed_frames_are_counted_and_skipped():
         seq8 = (1).to_bytes(8, "big")
         bad_frames = [
             [C.TOPIC, seq8, b"\xc1\xc1 garbage"],
-            [C.TOPIC, seq8, msgpack.packb({**C.make_batch("fake", 1, 1, 0.0, []), "v": 2})],
+            [C.TOPIC, seq8, msgpack.packb({**C.make_batch("fake", 1, 1, 0.0, []), "v": 99})],
             [C.TOPIC, seq8, msgpack.packb(C.make_batch("fake", 1, 1, 0.0, [TIER]))[:-4]],
             [C.TOPIC, seq8, b"\x81\xa1v\xdd\xff\xff\xff\xff"],  # 4G-element array declared
             [C.TOPIC, seq8, b"\xdf\xff\xff\xff\xff"],  # 4G-entry map declared

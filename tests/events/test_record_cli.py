@@ -14,14 +14,14 @@ from tests.events.conftest import poll_until
 def test_record_cli_writes_what_was_published(tmp_path, capsys):
     out = tmp_path / "cli.kvtrace"
     gen, truth = SyntheticCache(seed=31), {}
-    with EventStream("tcp://127.0.0.1:0", heartbeat_s=0.2,
-                     header={"model": "synthetic"}) as stream:
+    with EventStream("tcp://127.0.0.1:0", heartbeat_s=0.2, header={"model": "synthetic"},
+                     snapshot_fn=gen.canonical, engine_lock=threading.Lock()) as stream:
         for step in range(30):  # history the recorder only gets as a snapshot
-            stream.end_step(step, gen.step(stream.sink))
+            with stream.engine_lock:
+                stream.end_step(step, gen.step(stream.sink))
         truth[29] = gen.canonical()
-        # the snapshot comes from the stream thread's mirror: let it catch up to step 29
-        # (on a loaded box it may still be applying older batches; the snapshot would
-        # then be an earlier, equally consistent, step)
+        # the snapshot comes from the cache (gen) while the engine idles, once the stream
+        # thread has handled every batch: exactly step 29
         assert stream.wait_idle()
         rc: list[int] = []
         cli = threading.Thread(target=lambda: rc.append(main([
@@ -31,7 +31,8 @@ def test_record_cli_writes_what_was_published(tmp_path, capsys):
         cli.start()
         poll_until([], lambda: out.exists())  # the first snapshot arrived
         for step in range(30, 130):
-            stream.end_step(step, gen.step(stream.sink))
+            with stream.engine_lock:
+                stream.end_step(step, gen.step(stream.sink))
             truth[step] = gen.canonical()
         assert stream.wait_idle()  # all 130 steps are on the wire before the 5 s are up
         cli.join(30)

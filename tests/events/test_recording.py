@@ -9,7 +9,14 @@ import struct
 
 import pytest
 
-from engine.events import EventStream, KVState, Recording, RecordingError, RecordingWarning
+from engine.events import (
+    PROTOCOL_VERSION,
+    EventStream,
+    KVState,
+    Recording,
+    RecordingError,
+    RecordingWarning,
+)
 from engine.events.codec import make_batch
 from engine.events.recording import RecordingWriter
 from engine.events.sink import ListSink
@@ -24,7 +31,8 @@ def recorded(tmp_path_factory):
     path = tmp_path_factory.mktemp("rec") / "run.kvtrace"
     gen, truth = SyntheticCache(seed=21), []
     header = {"engine": {"block_size": 16, "num_gpu_blocks": 128}, "model": "synthetic"}
-    with EventStream(record_path=str(path), header=header, keyframe_every_steps=50) as s:
+    with EventStream(record_path=str(path), header=header, keyframe_every_steps=50,
+                     snapshot_fn=gen.canonical) as s:
         for step in range(STEPS):
             stats = gen.step(s.sink)
             s.end_step(step, stats)
@@ -36,7 +44,7 @@ def test_iteration_rebuilds_every_step(recorded):
     path, truth = recorded
     with Recording(path) as rec:
         assert rec.steps == list(range(STEPS)) and not rec.truncated
-        assert rec.header["model"] == "synthetic" and rec.header["protocol"] == 1
+        assert rec.header["model"] == "synthetic" and rec.header["protocol"] == PROTOCOL_VERSION
         assert rec.header["engine"]["num_gpu_blocks"] == 128 and rec.header["epoch"]
         assert rec.keyframe_steps == [-1, 49, 99, 149, 199]
         st = KVState()
@@ -137,13 +145,18 @@ def test_missing_file(tmp_path):
 def test_keyframes_by_time(tmp_path):
     path = tmp_path / "t.kvtrace"
     gen = SyntheticCache(seed=2)
+    truth = {}
     with EventStream(record_path=str(path), keyframe_every_steps=10**9,
-                     keyframe_every_s=0.0) as s:
+                     keyframe_every_s=0.0, snapshot_fn=gen.canonical) as s:
         for step in range(5):
             s.end_step(step, gen.step(s.sink))
+            truth[step] = gen.canonical()
+            assert s.wait_idle()  # the stream thread asks for the next one (time is due)
     with Recording(path) as rec:
-        assert rec.keyframe_steps == [-1, 0, 1, 2, 3, 4]
-        assert rec.state_at(4).canonical() == gen.canonical()
+        # each keyframe is the cache snapshot taken at the step after the request
+        assert rec.keyframe_steps == [-1, 1, 2, 3, 4]
+        for step in range(5):
+            assert rec.state_at(step).canonical() == truth[step]
 
 
 def test_decompression_bomb_is_refused(tmp_path, monkeypatch):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from engine.events import KVState, ListSink, ProtocolError
+from engine.events.state import unpack_ids
 from engine.events.synthetic import SyntheticCache
 
 ALL_KINDS = {"tier_init", "seq_add", "seq_start", "alloc", "hit", "store", "evict", "free",
@@ -60,8 +62,12 @@ def _bad_event(st: KVState, rng: random.Random) -> dict:
 def _full(st: KVState) -> dict:
     """snapshot() with each tier's hash map as a dict (its order carries no meaning)."""
     snap = st.snapshot()
-    for t in snap["tiers"].values():
-        t["hashes"] = dict(zip(t.pop("hashed"), t["hashes"], strict=True))
+    for name, t in snap["tiers"].items():
+        t["hashes"] = dict(zip(unpack_ids(t.pop("hashed")),
+                               np.frombuffer(t["hashes"], "<i8").tolist(), strict=True))
+        # and the display-only columns (owner, last change, per-block format)
+        tier = st.tiers[name]
+        t["columns"] = [c.np.tolist() for c in tier.columns()]
     return snap
 
 

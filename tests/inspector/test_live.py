@@ -21,10 +21,12 @@ class Engine:
     """A SyntheticCache stepping into an EventStream on a thread (a stand-in engine)."""
 
     def __init__(self, endpoint: str, snapshot_endpoint: str, seed: int) -> None:
-        self.stream = EventStream(endpoint=endpoint, snapshot_endpoint=snapshot_endpoint,
-                                  heartbeat_s=0.2)
         self.cache = SyntheticCache(seed=seed, gpu_blocks=512, cpu_blocks=128, max_running=12,
                                     arrival_rate=0.9)
+        # wired as LLMEngine wires it: snapshots from the cache, steps under the lock
+        self.stream = EventStream(endpoint=endpoint, snapshot_endpoint=snapshot_endpoint,
+                                  heartbeat_s=0.2, snapshot_fn=self.cache.canonical,
+                                  engine_lock=threading.Lock())
         self.step = -1
         self._go = threading.Event()
         self._done = threading.Event()
@@ -36,9 +38,10 @@ class Engine:
 
         def loop() -> None:
             for _ in range(n):
-                self.step += 1
-                stats = self.cache.step(self.stream.sink)
-                self.stream.end_step(self.step, stats)
+                with self.stream.engine_lock:
+                    self.step += 1
+                    stats = self.cache.step(self.stream.sink)
+                    self.stream.end_step(self.step, stats)
                 time.sleep(interval)
             self._done.set()
 
@@ -147,7 +150,7 @@ def test_nobody_publishing_says_so(window, qtbot, endpoints, monkeypatch):  # no
 
 
 def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN001
-    """A publisher speaking protocol v2 on both sockets: the banner names the version."""
+    """A publisher speaking a future protocol on both sockets: the banner names it."""
     ctx = zmq.Context()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub.bind(endpoints[0])
@@ -160,14 +163,14 @@ def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN00
             if router.poll(10):
                 ident, *_ = router.recv_multipart()
                 router.send_multipart([ident, msgpack.packb(
-                    {"v": 2, "type": "snapshot", "epoch": "x", "seq": 1, "step": 0,
+                    {"v": 3, "type": "snapshot", "epoch": "x", "seq": 1, "step": 0,
                      "state": {}})])
             pub.send_multipart([b"kv", (1).to_bytes(8, "big"), msgpack.packb(
-                {"v": 2, "type": "heartbeat", "epoch": "x", "seq": 1, "time": 0.0})])
+                {"v": 3, "type": "heartbeat", "epoch": "x", "seq": 1, "time": 0.0})])
             return window.banner.isVisible()
 
         qtbot.waitUntil(answer, timeout=5000)
-        assert "protocol version 2" in window.banner.text()
+        assert "protocol version 3" in window.banner.text()
         assert not live.has_state
     finally:
         live.stop()
