@@ -30,6 +30,8 @@ import numpy as np
 from engine.events import schema as S
 from engine.events.schema import ProtocolError
 
+_PROTOCOL_V1 = 1  # the baseline speaks protocol 1 (lists of ints) only
+
 
 @dataclass
 class TierState:
@@ -129,7 +131,7 @@ class KVState:
     def snapshot(self) -> dict[str, Any]:
         """Full state as a msgpack-friendly map (str keys only); see ``from_snapshot``."""
         return {
-            "v": S.PROTOCOL_VERSION,
+            "v": _PROTOCOL_V1,
             "step": self.step,
             "time": self.time,
             "stats": self.stats,
@@ -159,9 +161,9 @@ class KVState:
 
     @classmethod
     def from_snapshot(cls, snap: dict[str, Any]) -> KVState:
-        if snap.get("v") != S.PROTOCOL_VERSION:
+        if snap.get("v") != _PROTOCOL_V1:
             raise ProtocolError(
-                f"snapshot protocol version {snap.get('v')!r}, expected {S.PROTOCOL_VERSION}"
+                f"snapshot protocol version {snap.get('v')!r}, expected {_PROTOCOL_V1}"
             )
         st = cls()
         try:
@@ -197,7 +199,7 @@ class KVState:
         """A KVState from ``canonical()``/``kv_state()`` form (what canonical() leaves out,
         such as priorities, parents and counters, starts at its defaults)."""
         snap = {
-            "v": S.PROTOCOL_VERSION, "step": -1,
+            "v": _PROTOCOL_V1, "step": -1,
             "tiers": {
                 name: {"num_blocks": t["num_blocks"], "block_size": t["block_size"],
                        "format": t["format"], "ref": t["ref"],
@@ -229,10 +231,10 @@ class KVState:
         Atomicity comes from an undo log (what each handler is about to overwrite), so
         a batch costs time in proportion to what it touches, not to the cache's size.
         """
-        if not isinstance(batch, dict) or batch.get("v") != S.PROTOCOL_VERSION:
+        if not isinstance(batch, dict) or batch.get("v") != _PROTOCOL_V1:
             raise ProtocolError(
                 f"batch protocol version {getattr(batch, 'get', lambda _k: None)('v')!r}, "
-                f"expected {S.PROTOCOL_VERSION}"
+                f"expected {_PROTOCOL_V1}"
             )
         events = batch.get("events", [])
         if not isinstance(events, list):

@@ -1,19 +1,22 @@
-"""`kvscope bench events [--json]`: the event stream's costs, measured.
+"""`kvscope bench events [--json] [--quick]`: the event stream's costs, measured, with
+the previous release's per-event path as the baseline row, side by side in one run.
 
-1. throughput: batches from the seeded synthetic workload (~256 running sequences, ~125
-   events per step), sent as fast as possible to a child process on loopback, three ways:
-   pre-encoded frames on a bare PUB socket (socket + codec capacity), an EventStream
-   (emit, batch, publisher-side KVState mirror, encode) to a decoding SUB, and an
-   EventStream to a full Subscriber (its own KVState mirror). events/s at the receiver,
-   and loss (events published minus events received; seq gaps).
-2. latency: emit -> apply (batch wall time at end_step vs. the subscriber's apply), at a
-   paced 50 steps/s (an engine's step rate), p50/p99.
-3. recording: bytes per 1k steps, and seek time (state_at on random steps) in a
-   recording as long as one hour of steps at 20 steps/s.
-4. overhead: the real KVCacheManager driven by a random scheduler-like workload
-   (``ManagerWorkload``), step time with the stream off vs. on (publishing and
-   recording), same seed, same process, interleaved rounds; for the cache step alone
-   and with a GIL-releasing stand-in for the model forward (``bench_overhead``).
+1. throughput, end to end: an EventStream in one process publishing pre-generated
+   batches as fast as it can -> loopback -> a ``Subscriber`` with its own KVState mirror
+   in another process (``_events_pipeline.py``). Two mixes: the realistic one (the real
+   ``KVCacheManager`` driven by ``ManagerWorkload``: what an engine emits) and a
+   bulk-heavy one (long-context prefill bursts: 1024-block allocs, stores, frees and
+   evictions on a 1M-block tier). Each mix runs on this tree and on release
+   ``BASELINE_COMMIT`` (exported with ``git archive``; its publisher keeps a per-event
+   mirror and speaks protocol 1), alternating. events/s at the subscriber, lost events,
+   seq gaps.
+2. latency: emit -> apply at a paced 50 steps/s, p50/p99.
+3. recording: bytes per 1k steps, and seek time (``state_at``) in a one-hour recording.
+4. overhead: the real KVCacheManager plus a 10 ms GIL-releasing stand-in for a GPU step
+   (a sleep: a GPU step leaves the CPU idle), step time with the stream off, on (this
+   tree: publishing and recording) and on with the previous release's publisher mirror
+   (the legacy per-event KVState applied to every batch on the stream thread), in
+   alternating blocks of 10 steps.
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+BASELINE_COMMIT = "720ace1"  # the release before the vectorised mirror (protocol 1)
+PIPELINE = Path(__file__).with_name("_events_pipeline.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -195,7 +206,10 @@ def _publish(batches: list, apply: bool, pace_s: float = 0.0,
         frames = [codec.encode_frames(make_batch("w", i + 1, i, time.time(), ev, st))
                   for i, (ev, st) in enumerate(batches)]
     else:
-        stream = EventStream("tcp://127.0.0.1:0", queue_size=100_000)
+        # joins before the first batch: the cache is empty (engine idle, lock free)
+        stream = EventStream("tcp://127.0.0.1:0", queue_size=100_000,
+                             snapshot_fn=lambda: {"tiers": {}, "seqs": {}},
+                             engine_lock=threading.Lock())
         endpoint, snap = stream.endpoint, stream.snapshot_endpoint
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -229,21 +243,144 @@ def _publish(batches: list, apply: bool, pace_s: float = 0.0,
     return res
 
 
-def bench_throughput(num_steps: int) -> dict[str, Any]:
-    batches = make_batches(num_steps)
-    out = {}
-    modes = (("wire: PUB -> SUB decode+validate", False, True),
-             ("EventStream -> SUB decode+validate", False, False),
-             ("EventStream -> Subscriber (KVState mirror)", True, False))
-    for name, apply, wire in modes:
-        r = _publish(batches, apply, wire_only=wire)
-        out[name] = {
-            "events": r["emitted"], "steps": num_steps,
-            "events_per_step": round(r["emitted"] / num_steps, 1),
-            "events_per_s": round(r["events"] / r["seconds"]),
-            "lost_events": r["emitted"] - r["events"] if r["last"] == num_steps else None,
-            "seq_gaps": r["gaps"], "publisher_dropped": r["dropped"],
-        }
+def realistic_batches(num_steps: int, seed: int = 0) -> list[tuple[list[dict], dict]]:
+    """What an engine emits: the real KVCacheManager (16384 blocks of 16) driven by the
+    scheduler-like ``ManagerWorkload`` (prefix hits, forks, preemption)."""
+    from engine.cache import KVCacheManager
+    from engine.events.sink import ListSink
+
+    sink = ListSink()
+    work = ManagerWorkload(KVCacheManager(16384, 16, sink=sink), seed=seed, max_running=256)
+    out = [(sink.drain(), {})]  # the tier_init events
+    for _ in range(num_steps - 1):
+        stats = work.step()
+        out.append((sink.drain(), stats))
+    return out
+
+
+def bulk_batches(num_steps: int, blocks_per_seq: int = 1024, live: int = 64,
+                 num_blocks: int = 1 << 20) -> list[tuple[list[dict], dict]]:
+    """Long-context prefill bursts on a 1M-block tier: each step two sequences arrive
+    and allocate + store ``blocks_per_seq`` blocks each, the oldest beyond ``live`` are
+    freed (their blocks stay cached), and cached blocks are evicted when the free pool
+    runs short. A valid stream (the tests apply it)."""
+    import collections
+
+    free = collections.deque(range(num_blocks))
+    cached: collections.deque[int] = collections.deque()
+    seqs: collections.deque[tuple[str, list[int]]] = collections.deque()
+    out = [([{"kind": "tier_init", "tier": "gpu", "num_blocks": num_blocks,
+              "block_size": 16, "format": "auto"}], {})]
+    n = 0
+    for _ in range(num_steps - 1):
+        events: list[dict] = []
+        for _ in range(2):
+            if len(free) < blocks_per_seq:
+                victims = [cached.popleft() for _ in range(blocks_per_seq)]
+                events.append({"kind": "evict", "tier": "gpu", "blocks": victims})
+                free.extend(victims)
+            sid, n = f"s{n}", n + 1
+            blocks = [free.popleft() for _ in range(blocks_per_seq)]
+            events += [
+                {"kind": "seq_add", "seq": sid, "prompt_tokens": 16 * blocks_per_seq},
+                {"kind": "seq_start", "seq": sid},
+                {"kind": "alloc", "tier": "gpu", "seq": sid, "blocks": blocks},
+                {"kind": "store", "tier": "gpu", "blocks": blocks,
+                 "hashes": [hash((sid, b)) for b in blocks]},
+            ]
+            seqs.append((sid, blocks))
+        while len(seqs) > live:
+            sid, blocks = seqs.popleft()
+            events += [{"kind": "free", "tier": "gpu", "seq": sid, "blocks": blocks},
+                       {"kind": "seq_finish", "seq": sid, "reason": "stop"}]
+            cached.extend(blocks)
+        events.append({"kind": "seq_tokens", "seqs": [s for s, _ in seqs],
+                       "num_tokens": [16 * len(b) for _, b in seqs]})
+        out.append((events, {"running": len(seqs)}))
+    return out
+
+
+def baseline_root(tmp: Path) -> Path | None:
+    """The baseline release's engine.events, exported from git (None without git)."""
+    root = tmp / "baseline"
+    root.mkdir()
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", BASELINE_COMMIT, "engine/__init__.py",
+             "engine/events"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return root
+
+
+def _pipeline(root: Path, batches_file: Path, steps: int) -> dict[str, Any]:
+    """One end-to-end run (see ``_events_pipeline.py``) with the code at ``root``."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(PIPELINE)]
+    pub = subprocess.Popen([*cmd, "pub", str(batches_file)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+    sub = None
+    try:
+        info = json.loads(pub.stdout.readline())
+        sub = subprocess.Popen([*cmd, "sub", info["endpoint"], info["snapshot_endpoint"],
+                                str(steps)], stdout=subprocess.PIPE, text=True, env=env,
+                               cwd=root)
+        if not json.loads(sub.stdout.readline())["ready"]:
+            raise RuntimeError("the subscriber got no snapshot")
+        time.sleep(0.3)  # let the SUB's subscription reach the PUB (slow joiner)
+        pub.stdin.write("go\n")
+        pub.stdin.flush()
+        res = json.loads(sub.stdout.readline())
+        pub.stdin.write("done\n")
+        pub.stdin.flush()
+        res.update(json.loads(pub.stdout.readline()))
+        return res
+    finally:
+        for proc in (sub, pub):
+            if proc is not None:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def bench_throughput(num_steps: int, rounds: int = 2) -> dict[str, Any]:
+    """Both mixes, this tree vs the baseline release, alternating, best of ``rounds``."""
+    import msgpack
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        roots = {"this tree": REPO}
+        base = baseline_root(tmp)
+        if base is not None:
+            roots[f"baseline {BASELINE_COMMIT} (per-event mirror, protocol 1)"] = base
+        mixes = {"realistic (KVCacheManager workload)": realistic_batches(num_steps),
+                 "bulk-heavy (1024-block prefill bursts, 1M blocks)":
+                     bulk_batches(max(50, num_steps // 20))}
+        for mix, batches in mixes.items():
+            path = tmp / "batches.msgpack"
+            path.write_bytes(msgpack.packb(batches))
+            emitted = sum(len(ev) for ev, _ in batches)
+            ids = sum(len(e.get(f, ())) for ev, _ in batches for e in ev
+                      for f in ("blocks", "src", "dst"))
+            runs: dict[str, list[dict]] = {name: [] for name in roots}
+            for _ in range(rounds):
+                for name, root in roots.items():
+                    runs[name].append(_pipeline(root, path, len(batches)))
+            for name, rs in runs.items():
+                best = max(rs, key=lambda r: r["events"] / max(r["seconds"], 1e-9))
+                out[f"{mix} | {name}"] = {
+                    "events": emitted, "steps": len(batches),
+                    "events_per_step": round(emitted / len(batches), 1),
+                    "events_per_s": round(best["events"] / best["seconds"]),
+                    "block_ids_per_s": round(ids / best["seconds"]),
+                    "all_runs_events_per_s": [round(r["events"] / r["seconds"]) for r in rs],
+                    "lost_events": emitted - best["events"], "seq_gaps": best["gaps"],
+                    "resyncs": best["resyncs"], "publisher_dropped": best["dropped"],
+                    "publisher_seconds": round(best["publish_seconds"], 3),
+                }
     return out
 
 
@@ -269,10 +406,11 @@ def bench_recording(num_steps: int, seeks: int) -> dict[str, Any]:
         # so the long recording uses a smaller workload generated on the fly
         from engine.events.synthetic import SyntheticCache
         t0 = time.perf_counter()
+        gen = SyntheticCache(seed=3, gpu_blocks=4096, cpu_blocks=1024, max_running=64,
+                             arrival_rate=0.8)
         with EventStream(record_path=str(path), keyframe_every_steps=200,
-                         keyframe_every_s=1e9, queue_size=100_000) as s:
-            gen = SyntheticCache(seed=3, gpu_blocks=4096, cpu_blocks=1024, max_running=64,
-                                 arrival_rate=0.8)
+                         keyframe_every_s=1e9, queue_size=100_000,
+                         snapshot_fn=gen.canonical) as s:
             for step in range(num_steps):
                 s.end_step(step, gen.step(s.sink))
         write_s = time.perf_counter() - t0
@@ -308,87 +446,73 @@ def bench_recording(num_steps: int, seeks: int) -> dict[str, Any]:
     }
 
 
-def bench_overhead(blocks: int, model_ms: float = 20.0) -> dict[str, Any]:
-    """Stream off vs. on, same seeded manager workload, one process.
+def bench_overhead(blocks: int, step_s: float = 0.010) -> dict[str, Any]:
+    """Stream off vs. on vs. on with the old publisher mirror, one process, same seed.
 
-    Two identical workloads (same seed) run side by side, one per stream, in alternating
-    blocks of 10 steps, so both see the same machine load (the dev box is shared). An "on"
-    block ends only when the stream thread has handled its batches (``wait_idle``), so
-    the background work is charged to it in full, overlap or not. Reported: the median
-    over blocks of the per-step time. Two step shapes: the cache bookkeeping alone (all
-    Python: the worst case) and the same plus a stand-in for the model forward, torch
-    matmuls of ~``model_ms`` that release the GIL as a real CPU forward does.
+    Three identical seeded ``ManagerWorkload``s on the real KVCacheManager (4096 blocks
+    of 16, up to 64 running), one per mode, run in alternating blocks of 10 steps so all
+    see the same machine load. A step is the cache's bookkeeping plus ``step_s`` of
+    sleep: the stand-in for a GPU forward, which holds neither the GIL nor a core. An
+    "on" block ends only when the stream thread has handled its batches
+    (``wait_idle``), so the background work is charged to it in full. Reported: the
+    median over blocks of the per-step time.
     """
+    from engine.bench._events_baseline_state import KVState as BaselineKVState
     from engine.cache import KVCacheManager
-    from engine.events.state import KVState
     from engine.events.stream import EventStream
 
-    forward = _model_stand_in(model_ms)
     out: dict[str, Any] = {"blocks_of_10_steps": blocks,
-                           "workload": "KVCacheManager 4096x16 blocks, <=64 running"}
+                           "workload": "KVCacheManager 4096x16 blocks, <=64 running",
+                           "step_stand_in": f"time.sleep({step_s:g}) (GIL released)"}
+    modes = ("off", "on", "on + baseline publisher mirror")
     with tempfile.TemporaryDirectory() as d:
-        for name, with_model in (("cache_only", False), ("cache_plus_model", True)):
-            streams = [EventStream(), EventStream("tcp://127.0.0.1:0", str(Path(d) / "o"))]
-            runs = []
-            for s in streams:
-                m = KVCacheManager(4096, 16, sink=s.sink)
-                s.snapshot_fn = lambda m=m: KVState.from_canonical(m.snapshot()).snapshot()
-                runs.append((s, m, ManagerWorkload(m, seed=7)))
-            times: list[list[float]] = [[], []]
-            step = 0
-            n_blocks = blocks if not with_model else max(10, blocks // 5)
-            for b in range(n_blocks + 5):  # the first 5 blocks warm up
-                for i, (s, _, w) in enumerate(runs):
-                    t0 = time.perf_counter()
-                    for k in range(10):
+        runs = []
+        for i, mode in enumerate(modes):
+            lock = threading.Lock()
+            s = EventStream() if mode == "off" else EventStream(
+                "tcp://127.0.0.1:0", str(Path(d) / f"o{i}.kvtrace"), engine_lock=lock)
+            m = KVCacheManager(4096, 16, sink=s.sink)
+            s.snapshot_fn = m.snapshot
+            if mode.endswith("mirror"):
+                mirror = BaselineKVState()
+                s.add_consumer(lambda b, mirror=mirror: mirror.apply({**b, "v": 1}))
+            runs.append((s, lock, ManagerWorkload(m, seed=7)))
+        times: list[list[float]] = [[] for _ in modes]
+        events = 0
+        step = 0
+        for b in range(blocks + 3):  # the first 3 blocks warm up
+            for i, (s, lock, w) in enumerate(runs):
+                t0 = time.perf_counter()
+                for k in range(10):
+                    with lock:
                         stats = w.step()
-                        if with_model:
-                            forward()
+                        if i == 1:
+                            events += len(s.sink.events)
                         s.end_step(step + k, stats)
-                    s.wait_idle()
-                    if b >= 5:
-                        times[i].append((time.perf_counter() - t0) / 10)
-                step += 10
-            for s, _m, _ in runs:
-                s.close()
-            on_stream, on_manager = runs[1][0], runs[1][1]
-            assert on_stream.mirror.canonical() == on_manager.snapshot(), "mirror diverged"
-            off, on = statistics.median(times[0]), statistics.median(times[1])
-            out[name] = {"step_ms_off": round(off * 1e3, 3), "step_ms_on": round(on * 1e3, 3),
-                         "overhead_ms_per_step": round((on - off) * 1e3, 3),
-                         "overhead_pct": round((on - off) / off * 100, 1),
-                         "events_per_step": round(
-                             sum(on_stream.mirror.kind_counts.values()) / step, 1)}
-    out["model_stand_in"] = f"torch matmuls, ~{model_ms:g} ms per step (GIL released)"
+                    time.sleep(step_s)
+                s.wait_idle()
+                if b >= 3:
+                    times[i].append((time.perf_counter() - t0) / 10)
+            step += 10
+        for s, _, _ in runs:
+            s.close()
+        off = statistics.median(times[0])
+        for i, mode in enumerate(modes):
+            t = statistics.median(times[i])
+            out[mode] = {"step_ms": round(t * 1e3, 3),
+                         "overhead_ms_per_step": round((t - off) * 1e3, 3),
+                         "overhead_pct": round((t - off) / off * 100, 2)}
+        out["events_per_step"] = round(events / step, 1)
     return out
-
-
-def _model_stand_in(target_ms: float) -> Any:
-    """A callable that does ~target_ms of torch matmul work (calibrated here)."""
-    import torch
-
-    a = torch.randn(512, 512)
-    b = torch.randn(512, 512)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        torch.mm(a, b)
-    per = (time.perf_counter() - t0) / 10
-    reps = max(1, round(target_ms / 1e3 / per))
-
-    def forward() -> None:
-        for _ in range(reps):
-            torch.mm(a, b)
-
-    return forward
 
 
 def run(args: argparse.Namespace) -> int:
     quick = args.quick
     result = {
-        "throughput": bench_throughput(300 if quick else 2000),
+        "throughput": bench_throughput(2000 if quick else 20_000, 1 if quick else 2),
         "latency": bench_latency(100 if quick else 500),
         "recording": bench_recording(2000 if quick else 72_000, 20 if quick else 100),
-        "overhead": bench_overhead(10 if quick else 100),
+        "overhead": bench_overhead(5 if quick else 60),
     }
     if args.json:
         print(json.dumps(result, indent=2))

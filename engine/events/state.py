@@ -19,8 +19,8 @@ Invariants the mirror keeps (and ``apply`` enforces, raising ProtocolError other
 - only blocks with ref 0 can be evicted; ``alloc``/``cow`` destinations are free
   (ref 0, no hash).
 A batch is applied atomically: if any event in it is rejected, the state is unchanged
-(an undo log of what each handler overwrites; small tiers save a touched column whole,
-once per batch, which is one memcpy).
+(an undo log of the old values at the ids each handler overwrites: cost in proportion to
+what a batch touches, never to the cache's size).
 
 Owner (display only, not part of ``canonical()``): the sequence that took the block from
 ref 0 (alloc, a hit on an unheld cached block, cow/host_hit/swap destinations), as
@@ -45,7 +45,6 @@ from engine.events.schema import ProtocolError
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _LITTLE = sys.byteorder == "little"
-_WHOLE_COPY_MAX = 1 << 16  # up to this many blocks, undo copies a touched column whole
 _SMALL = 24  # events with more ids than this take the numpy path
 
 
@@ -86,13 +85,12 @@ def unpack_ids(value: Any) -> list[int]:
 class Column:
     """One per-block array: ``np`` (numpy view) and ``py`` (array.array), same memory."""
 
-    __slots__ = ("py", "np", "saved_in")
+    __slots__ = ("py", "np")
 
     def __init__(self, typecode: str, n: int, fill: int = 0) -> None:
         self.py = array(typecode, [fill]) * n if n else array(typecode)
         self.np = np.frombuffer(self.py, dtype=self.py.typecode) if n else np.zeros(
             0, dtype=np.dtype(typecode))
-        self.saved_in = -1  # batch number in which undo copied this column whole
 
     @classmethod
     def of(cls, typecode: str, values: np.ndarray) -> Column:
@@ -196,9 +194,9 @@ class TierState:
 
     def check_ids(self, ids: list[int]) -> None:
         n = self.num_blocks
-        for b in ids:
-            if not 0 <= b < n:
-                raise ProtocolError(f"tier {self.name}: block id {b!r} out of range")
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(b for b in ids if not 0 <= b < n)
+            raise ProtocolError(f"tier {self.name}: block id {bad!r} out of range")
 
     def set_hash(self, b: int, h: int) -> None:
         if _INT64_MIN <= h <= _INT64_MAX:
@@ -271,8 +269,9 @@ class KVState:
         self.kind_counts: dict[str, int] = {}  # cumulative events applied, by kind
         self.unknown_kinds: int = 0
         self._undo: list[tuple] | None = None  # a list only while apply() runs
-        self._batch_no = 0
         self._cur_step = -1
+        self._idx_key: list[int] | None = None
+        self._idx_val: np.ndarray | None = None
 
     # ------------------------------------------------------------------ reading
     def block_codes(self, tier: str) -> np.ndarray:
@@ -495,20 +494,25 @@ class KVState:
     # restoring objects in place, so entries logged in any order compose.
     def _begin(self) -> None:
         self._undo = []
-        self._batch_no += 1
+        self._idx_key = self._idx_val = None
         self._touched: set[str] = set()
         self._seq_order: list[str] | None = None  # saved before the first seq_finish
         self._saved_counts = (dict(self.kind_counts), self.unknown_kinds)
 
-    def _save(self, t: TierState, col: Column, ids: list[int]) -> None:
-        if col.saved_in == self._batch_no:
-            return
-        if t.num_blocks <= _WHOLE_COPY_MAX:
-            col.saved_in = self._batch_no
-            self._undo.append((_COL, col, None, col.np.copy()))
-        else:
+    def _save(self, col: Column, ids: list[int]) -> None:
+        """Log ``col``'s values at ``ids`` (what this batch is about to overwrite)."""
+        if len(ids) <= _SMALL:
             py = col.py
             self._undo.append((_COL, col, ids, [py[b] for b in ids]))
+        else:
+            idx = self._idx(ids)
+            self._undo.append((_COL, col, idx, col.np[idx]))  # fancy indexing copies
+
+    def _idx(self, ids: list[int]) -> np.ndarray:
+        """``ids`` as an int64 array, converted once per id list (large events only)."""
+        if self._idx_key is not ids:
+            self._idx_key, self._idx_val = ids, np.asarray(ids, dtype=np.int64)
+        return self._idx_val
 
     def _save_item(self, d: dict, key: Any) -> None:
         self._undo.append((_ITEM, d, key, d.get(key, _MISSING)))
@@ -520,8 +524,8 @@ class KVState:
         undo, self._undo = self._undo or [], None
         for op, target, key, old in reversed(undo):
             if op is _COL:
-                if key is None:
-                    target.np[:] = old
+                if isinstance(key, np.ndarray):
+                    target.np[key] = old  # repeated ids saved the same old value
                 else:
                     py = target.py
                     for b, v in zip(key, old, strict=True):
@@ -568,7 +572,7 @@ class KVState:
     def _take(self, t: TierState, ids: list[int], owner: int) -> None:
         """ids go from ref 0 to ref 1, owned by ``owner``, touched now."""
         for col in (t.ref_c, t.owner_c, t.touched_c):
-            self._save(t, col, ids)
+            self._save(col, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
             ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
@@ -577,7 +581,7 @@ class KVState:
                 own[b] = owner
                 tch[b] = step
         else:
-            idx = np.asarray(ids, dtype=np.int64)
+            idx = self._idx(ids)
             t.ref_c.np[idx] = 1
             t.owner_c.np[idx] = owner
             t.touched_c.np[idx] = step
@@ -585,7 +589,7 @@ class KVState:
     def _hold(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref += 1 per entry; blocks that were unheld become ``owner``'s."""
         for col in (t.ref_c, t.owner_c, t.touched_c):
-            self._save(t, col, ids)
+            self._save(col, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
             ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
@@ -596,7 +600,7 @@ class KVState:
                     own[b] = owner
                 tch[b] = step
         else:
-            idx = np.asarray(ids, dtype=np.int64)
+            idx = self._idx(ids)
             ref = t.ref_c.np
             was_free = ref[idx] == 0
             np.add.at(ref, idx, 1)
@@ -606,7 +610,7 @@ class KVState:
     def _release(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref -= 1 per entry; ``owner``'s blocks lose their owner (see module doc)."""
         for col in (t.ref_c, t.owner_c, t.touched_c):
-            self._save(t, col, ids)
+            self._save(col, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
             ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
@@ -617,7 +621,7 @@ class KVState:
                     own[b] = -1
                 tch[b] = step
         else:
-            idx = np.asarray(ids, dtype=np.int64)
+            idx = self._idx(ids)
             ref, own = t.ref_c.np, t.owner_c.np
             np.add.at(ref, idx, -1)
             own[idx[(ref[idx] == 0) | (own[idx] == owner)]] = -1
@@ -625,21 +629,42 @@ class KVState:
 
     def _set_hashes(self, t: TierState, ids: list[int], hashes: list[Any]) -> None:
         for col in (t.hashed_c, t.hash_c, t.touched_c):
-            self._save(t, col, ids)
+            self._save(col, ids)
         step = self._cur_step
+        if not t.big_hashes:  # the common case: every hash fits int64
+            try:
+                if len(ids) <= _SMALL:
+                    hv, hs, tch = t.hash_c.py, t.hashed_c.py, t.touched_c.py
+                    for b, h in zip(ids, hashes, strict=True):
+                        hv[b] = h  # array('q') raises OverflowError beyond int64
+                        hs[b] = 1
+                        tch[b] = step
+                else:
+                    idx = self._idx(ids)
+                    t.hash_c.np[idx] = np.array(hashes, dtype=np.int64)
+                    t.hashed_c.np[idx] = 1
+                    t.touched_c.np[idx] = step
+                return
+            except OverflowError:
+                pass
+        self._save_big_hashes(t)
         tch = t.touched_c.py
-        if t.big_hashes or any(not _INT64_MIN <= h <= _INT64_MAX for h in hashes):
-            self._save_big_hashes(t)
         for b, h in zip(ids, hashes, strict=True):
             t.set_hash(b, h)
             tch[b] = step
 
     def _free_blocks(self, t: TierState, ids: list[int], what: str) -> None:
         """Raise unless every id is free (ref 0, no hash) and none repeats."""
-        ref, hashed = t.ref_c.py, t.hashed_c.py
-        for b in ids:
-            if ref[b] or hashed[b]:
-                raise ProtocolError(f"{what}: {t.name} block {b} is not free")
+        if len(ids) > _SMALL:
+            idx = self._idx(ids)
+            bad = np.flatnonzero(t.ref_c.np[idx] | t.hashed_c.np[idx])
+            if bad.size:
+                raise ProtocolError(f"{what}: {t.name} block {ids[bad[0]]} is not free")
+        else:
+            ref, hashed = t.ref_c.py, t.hashed_c.py
+            for b in ids:
+                if ref[b] or hashed[b]:
+                    raise ProtocolError(f"{what}: {t.name} block {b} is not free")
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise ProtocolError(f"{what}: duplicate block ids")
 
@@ -700,20 +725,33 @@ class KVState:
         t, blocks = self._tier(ev["tier"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         ref, hashed = t.ref_c.py, t.hashed_c.py
-        for b in blocks:
-            if ref[b] or not hashed[b]:
-                raise ProtocolError(f"evict: {t.name} block {b} is not a cached free block")
+        if len(blocks) > _SMALL:
+            idx = self._idx(blocks)
+            bad = np.flatnonzero((t.ref_c.np[idx] != 0) | (t.hashed_c.np[idx] == 0))
+            if bad.size:
+                raise ProtocolError(f"evict: {t.name} block {blocks[bad[0]]} is not a cached "
+                                    "free block")
+        else:
+            for b in blocks:
+                if ref[b] or not hashed[b]:
+                    raise ProtocolError(f"evict: {t.name} block {b} is not a cached free block")
         for col in (t.hashed_c, t.hash_c, t.touched_c):
-            self._save(t, col, blocks)
+            self._save(col, blocks)
         if t.big_hashes:
             self._save_big_hashes(t)
+            for b in blocks:
+                t.big_hashes.pop(b, None)
+        if len(blocks) > _SMALL:
+            idx = self._idx(blocks)
+            t.hashed_c.np[idx] = 0
+            t.hash_c.np[idx] = 0
+            t.touched_c.np[idx] = self._cur_step
+            return
         hv, tch, step = t.hash_c.py, t.touched_c.py, self._cur_step
         for b in blocks:
             hashed[b] = 0
             hv[b] = 0
             tch[b] = step
-            if t.big_hashes:
-                t.big_hashes.pop(b, None)
 
     def _free(self, ev: dict[str, Any]) -> None:
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
@@ -842,14 +880,14 @@ class KVState:
             self._undo.append((_FORMATS, t, None, list(t.format_names)))
         code = _format_code(t, fmt)
         for col in (t.fmt_c, t.touched_c):
-            self._save(t, col, blocks)
+            self._save(col, blocks)
         if len(blocks) <= _SMALL:
             fc, tch, step = t.fmt_c.py, t.touched_c.py, self._cur_step
             for b in blocks:
                 fc[b] = code
                 tch[b] = step
         else:
-            idx = np.asarray(blocks, dtype=np.int64)
+            idx = self._idx(blocks)
             t.fmt_c.np[idx] = code
             t.touched_c.np[idx] = self._cur_step
 

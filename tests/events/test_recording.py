@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import shutil
 import struct
+import time
 
 import pytest
 
@@ -151,7 +152,10 @@ def test_keyframes_by_time(tmp_path):
         for step in range(5):
             s.end_step(step, gen.step(s.sink))
             truth[step] = gen.canonical()
-            assert s.wait_idle()  # the stream thread asks for the next one (time is due)
+            assert s.wait_idle()
+            end = time.monotonic() + 10  # the stream thread asks for one (time is due)
+            while s._snap_wanted == s._snap_taken and time.monotonic() < end:
+                time.sleep(0.001)
     with Recording(path) as rec:
         # each keyframe is the cache snapshot taken at the step after the request
         assert rec.keyframe_steps == [-1, 1, 2, 3, 4]
