@@ -536,7 +536,11 @@ class KVState:
                 else:
                     target[key] = old
             elif op is _SEQ:
-                target.__dict__.update(old)
+                fields, table_len = old
+                target.__dict__.update(fields)
+                del fields["block_table"][table_len:]  # undo in-place appends
+            elif op is _ENTRY:
+                target[key] = old
             elif op is _TOKENS:
                 for seq, n in zip(target, old, strict=True):
                     seq.num_tokens = n
@@ -561,9 +565,10 @@ class KVState:
             raise ProtocolError(f"unknown sequence {sid!r}")
         if sid not in self._touched:
             self._touched.add(sid)
-            saved = s.__dict__.copy()
-            saved["block_table"] = list(s.block_table)
-            self._undo.append((_SEQ, s, None, saved))
+            # the table object and its length: handlers only append to a table in place
+            # or replace it with a new list (cow's in-place writes log _ENTRY), so this
+            # restores it without copying it
+            self._undo.append((_SEQ, s, None, (s.__dict__.copy(), len(s.block_table))))
         return s
 
     # ------------------------------------------------------- column helpers
@@ -785,6 +790,7 @@ class KVState:
             self._free_blocks(t, [b], "cow")  # checked per pair: dst may repeat a src
             self._release(t, [a], s.owner_id)
             self._take(t, [b], s.owner_id)
+            self._undo.append((_ENTRY, s.block_table, i, a))
             s.block_table[i] = b
 
     def _seq_tokens(self, ev: dict[str, Any]) -> None:
@@ -912,7 +918,8 @@ def _format_code(t: TierState, fmt: str) -> int:
 
 _MISSING = object()  # undo-log marker: "this key did not exist"
 # undo entries
-_COL, _ITEM, _SEQ, _TOKENS, _BIG, _FORMATS = "col", "item", "seq", "tokens", "big", "formats"
+_COL, _ITEM, _SEQ, _TOKENS, _BIG, _FORMATS, _ENTRY = (
+    "col", "item", "seq", "tokens", "big", "formats", "entry")
 
 
 def _copy_seq(s: SeqState) -> SeqState:
