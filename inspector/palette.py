@@ -63,7 +63,24 @@ CODE_SELECTED = 5
 DIM_OFFSET = 8
 OWNER_BASE = 16
 OWNER_DIM_BASE = OWNER_BASE + len(OWNER_COLOURS)
-LUT_SIZE = 64
+# Colour modes beyond state/owner (one 256-entry LUT serves every mode: Qt's Indexed8
+# fast path takes up to 256 colours, so switching modes never swaps the table).
+RAMP_LEN = 16  # a sequential ramp: ref count 1..15+, or age buckets (log2 steps)
+RAMP_BASE = 64
+RAMP_DIM_BASE = RAMP_BASE + RAMP_LEN
+FORMAT_LEN = 16  # one colour per per-block format code (0 = the tier's own format)
+FORMAT_BASE = 96
+FORMAT_DIM_BASE = FORMAT_BASE + FORMAT_LEN
+LUT_SIZE = 256
+# viridis-like, dark (low) to bright (high)
+RAMP_COLOURS = (
+    "#440154", "#481a6c", "#472f7d", "#414487", "#39568c", "#31688e", "#2a788e", "#23888e",
+    "#1f988b", "#22a884", "#35b779", "#54c568", "#7ad151", "#a5db36", "#d2e21b", "#fde725",
+)
+FORMAT_COLOURS = (
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
+    "#9c755f", "#bab0ac", "#86bcb6", "#d37295", "#fabfd2", "#b6992d", "#499894", "#79706e",
+)
 
 QUANTIZED_FORMATS = ("fp8", "int8", "int4")
 
@@ -112,6 +129,11 @@ def block_lut(tier: str, fmt: str) -> np.ndarray:
     for i, colour in enumerate(OWNER_COLOURS):
         lut[OWNER_BASE + i] = rgba(colour)
         lut[OWNER_DIM_BASE + i] = _dim(rgba(colour))
+    for base, dim, colours in ((RAMP_BASE, RAMP_DIM_BASE, RAMP_COLOURS),
+                               (FORMAT_BASE, FORMAT_DIM_BASE, FORMAT_COLOURS)):
+        for i, colour in enumerate(colours):
+            lut[base + i] = rgba(colour)
+            lut[dim + i] = _dim(rgba(colour))
     return lut
 
 

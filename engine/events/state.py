@@ -22,11 +22,12 @@ A batch is applied atomically: if any event in it is rejected, the state is unch
 (an undo log of the old values at the ids each handler overwrites: cost in proportion to
 what a batch touches, never to the cache's size).
 
-Owner (display only, not part of ``canonical()``): the sequence that took the block from
-ref 0 (alloc, a hit on an unheld cached block, cow/host_hit/swap destinations), as
-``seq_owner_id(seq)``; -1 when nobody holds it or when its taker released it while others
-still hold it (shared leftovers). A state rebuilt from a snapshot assigns each held
-block to the first sequence (in snapshot order) whose table points at it.
+Owner (display only, not part of ``canonical()``): one sequence holding the block, as
+``seq_owner_id(seq)``: the one that took it from ref 0 (alloc, a hit on an unheld cached
+block, cow/host_hit/swap destinations); -1 when nobody holds it; ``ORPHAN`` when its
+taker released it while others still hold it (``resolve_owners`` finds a holder for
+those with one pass over the tier's block tables, when a view asks). A state rebuilt from
+a snapshot assigns each held block to the first sequence whose table points at it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from engine.events import schema as S
 from engine.events.schema import ProtocolError
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+ORPHAN = -2  # owner column: held, but not by the sequence that took it (see docstring)
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
 
@@ -142,6 +144,10 @@ class TierState:
         self.touched_c = Column("i", n, -1)  # step of the last change to the block
         self.big_hashes: dict[int, int] = {}  # hashes outside int64 (foreign producers)
         self.format_names: list[str] = [format]
+        # bumped by every change to a block (a rejected batch may bump it too): readers
+        # that redraw per frame skip an unchanged tier; clone(reuse=) shares it
+        self.version = 0
+        self._source: tuple[int, int] | None = None  # (id, version) of the tier cloned
 
     # numpy views, for readers (block maps, tests)
     @property
@@ -190,6 +196,7 @@ class TierState:
             c.copy() for c in self.columns())
         t.big_hashes = dict(self.big_hashes)
         t.format_names = list(self.format_names)
+        t.version, t._source = self.version, (id(self), self.version)
         return t
 
     def check_ids(self, ids: list[int]) -> None:
@@ -409,6 +416,22 @@ class KVState:
             raise ProtocolError(f"malformed snapshot: {e!r}") from e
         return st
 
+    def resolve_owners(self, tier: str) -> None:
+        """Give every ``ORPHAN`` block of ``tier`` a holder (one pass over the tables;
+        free when there are none). Changes only the display-only owner column."""
+        t = self.tiers[tier]
+        own = t.owner_c.np
+        orphan = own == ORPHAN
+        if not orphan.any():
+            return
+        seqs = [s for s in self.seqs.values() if s.tier == tier and s.block_table]
+        blocks = np.fromiter((b for s in seqs for b in s.block_table), dtype=np.int64)
+        ids = np.repeat(np.array([s.owner_id for s in seqs], dtype=np.int64),
+                        [len(s.block_table) for s in seqs])
+        m = orphan[blocks]
+        own[blocks[m][::-1]] = ids[m][::-1]
+        own[own == ORPHAN] = -1  # held by nobody after all (cannot happen in a valid state)
+
     def _assign_owners(self) -> None:
         """Owners from the block tables: the first holder in sequence order wins."""
         for name, t in self.tiers.items():
@@ -438,10 +461,17 @@ class KVState:
                 "seqs": [{"seq": sid, **s} for sid, s in canon["seqs"].items()]}
         return cls.from_snapshot(snap)
 
-    def clone(self) -> KVState:
-        """An independent copy: arrays, dicts and block tables are copied, not shared."""
+    def clone(self, reuse: KVState | None = None) -> KVState:
+        """An independent copy: arrays, dicts and block tables are copied, not shared.
+
+        ``reuse``: an earlier clone of this state that nobody mutates (a drawn frame):
+        its tiers that are still at the version they were cloned at are shared, not
+        copied (a 4M-block tier that did not change costs nothing per frame)."""
         st = KVState()
-        st.tiers = {n: t.clone() for n, t in self.tiers.items()}
+        for n, t in self.tiers.items():
+            old = reuse.tiers.get(n) if reuse is not None else None
+            fresh = old is not None and old._source == (id(t), t.version)
+            st.tiers[n] = old if fresh else t.clone()
         st.seqs = {sid: _copy_seq(s) for sid, s in self.seqs.items()}
         st.step, st.time, st.stats = self.step, self.time, self.stats
         st.kind_counts, st.unknown_kinds = dict(self.kind_counts), self.unknown_kinds
@@ -576,6 +606,7 @@ class KVState:
     # scalar access); large ones use numpy fancy indexing on the same memory.
     def _take(self, t: TierState, ids: list[int], owner: int) -> None:
         """ids go from ref 0 to ref 1, owned by ``owner``, touched now."""
+        t.version += 1
         for col in (t.ref_c, t.owner_c, t.touched_c):
             self._save(col, ids)
         step = self._cur_step
@@ -593,6 +624,7 @@ class KVState:
 
     def _hold(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref += 1 per entry; blocks that were unheld become ``owner``'s."""
+        t.version += 1
         for col in (t.ref_c, t.owner_c, t.touched_c):
             self._save(col, ids)
         step = self._cur_step
@@ -614,6 +646,7 @@ class KVState:
 
     def _release(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref -= 1 per entry; ``owner``'s blocks lose their owner (see module doc)."""
+        t.version += 1
         for col in (t.ref_c, t.owner_c, t.touched_c):
             self._save(col, ids)
         step = self._cur_step
@@ -622,17 +655,22 @@ class KVState:
             for b in ids:
                 r = ref[b] - 1
                 ref[b] = r
-                if r == 0 or own[b] == owner:
+                if r == 0:
                     own[b] = -1
+                elif own[b] == owner:
+                    own[b] = ORPHAN
                 tch[b] = step
         else:
             idx = self._idx(ids)
             ref, own = t.ref_c.np, t.owner_c.np
             np.add.at(ref, idx, -1)
-            own[idx[(ref[idx] == 0) | (own[idx] == owner)]] = -1
+            left = ref[idx]
+            own[idx[(left > 0) & (own[idx] == owner)]] = ORPHAN
+            own[idx[left == 0]] = -1
             t.touched_c.np[idx] = step
 
     def _set_hashes(self, t: TierState, ids: list[int], hashes: list[Any]) -> None:
+        t.version += 1
         for col in (t.hashed_c, t.hash_c, t.touched_c):
             self._save(col, ids)
         step = self._cur_step
@@ -740,6 +778,7 @@ class KVState:
             for b in blocks:
                 if ref[b] or not hashed[b]:
                     raise ProtocolError(f"evict: {t.name} block {b} is not a cached free block")
+        t.version += 1
         for col in (t.hashed_c, t.hash_c, t.touched_c):
             self._save(col, blocks)
         if t.big_hashes:
@@ -885,6 +924,7 @@ class KVState:
         if fmt not in t.format_names:
             self._undo.append((_FORMATS, t, None, list(t.format_names)))
         code = _format_code(t, fmt)
+        t.version += 1
         for col in (t.fmt_c, t.touched_c):
             self._save(col, blocks)
         if len(blocks) <= _SMALL:

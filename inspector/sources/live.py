@@ -95,7 +95,8 @@ class LiveSource(QObject):
             self._dirty = False
         if dirty:
             with self.sub.lock:
-                frame = self.sub.state.clone()
+                # unchanged tiers are shared with the frame on screen (never mutated)
+                frame = self.sub.state.clone(reuse=self.model.state)
             tl = self.model.timeline
             batches = []
             for u in updates:

@@ -8,8 +8,6 @@ the cell of block ``b`` is ``(row, col) = divmod(b, width)``.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from typing import Any
 
@@ -17,7 +15,15 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtGui import QCursor
-from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QToolTip,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.events import KVState
 from engine.events import schema as S
@@ -36,40 +42,74 @@ def grid_width(num_blocks: int, aspect: float = 1.6) -> int:
     return min(w, MAX_SIDE)
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _slot(seq_id: str) -> int:
-    return P.owner_index(seq_id)
-
-
-def owner_slots(state: KVState, tier: str) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks, colour slots) for every block-table entry in ``tier``, for owner colouring."""
-    seqs = [s for s in state.seqs.values() if s.tier == tier and s.block_table]
-    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-    total = int(lens.sum())
-    blocks = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs),
-                         dtype=np.int64, count=total)
-    slots = np.fromiter((_slot(s.seq_id) for s in seqs), dtype=np.uint8, count=len(seqs))
-    return blocks, np.repeat(slots, lens)
-
-
 # code -> its dimmed code (a selection is active and the cell is not in it), as one
 # table lookup over the whole map instead of boolean masks.
 _DIM = np.arange(256, dtype=np.uint8)
 _DIM[: P.DIM_OFFSET] += P.DIM_OFFSET
 _DIM[P.OWNER_BASE: P.OWNER_DIM_BASE] += P.OWNER_DIM_BASE - P.OWNER_BASE
+_DIM[P.RAMP_BASE: P.RAMP_DIM_BASE] += P.RAMP_LEN
+_DIM[P.FORMAT_BASE: P.FORMAT_DIM_BASE] += P.FORMAT_LEN
+
+# Colour modes: what a cell's colour says about its block.
+MODES = ("state", "owner", "ref count", "format", "age")
+# ref count -> code: 0 stays a state code (free/cached), 1..15+ walk the ramp
+_REF_CODES = np.array([S.BLOCK_FREE] + [P.RAMP_BASE + i for i in range(P.RAMP_LEN - 1)],
+                      dtype=np.uint8)
+_OWNER_SLOTS = len(P.OWNER_COLOURS)
 
 
-def cell_codes(state: KVState, tier: str, *, by_owner: bool = False,
+def mode_codes(state: KVState, tier: str, mode: str) -> np.ndarray:
+    """uint8 LUT codes, one per block of ``tier``, for a colour mode (all numpy):
+
+    state      free / cached / in use / shared (``KVState.block_codes``)
+    owner      in-use blocks by the sequence that took them (palette slot of its id),
+               the rest by state (shared blocks read as shared)
+    ref count  free/cached by state, held blocks on a ramp from ref 1 to ref 15+
+    format     free blocks by state, the rest by per-block page format (0 = the tier's)
+    age        steps since the block last changed, log2 buckets on the ramp (bright =
+               just now; never changed = darkest)
+    """
+    t = state.tiers[tier]
+    if mode == "state":
+        return state.block_codes(tier)
+    if mode == "owner":
+        state.resolve_owners(tier)
+        codes = state.block_codes(tier)
+        own = t.owner
+        slots = (own % _OWNER_SLOTS).astype(np.uint8)
+        slots += P.OWNER_BASE
+        return np.where((codes == S.BLOCK_USED) & (own >= 0), slots, codes)
+    if mode == "ref count":
+        ref = np.minimum(t.ref, P.RAMP_LEN - 1).astype(np.uint8)
+        codes = _REF_CODES[ref]
+        codes |= t.hashed_c.np & (ref == 0)  # ref 0 + hash: cached
+        return codes
+    if mode == "format":
+        codes = t.block_format_codes().astype(np.uint8) % P.FORMAT_LEN
+        codes += P.FORMAT_BASE
+        unheld = (t.ref == 0) & (t.hashed_c.np == 0)
+        codes[unheld] = S.BLOCK_FREE
+        return codes
+    if mode == "age":
+        age = (max(state.step, 0) - t.touched).astype(np.float32)
+        age[t.touched < 0] = 2.0 ** 30
+        bucket = np.log2(age + 1.0, out=age)
+        np.minimum(bucket, P.RAMP_LEN - 1, out=bucket)
+        return (P.RAMP_BASE + P.RAMP_LEN - 1) - bucket.astype(np.uint8)
+    raise ValueError(f"unknown colour mode {mode!r}; known: {', '.join(MODES)}")
+
+
+def cell_codes(state: KVState, tier: str, *, by_owner: bool = False, mode: str = "state",
                highlight: list[int] | None = None, selected: int | None = None,
                codes: np.ndarray | None = None) -> np.ndarray:
     """The 1-D LUT codes of ``tier``'s cells (length num_blocks), as the map draws them.
 
-    ``codes``: ``state.block_codes(tier)`` if the caller already has it (it is modified)."""
-    codes = state.block_codes(tier) if codes is None else codes
+    ``mode``: one of ``MODES`` (``by_owner`` is the older spelling of mode "owner").
+    ``codes``: ``mode_codes(state, tier, mode)`` if the caller already has it (it is
+    modified)."""
     if by_owner:
-        blocks, slots = owner_slots(state, tier)
-        single = codes[blocks] == S.BLOCK_USED  # ref 1: exactly one owner
-        codes[blocks[single]] = P.OWNER_BASE + slots[single]
+        mode = "owner"
+    codes = mode_codes(state, tier, mode) if codes is None else codes
     if highlight is not None:
         keep = np.asarray(highlight, dtype=np.int64)
         bright = codes[keep]
@@ -133,11 +173,14 @@ class _TierPanel:
         self.fmt = ""
         self.cells = np.zeros((1, 1), dtype=np.uint8)
         self.base = np.zeros(0, dtype=np.uint8)  # KVState.block_codes of the frame drawn
+        self.counts = np.zeros(4, dtype=np.int64)  # blocks per state code, same frame
+        self.draw_key: tuple | None = None  # what the drawn image shows (see refresh)
 
     def configure(self, num_blocks: int, block_size: int, fmt: str) -> None:
         if (num_blocks, fmt) == (self.num_blocks, self.fmt):
             return
         self.num_blocks, self.fmt = num_blocks, fmt
+        self.draw_key = None
         self.width = grid_width(num_blocks)
         rows = max(1, math.ceil(num_blocks / self.width))
         self.cells = np.full((rows, self.width), P.CODE_PAD, dtype=np.uint8)
@@ -178,8 +221,12 @@ class BlockMapView(QWidget):
         self.canvas.ci.setSpacing(6)
         self.panels: dict[str, _TierPanel] = {}
         self._layout_key: tuple = ()
-        self.by_owner = QCheckBox("colour by owner")
-        self.by_owner.toggled.connect(self.refresh)
+        self.colour_by = QComboBox()
+        self.colour_by.addItems(MODES)
+        self.colour_by.setToolTip("what a cell's colour shows")
+        self.colour_by.currentTextChanged.connect(self._on_mode)
+        self.by_owner = QCheckBox("colour by owner")  # the owner mode, one click away
+        self.by_owner.toggled.connect(self._on_by_owner)
         self.legend = QLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
@@ -189,6 +236,8 @@ class BlockMapView(QWidget):
 
         top = QHBoxLayout()
         top.addWidget(self.legend, 1)
+        top.addWidget(QLabel("colour by"))
+        top.addWidget(self.colour_by)
         top.addWidget(self.by_owner)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -201,26 +250,51 @@ class BlockMapView(QWidget):
         model.state_changed.connect(self.refresh)
         model.selection_changed.connect(self.refresh)
 
+    @property
+    def mode(self) -> str:
+        return self.colour_by.currentText()
+
+    def _on_mode(self, mode: str) -> None:
+        self.by_owner.blockSignals(True)
+        self.by_owner.setChecked(mode == "owner")
+        self.by_owner.blockSignals(False)
+        self.refresh()
+
+    def _on_by_owner(self, on: bool) -> None:
+        if on:
+            self.colour_by.setCurrentText("owner")
+        elif self.mode == "owner":
+            self.colour_by.setCurrentText("state")
+
     # ------------------------------------------------------------- drawing
     def refresh(self) -> None:
+        """Redraw the tiers that changed. A tier is redrawn only when its KVState tier
+        (object and version), the mode, the selection or (age mode) the step changed, so
+        an unchanged 4M-block host tier costs nothing per frame."""
         st = self.model.state
         key = tuple((n, t.num_blocks, t.format) for n, t in sorted(st.tiers.items()))
         if key != self._layout_key:
             self._rebuild(st)
             self._layout_key = key
-        sel = self.model.selected_block
+        sel, mode = self.model.selected_block, self.mode
+        selecting = self.model.selected_seq is not None or sel is not None
         counts: dict[str, np.ndarray] = {}
         for name, panel in self.panels.items():
             t = st.tiers[name]
             panel.configure(t.num_blocks, t.block_size, t.format)
-            base = st.block_codes(name)
-            panel.base = base.copy()
-            counts[name] = np.bincount(base, minlength=4)
-            panel.draw(cell_codes(
-                st, name, by_owner=self.by_owner.isChecked(),
-                highlight=self.model.highlighted_blocks(name),
-                selected=sel[1] if sel is not None and sel[0] == name else None, codes=base,
-            ))
+            draw_key = (id(t), t.version, mode, st.step if mode == "age" else None,
+                        (id(st), self.model.selected_seq, sel) if selecting else None)
+            if draw_key != panel.draw_key:
+                base = st.block_codes(name)
+                panel.base = base
+                panel.counts = np.bincount(base, minlength=4)
+                codes = base.copy() if mode == "state" else mode_codes(st, name, mode)
+                panel.draw(cell_codes(
+                    st, name, mode=mode, highlight=self.model.highlighted_blocks(name),
+                    selected=sel[1] if sel is not None and sel[0] == name else None,
+                    codes=codes))
+                panel.draw_key = draw_key
+            counts[name] = panel.counts
         self._update_legend_counts(counts)
 
     def _rebuild(self, st: KVState) -> None:

@@ -1,0 +1,95 @@
+"""The block map's colour modes (state, owner, ref count, format, age) read the vectorised
+mirror's columns correctly, and the map redraws only tiers that changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.events import KVState
+from engine.events import schema as S
+from inspector import palette as P
+from inspector.model import InspectorModel
+from inspector.views.block_map import MODES, BlockMapView, mode_codes
+
+
+def small_state() -> KVState:
+    st = KVState()
+    st.apply({"v": 2, "step": 0, "events": [
+        {"kind": "tier_init", "tier": "gpu", "num_blocks": 8, "block_size": 4,
+         "format": "fp16"},
+        {"kind": "seq_add", "seq": "a"}, {"kind": "seq_add", "seq": "b"},
+        {"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [1, 2]},
+        {"kind": "store", "tier": "gpu", "blocks": [1, 2], "hashes": [11, 12]},
+        {"kind": "hit", "tier": "gpu", "seq": "b", "blocks": [1, 2], "tokens": 8},
+        {"kind": "alloc", "tier": "gpu", "seq": "b", "blocks": [3]},
+        {"kind": "seq_add", "seq": "c"},
+        {"kind": "alloc", "tier": "gpu", "seq": "c", "blocks": [5]},
+        {"kind": "store", "tier": "gpu", "blocks": [5], "hashes": [15]},
+        {"kind": "free", "tier": "gpu", "seq": "c", "blocks": [5]},
+        {"kind": "seq_finish", "seq": "c", "reason": "stop"}]})
+    st.apply({"v": 2, "step": 40, "events": [
+        # a leaves: blocks 1 and 2 stay held by b only (taken by a: orphans to resolve)
+        {"kind": "free", "tier": "gpu", "seq": "a", "blocks": [1, 2]},
+        {"kind": "seq_finish", "seq": "a", "reason": "stop"},
+        {"kind": "quantize", "tier": "gpu", "blocks": [3], "format": "int8"}]})
+    return st
+
+
+def test_every_mode_reads_the_columns():
+    st = small_state()
+    b_slot = P.OWNER_BASE + P.owner_index("b")
+    assert mode_codes(st, "gpu", "state").tolist() == [0, 2, 2, 2, 0, 1, 0, 0]
+    assert mode_codes(st, "gpu", "owner").tolist() == [0, b_slot, b_slot, b_slot, 0, 1, 0, 0]
+    assert mode_codes(st, "gpu", "ref count").tolist() == [
+        0, P.RAMP_BASE, P.RAMP_BASE, P.RAMP_BASE, 0, S.BLOCK_CACHED, 0, 0]
+    assert mode_codes(st, "gpu", "format").tolist() == [
+        0, P.FORMAT_BASE, P.FORMAT_BASE, P.FORMAT_BASE + 1, 0, P.FORMAT_BASE, 0, 0]
+    age = mode_codes(st, "gpu", "age")
+    newest, oldest = P.RAMP_BASE + P.RAMP_LEN - 1, P.RAMP_BASE
+    assert age[3] == newest  # quantized at step 40 (now)
+    assert age[1] == newest and age[5] < newest  # freed now vs. 40 steps ago
+    assert age[0] == oldest  # never touched
+    for mode in MODES:  # every code has a colour in the one LUT
+        assert mode_codes(st, "gpu", mode).max() < P.LUT_SIZE
+
+
+def test_ref_counts_cap_at_the_top_of_the_ramp():
+    st = KVState()
+    events = [{"kind": "tier_init", "tier": "gpu", "num_blocks": 4, "block_size": 4}]
+    for i in range(20):
+        events.append({"kind": "seq_add", "seq": f"s{i}"})
+        events.append({"kind": "fork" if i else "alloc", "tier": "gpu", "seq": f"s{i}",
+                       "blocks": [2], **({"parent": "s0"} if i else {})})
+    st.apply({"v": 2, "step": 0, "events": events})
+    assert mode_codes(st, "gpu", "ref count")[2] == P.RAMP_BASE + P.RAMP_LEN - 2
+
+
+def test_unknown_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown colour mode"):
+        mode_codes(small_state(), "gpu", "rainbow")
+
+
+def test_map_redraws_only_changed_tiers(qtbot):  # noqa: ANN001
+    model = InspectorModel()
+    view = BlockMapView(model)
+    qtbot.addWidget(view)
+    st = small_state()
+    st.apply({"v": 2, "step": 41, "events": [
+        {"kind": "tier_init", "tier": "cpu", "num_blocks": 16, "block_size": 4}]})
+    model.set_state(st.clone())  # st is the mirror; the model gets frames (clones)
+    draws: list[str] = []
+    for name, panel in view.panels.items():
+        real = panel.draw
+        panel.draw = lambda codes, name=name, real=real: (draws.append(name), real(codes))
+    view.refresh()
+    assert draws == []  # nothing changed since set_state drew it
+    st.apply({"v": 2, "step": 42, "events": [
+        {"kind": "seq_add", "seq": "d"},
+        {"kind": "alloc", "tier": "gpu", "seq": "d", "blocks": [6]}]})
+    model.set_state(st.clone(reuse=model.state))  # as the live source hands frames over
+    assert draws == ["gpu"]  # the host tier was shared, not redrawn
+    assert view.cells("gpu")[6] == S.BLOCK_USED
+    view.colour_by.setCurrentText("ref count")
+    assert sorted(draws) == ["cpu", "gpu", "gpu"]
+    assert np.array_equal(view.cells("cpu"), np.zeros(16, dtype=np.uint8))
