@@ -1,12 +1,13 @@
-"""Inspector benchmarks (offscreen): block-map updates per second at 64k, 256k and 1M
-blocks, and seek time in a one-hour recording.
+"""Inspector benchmarks (offscreen): block-map frames per second in every colour mode at
+1M GPU + 4M CPU blocks while events stream, and seek time in a one-hour recording.
 
     QT_QPA_PLATFORM=offscreen .venv/bin/python scripts/bench_inspector.py [--frames N]
-        [--sizes 65536,262144,1048576] [--seek-steps 36000] [--no-seek]
+        [--gpu-blocks 1048576] [--cpu-blocks 4194304] [--seek-steps 36000] [--no-seek]
 
-A map update is what the live timer does per frame: KVState.block_codes per tier, the
-cell codes (with or without colour-by-owner / a selection), ImageItem.setImage, and a
-synchronous repaint of the map widget. Prints numbers; asserts nothing.
+A frame is what the live source does per 30 Hz tick after the subscriber thread applied
+a step: the frame hand-over (``KVState.clone(reuse=)``), the map's refresh (mode codes,
+``ImageItem.setImage`` of changed tiers) and a synchronous repaint of the map widget.
+Prints numbers; asserts nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +29,20 @@ import numpy as np  # noqa: E402
 from engine.events import PROTOCOL_VERSION, KVState, ListSink  # noqa: E402
 
 
-def big_state(num_blocks: int, seed: int = 0) -> KVState:
+def big_state(num_blocks: int, cpu_blocks: int = 0, seed: int = 0) -> KVState:
     """A cache of ``num_blocks`` GPU blocks ~70% in use by 16-block sequences, some shared
-    by forks, ~20% cached-free, built by applying real events."""
+    by forks, ~20% cached-free, built by applying real events; plus a host tier of
+    ``cpu_blocks`` with ~half of it offloaded (cached)."""
     rng = np.random.default_rng(seed)
     perm = rng.permutation(num_blocks).tolist()
     events = [{"kind": "tier_init", "tier": "gpu", "num_blocks": num_blocks, "block_size": 16,
                "format": "fp16"}]
+    if cpu_blocks:
+        events.append({"kind": "tier_init", "tier": "cpu", "num_blocks": cpu_blocks,
+                       "block_size": 16, "format": "fp16"})
+        half = list(range(0, cpu_blocks, 2))
+        events.append({"kind": "offload", "src": [0] * len(half), "dst": half,
+                       "hashes": rng.integers(0, 2**62, len(half)).tolist()})
     n_seq = int(num_blocks * 0.7) // 16
     for i in range(n_seq):
         sid = f"s{i}"
@@ -54,45 +62,90 @@ def big_state(num_blocks: int, seed: int = 0) -> KVState:
     events.append({"kind": "seq_finish", "seq": "tmp", "reason": "stop"})
     st = KVState()
     st.apply({"v": PROTOCOL_VERSION, "step": 0, "time": 0.0, "events": events})
+    st.free_gpu = perm[n_seq * 16 + num_blocks // 5:]  # never touched: for the stream
     return st
 
 
-def bench_map(sizes: list[int], frames: int) -> None:
+def stream_batch(st: KVState, frame: int, host: bool) -> dict:
+    """One engine step's worth of events against ``big_state``: 8 sequences arrive with
+    a 64-block prefill (512 blocks), 8 older ones leave, every running one decodes
+    (seq_tokens for 256), and with ``host`` 64 host blocks are offloaded or evicted."""
+    events: list[dict] = []
+    free = st.free_gpu
+    for k in range(8):
+        sid, blocks = f"n{frame}_{k}", free[:64]
+        del free[:64]
+        events += [{"kind": "seq_add", "seq": sid}, {"kind": "seq_start", "seq": sid},
+                   {"kind": "alloc", "tier": "gpu", "seq": sid, "blocks": blocks}]
+        old = f"n{frame - 4}_{k}"
+        if old in st.seqs:
+            table = st.seqs[old].block_table
+            events += [{"kind": "free", "tier": "gpu", "seq": old, "blocks": list(table)},
+                       {"kind": "seq_finish", "seq": old, "reason": "stop"}]
+            free.extend(table)
+    running = [f"s{i}" for i in range(256)]
+    events.append({"kind": "seq_tokens", "seqs": running,
+                   "num_tokens": [200 + frame] * len(running)})
+    if host:
+        t = st.tiers["cpu"]
+        base = (frame * 64) % (t.num_blocks - 64)
+        blocks = list(range(base, base + 64))
+        hashed = [b for b in blocks if b in t.hashes]
+        if hashed:
+            events.append({"kind": "evict", "tier": "cpu", "blocks": hashed})
+        events.append({"kind": "offload", "src": [0] * 64, "dst": blocks,
+                       "hashes": list(range(frame * 64, frame * 64 + 64))})
+    return {"v": PROTOCOL_VERSION, "step": frame + 1, "time": 0.0, "events": events}
+
+
+def bench_map(gpu_blocks: int, cpu_blocks: int, frames: int) -> None:
+    """Every colour mode at ``gpu_blocks`` + ``cpu_blocks`` while events stream: per frame,
+    one step's batch is applied to the mirror (as the subscriber thread does), the live
+    source's frame hand-over (``clone(reuse=)`` of the mirror), the map's refresh and a
+    synchronous repaint. Host tier static, then touched every frame."""
     from PySide6.QtWidgets import QApplication
 
     from inspector import theme
     from inspector.model import InspectorModel
-    from inspector.views.block_map import BlockMapView
+    from inspector.views.block_map import MODES, BlockMapView
 
     app = QApplication.instance() or QApplication([])
     theme.apply(app)
-    print(f"block map, {frames} frames per case, view 1000x700 px, offscreen")
-    print(f"{'blocks':>9} {'mode':<16} {'update ms':>10} {'update+paint ms':>16} {'fps':>7}")
-    for n in sizes:
-        st = big_state(n)
-        model = InspectorModel()
-        view = BlockMapView(model)
-        view.resize(1000, 700)
-        view.show()
-        model.set_state(st)
-        app.processEvents()
-        for mode in ("state", "owner", "selected seq"):
-            view.by_owner.setChecked(mode == "owner")
-            model.select_seq("s7" if mode == "selected seq" else None)
-            upd, full = [], []
+    t0 = time.perf_counter()
+    mirror = big_state(gpu_blocks, cpu_blocks)
+    print(f"block map: {gpu_blocks:,} GPU + {cpu_blocks:,} CPU blocks (built in "
+          f"{time.perf_counter() - t0:.1f} s), {frames} frames per case, view 1000x700 px, "
+          f"offscreen; one step of events applied before each frame")
+    print(f"{'mode':<10} {'host tier':<16} {'apply ms':>9} {'frame ms':>9} "
+          f"{'(clone/refresh/paint)':>24} {'fps':>7}")
+    model = InspectorModel()
+    view = BlockMapView(model)
+    view.resize(1000, 700)
+    view.show()
+    model.set_state(mirror.clone())
+    app.processEvents()
+    frame_no = 0
+    for mode in MODES:
+        view.colour_by.setCurrentText(mode)
+        for host in (False, True):
+            app.processEvents()
+            rows = []
             for _ in range(frames):
+                frame_no += 1
+                batch = stream_batch(mirror, frame_no, host)
                 t0 = time.perf_counter()
-                view.refresh()
+                mirror.apply(batch)
                 t1 = time.perf_counter()
-                view.canvas.viewport().repaint()
+                model.set_state(mirror.clone(reuse=model.state))  # refreshes the map
                 t2 = time.perf_counter()
-                upd.append(t1 - t0)
-                full.append(t2 - t0)
-            u, f = statistics.median(upd) * 1e3, statistics.median(full) * 1e3
-            print(f"{n:>9,} {mode:<16} {u:>10.1f} {f:>16.1f} {1e3 / f:>7.1f}", flush=True)
-        view.close()
-        view.deleteLater()
-        app.processEvents()
+                view.canvas.viewport().repaint()
+                t3 = time.perf_counter()
+                rows.append((t1 - t0, t3 - t1, t2 - t1, t3 - t2))
+            med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
+            label = "changes" if host else "static"
+            print(f"{mode:<10} {label:<16} {med[0]:>9.1f} {med[1]:>9.1f} "
+                  f"{'':>4}{med[2]:>9.1f} / {med[3]:>6.1f} {1e3 / med[1]:>7.1f}", flush=True)
+    view.close()
 
 
 def bench_seek(steps: int) -> None:
@@ -153,11 +206,12 @@ def bench_seek(steps: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=30)
-    ap.add_argument("--sizes", default="65536,262144,1048576")
+    ap.add_argument("--gpu-blocks", type=int, default=1 << 20)
+    ap.add_argument("--cpu-blocks", type=int, default=4 << 20)
     ap.add_argument("--seek-steps", type=int, default=36_000)
     ap.add_argument("--no-seek", action="store_true")
     args = ap.parse_args()
-    bench_map([int(s) for s in args.sizes.split(",")], args.frames)
+    bench_map(args.gpu_blocks, args.cpu_blocks, args.frames)
     if not args.no_seek:
         bench_seek(args.seek_steps)
     return 0

@@ -277,6 +277,9 @@ class KVState:
         self.unknown_kinds: int = 0
         self._undo: list[tuple] | None = None  # a list only while apply() runs
         self._cur_step = -1
+        self._clones = 0  # clone() calls, and what changed since the last one:
+        self._dirty_seqs: set[str] = set()  # sequences touched (see clone(reuse=))
+        self._clone_of: tuple[int, int] | None = None  # (id, clone number) of the source
         self._idx_key: list[int] | None = None
         self._idx_val: np.ndarray | None = None
 
@@ -466,13 +469,29 @@ class KVState:
 
         ``reuse``: an earlier clone of this state that nobody mutates (a drawn frame):
         its tiers that are still at the version they were cloned at are shared, not
-        copied (a 4M-block tier that did not change costs nothing per frame)."""
+        copied (a 4M-block tier that did not change costs nothing per frame), and so
+        are its sequences when ``reuse`` is this state's latest clone and no batch has
+        touched them since."""
         st = KVState()
         for n, t in self.tiers.items():
             old = reuse.tiers.get(n) if reuse is not None else None
             fresh = old is not None and old._source == (id(t), t.version)
             st.tiers[n] = old if fresh else t.clone()
-        st.seqs = {sid: _copy_seq(s) for sid, s in self.seqs.items()}
+        self._clones += 1
+        if reuse is not None and reuse._clone_of == (id(self), self._clones - 1):
+            # patch a C-level copy of the previous frame's dict: O(changed), not O(seqs)
+            # (a sequence finished and re-added under the same id keeps its old place)
+            st.seqs = seqs = reuse.seqs.copy()
+            for sid in self._dirty_seqs:
+                s = self.seqs.get(sid)
+                if s is None:
+                    seqs.pop(sid, None)
+                else:
+                    seqs[sid] = _copy_seq(s)
+        else:
+            st.seqs = {sid: _copy_seq(s) for sid, s in self.seqs.items()}
+        self._dirty_seqs = set()
+        st._clone_of = (id(self), self._clones)
         st.step, st.time, st.stats = self.step, self.time, self.stats
         st.kind_counts, st.unknown_kinds = dict(self.kind_counts), self.unknown_kinds
         return st
@@ -510,6 +529,8 @@ class KVState:
             self._rollback()
             raise ProtocolError(f"malformed event: {e!r}") from e
         self._undo = None
+        self._dirty_seqs |= self._touched
+        self._dirty_seqs |= self._batch_dirty
         self.step = int(step)
         self.time = float(batch.get("time", self.time))
         stats = batch.get("stats")
@@ -526,6 +547,7 @@ class KVState:
         self._undo = []
         self._idx_key = self._idx_val = None
         self._touched: set[str] = set()
+        self._batch_dirty: set[str] = set()  # also changed by this batch (for clone)
         self._seq_order: list[str] | None = None  # saved before the first seq_finish
         self._saved_counts = (dict(self.kind_counts), self.unknown_kinds)
 
@@ -727,6 +749,7 @@ class KVState:
         if not isinstance(sid, str) or sid in self.seqs:
             raise ProtocolError(f"seq_add: bad or duplicate sequence id {sid!r}")
         self._save_item(self.seqs, sid)
+        self._batch_dirty.add(sid)
         self.seqs[sid] = SeqState(
             seq_id=sid, prompt_tokens=int(ev.get("prompt_tokens", 0)),
             priority=int(ev.get("priority", 0)), parent=ev.get("parent"),
@@ -840,6 +863,7 @@ class KVState:
         table = self.seqs
         try:
             objs = [table[sid] for sid in seqs]
+            self._batch_dirty.update(seqs)
         except (KeyError, TypeError):
             missing = next(sid for sid in seqs if not isinstance(sid, str) or sid not in table)
             raise ProtocolError(f"unknown sequence {missing!r}") from None

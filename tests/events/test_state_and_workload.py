@@ -108,3 +108,20 @@ def test_snapshot_and_canonical_round_trips():
         st.apply(b)
     assert KVState.from_snapshot(st.snapshot()).canonical() == gen.canonical()
     assert KVState.from_canonical(gen.canonical()).canonical() == gen.canonical()
+
+
+def test_clone_reusing_the_last_frame_equals_a_full_clone():
+    """What the live inspector does each tick: frames share unchanged tiers and
+    sequences with the previous frame, yet each equals a full copy and stays frozen."""
+    _, bs = batches(9, 160)
+    st, frame, frames = KVState(), None, []
+    for i, b in enumerate(bs):
+        st.apply(b)
+        if i % 3 == 0:
+            frame = st.clone(reuse=frame)
+            full = st.clone()
+            assert frame.canonical() == full.canonical() == st.canonical()
+            assert _full(frame) == _full(full)
+            frames.append((frame, frame.canonical()))
+    for f, canon in frames:  # later batches never leaked into earlier frames
+        assert f.canonical() == canon
