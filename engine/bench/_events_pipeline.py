@@ -14,6 +14,7 @@ manager emits). Each process prints JSON lines on stdout.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import threading
@@ -31,6 +32,9 @@ def publish(path: str) -> None:
 
     with open(path, "rb") as f:
         batches = msgpack.unpackb(f.read(), raw=False)
+    # Millions of pre-generated event objects would make every GC pass crawl over them,
+    # a cost an engine (which holds no event history) does not pay.
+    gc.freeze()
     try:  # this tree: snapshots come from the cache (here: empty until the first batch)
         stream = EventStream("tcp://127.0.0.1:0", queue_size=1 << 20,
                              snapshot_fn=lambda: {"tiers": {}, "seqs": {}},

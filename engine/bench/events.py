@@ -255,6 +255,7 @@ def realistic_batches(num_steps: int, seed: int = 0) -> list[tuple[list[dict], d
     for _ in range(num_steps - 1):
         stats = work.step()
         out.append((sink.drain(), stats))
+    gc.freeze()  # as make_batches
     return out
 
 

@@ -560,6 +560,16 @@ class KVState:
             idx = self._idx(ids)
             self._undo.append((_COL, col, idx, col.np[idx]))  # fancy indexing copies
 
+    def _save3(self, c0: Column, c1: Column, c2: Column, ids: list[int]) -> None:
+        """``_save`` of three columns in one undo entry (every block change touches three:
+        ref/owner/last change, or hash presence/value/last change)."""
+        if len(ids) <= _SMALL:
+            p0, p1, p2 = c0.py, c1.py, c2.py
+            self._undo.append((_COL3, (p0, p1, p2), ids, [(p0[b], p1[b], p2[b]) for b in ids]))
+        else:
+            for col in (c0, c1, c2):
+                self._save(col, ids)
+
     def _idx(self, ids: list[int]) -> np.ndarray:
         """``ids`` as an int64 array, converted once per id list (large events only)."""
         if self._idx_key is not ids:
@@ -582,6 +592,10 @@ class KVState:
                     py = target.py
                     for b, v in zip(key, old, strict=True):
                         py[b] = v
+            elif op is _COL3:
+                p0, p1, p2 = target
+                for b, (v0, v1, v2) in zip(key, old, strict=True):
+                    p0[b], p1[b], p2[b] = v0, v1, v2
             elif op is _ITEM:
                 if old is _MISSING:
                     target.pop(key, None)
@@ -629,8 +643,7 @@ class KVState:
     def _take(self, t: TierState, ids: list[int], owner: int) -> None:
         """ids go from ref 0 to ref 1, owned by ``owner``, touched now."""
         t.version += 1
-        for col in (t.ref_c, t.owner_c, t.touched_c):
-            self._save(col, ids)
+        self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
             ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
@@ -647,8 +660,7 @@ class KVState:
     def _hold(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref += 1 per entry; blocks that were unheld become ``owner``'s."""
         t.version += 1
-        for col in (t.ref_c, t.owner_c, t.touched_c):
-            self._save(col, ids)
+        self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
             ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
@@ -669,8 +681,7 @@ class KVState:
     def _release(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref -= 1 per entry; ``owner``'s blocks lose their owner (see module doc)."""
         t.version += 1
-        for col in (t.ref_c, t.owner_c, t.touched_c):
-            self._save(col, ids)
+        self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
             ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
@@ -693,8 +704,7 @@ class KVState:
 
     def _set_hashes(self, t: TierState, ids: list[int], hashes: list[Any]) -> None:
         t.version += 1
-        for col in (t.hashed_c, t.hash_c, t.touched_c):
-            self._save(col, ids)
+        self._save3(t.hashed_c, t.hash_c, t.touched_c, ids)
         step = self._cur_step
         if not t.big_hashes:  # the common case: every hash fits int64
             try:
@@ -802,8 +812,7 @@ class KVState:
                 if ref[b] or not hashed[b]:
                     raise ProtocolError(f"evict: {t.name} block {b} is not a cached free block")
         t.version += 1
-        for col in (t.hashed_c, t.hash_c, t.touched_c):
-            self._save(col, blocks)
+        self._save3(t.hashed_c, t.hash_c, t.touched_c, blocks)
         if t.big_hashes:
             self._save_big_hashes(t)
             for b in blocks:
@@ -982,8 +991,8 @@ def _format_code(t: TierState, fmt: str) -> int:
 
 _MISSING = object()  # undo-log marker: "this key did not exist"
 # undo entries
-_COL, _ITEM, _SEQ, _TOKENS, _BIG, _FORMATS, _ENTRY = (
-    "col", "item", "seq", "tokens", "big", "formats", "entry")
+_COL, _COL3, _ITEM, _SEQ, _TOKENS, _BIG, _FORMATS, _ENTRY = (
+    "col", "col3", "item", "seq", "tokens", "big", "formats", "entry")
 
 
 def _copy_seq(s: SeqState) -> SeqState:
