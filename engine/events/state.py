@@ -148,6 +148,9 @@ class TierState:
         # that redraw per frame skip an unchanged tier; clone(reuse=) shares it
         self.version = 0
         self._source: tuple[int, int] | None = None  # (id, version) of the tier cloned
+        # ids changed since the last KVState.clone (None: too many, copy whole)
+        self._dirty: list[list[int]] | None = []
+        self._dirty_n = 0
 
     # numpy views, for readers (block maps, tests)
     @property
@@ -198,6 +201,26 @@ class TierState:
         t.format_names = list(self.format_names)
         t.version, t._source = self.version, (id(self), self.version)
         return t
+
+    def mark(self, ids: list[int]) -> None:
+        """Blocks ``ids`` change (called before the change; see ``version``)."""
+        self.version += 1
+        if self._dirty is not None:
+            self._dirty_n += len(ids)
+            if self._dirty_n > self.num_blocks // 4:
+                self._dirty = None
+            else:
+                self._dirty.append(ids)
+
+    def refresh_from(self, src: TierState) -> None:
+        """Make this clone of ``src`` (taken at its last ``KVState.clone``) equal to it
+        again, copying only the blocks changed since."""
+        idx = np.fromiter((b for ids in src._dirty for b in ids), dtype=np.int64)
+        for dst_c, src_c in zip(self.columns(), src.columns(), strict=True):
+            dst_c.np[idx] = src_c.np[idx]
+        self.format, self.format_names = src.format, list(src.format_names)
+        self.big_hashes = dict(src.big_hashes)
+        self.version, self._source = src.version, (id(src), src.version)
 
     def check_ids(self, ids: list[int]) -> None:
         n = self.num_blocks
@@ -467,18 +490,27 @@ class KVState:
     def clone(self, reuse: KVState | None = None) -> KVState:
         """An independent copy: arrays, dicts and block tables are copied, not shared.
 
-        ``reuse``: an earlier clone of this state that nobody mutates (a drawn frame):
-        its tiers that are still at the version they were cloned at are shared, not
-        copied (a 4M-block tier that did not change costs nothing per frame), and so
-        are its sequences when ``reuse`` is this state's latest clone and no batch has
-        touched them since."""
+        ``reuse``: the previous frame, given up by the caller (the live inspector's last
+        drawn frame): the new one is built from its parts. Tiers still at the version
+        they were cloned at are shared; when ``reuse`` is this state's latest clone, a
+        changed tier is brought up to date in place (only the blocks changed since are
+        copied: a 4M-block tier costs what changed, not 4M), and untouched sequences are
+        shared. Without ``reuse``: a full, independent copy."""
         st = KVState()
+        latest = reuse is not None and reuse._clone_of == (id(self), self._clones)
         for n, t in self.tiers.items():
             old = reuse.tiers.get(n) if reuse is not None else None
-            fresh = old is not None and old._source == (id(t), t.version)
-            st.tiers[n] = old if fresh else t.clone()
+            if old is not None and old._source == (id(t), t.version):
+                st.tiers[n] = old
+            elif (latest and old is not None and t._dirty is not None
+                    and old._source is not None and old._source[0] == id(t)):
+                old.refresh_from(t)
+                st.tiers[n] = old
+            else:
+                st.tiers[n] = t.clone()
+            t._dirty, t._dirty_n = [], 0
         self._clones += 1
-        if reuse is not None and reuse._clone_of == (id(self), self._clones - 1):
+        if latest:
             # patch a C-level copy of the previous frame's dict: O(changed), not O(seqs)
             # (a sequence finished and re-added under the same id keeps its old place)
             st.seqs = seqs = reuse.seqs.copy()
@@ -642,7 +674,7 @@ class KVState:
     # scalar access); large ones use numpy fancy indexing on the same memory.
     def _take(self, t: TierState, ids: list[int], owner: int) -> None:
         """ids go from ref 0 to ref 1, owned by ``owner``, touched now."""
-        t.version += 1
+        t.mark(ids)
         self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
@@ -659,7 +691,7 @@ class KVState:
 
     def _hold(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref += 1 per entry; blocks that were unheld become ``owner``'s."""
-        t.version += 1
+        t.mark(ids)
         self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
@@ -680,7 +712,7 @@ class KVState:
 
     def _release(self, t: TierState, ids: list[int], owner: int) -> None:
         """ref -= 1 per entry; ``owner``'s blocks lose their owner (see module doc)."""
-        t.version += 1
+        t.mark(ids)
         self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
         step = self._cur_step
         if len(ids) <= _SMALL:
@@ -703,7 +735,7 @@ class KVState:
             t.touched_c.np[idx] = step
 
     def _set_hashes(self, t: TierState, ids: list[int], hashes: list[Any]) -> None:
-        t.version += 1
+        t.mark(ids)
         self._save3(t.hashed_c, t.hash_c, t.touched_c, ids)
         step = self._cur_step
         if not t.big_hashes:  # the common case: every hash fits int64
@@ -811,7 +843,7 @@ class KVState:
             for b in blocks:
                 if ref[b] or not hashed[b]:
                     raise ProtocolError(f"evict: {t.name} block {b} is not a cached free block")
-        t.version += 1
+        t.mark(blocks)
         self._save3(t.hashed_c, t.hash_c, t.touched_c, blocks)
         if t.big_hashes:
             self._save_big_hashes(t)
@@ -957,7 +989,7 @@ class KVState:
         if fmt not in t.format_names:
             self._undo.append((_FORMATS, t, None, list(t.format_names)))
         code = _format_code(t, fmt)
-        t.version += 1
+        t.mark(blocks)
         for col in (t.fmt_c, t.touched_c):
             self._save(col, blocks)
         if len(blocks) <= _SMALL:

@@ -231,6 +231,11 @@ class EventStream:
         self.close()
 
     @property
+    def kind_counts(self) -> dict[str, int]:
+        """Events handed over so far, by kind (counted on the stream thread)."""
+        return dict(self._kind_counts)
+
+    @property
     def stats(self) -> dict[str, Any]:
         p, r = self.publisher, self.recorder
         return {

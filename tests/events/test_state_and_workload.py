@@ -111,11 +111,12 @@ def test_snapshot_and_canonical_round_trips():
 
 
 def test_clone_reusing_the_last_frame_equals_a_full_clone():
-    """What the live inspector does each tick: frames share unchanged tiers and
-    sequences with the previous frame, yet each equals a full copy and stays frozen."""
-    _, bs = batches(9, 160)
+    """What the live inspector does each tick: each frame is built from the previous
+    one (shared unchanged parts, changed blocks copied in place), yet equals a full copy;
+    the mirror never shares anything with a frame."""
+    _, bs = batches(9, 170)
     st, frame, frames = KVState(), None, []
-    for i, b in enumerate(bs):
+    for i, b in enumerate(bs[:160]):
         st.apply(b)
         if i % 3 == 0:
             frame = st.clone(reuse=frame)
@@ -123,5 +124,7 @@ def test_clone_reusing_the_last_frame_equals_a_full_clone():
             assert frame.canonical() == full.canonical() == st.canonical()
             assert _full(frame) == _full(full)
             frames.append((frame, frame.canonical()))
-    for f, canon in frames:  # later batches never leaked into earlier frames
-        assert f.canonical() == canon
+    last, canon = frames[-1]  # the frame in use: later batches do not leak into it
+    for b in bs[160:]:
+        st.apply(b)
+    assert last.canonical() == canon != st.canonical()
