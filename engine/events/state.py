@@ -151,6 +151,7 @@ class TierState:
         # ids changed since the last KVState.clone (None: too many, copy whole)
         self._dirty: list[list[int]] | None = []
         self._dirty_n = 0
+        self.changed_since: tuple[int, np.ndarray] | None = None  # see refresh_from
 
     # numpy views, for readers (block maps, tests)
     @property
@@ -200,6 +201,7 @@ class TierState:
         t.big_hashes = dict(self.big_hashes)
         t.format_names = list(self.format_names)
         t.version, t._source = self.version, (id(self), self.version)
+        t._dirty, t._dirty_n, t.changed_since = [], 0, None
         return t
 
     def mark(self, ids: list[int]) -> None:
@@ -220,6 +222,7 @@ class TierState:
             dst_c.np[idx] = src_c.np[idx]
         self.format, self.format_names = src.format, list(src.format_names)
         self.big_hashes = dict(src.big_hashes)
+        self.changed_since = (self.version, idx)  # (version before, ids changed)
         self.version, self._source = src.version, (id(src), src.version)
 
     def check_ids(self, ids: list[int]) -> None:
@@ -307,11 +310,12 @@ class KVState:
         self._idx_val: np.ndarray | None = None
 
     # ------------------------------------------------------------------ reading
-    def block_codes(self, tier: str) -> np.ndarray:
-        """uint8 state code per block (schema.BLOCK_*), vectorised for 1M-block maps."""
+    def block_codes(self, tier: str, idx: np.ndarray | None = None) -> np.ndarray:
+        """uint8 state code per block (schema.BLOCK_*), vectorised for 1M-block maps;
+        only of the blocks ``idx`` when given."""
         t = self.tiers[tier]
-        ref = t.ref_c.np
-        codes = t.hashed_c.np.copy()  # 1 = BLOCK_CACHED where hashed
+        ref = t.ref_c.np if idx is None else t.ref_c.np[idx]
+        codes = t.hashed_c.np.copy() if idx is None else t.hashed_c.np[idx]
         codes[ref == 1] = S.BLOCK_USED
         codes[ref > 1] = S.BLOCK_SHARED
         return codes

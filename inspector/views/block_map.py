@@ -58,8 +58,10 @@ _REF_CODES = np.array([S.BLOCK_FREE] + [P.RAMP_BASE + i for i in range(P.RAMP_LE
 _OWNER_SLOTS = len(P.OWNER_COLOURS)
 
 
-def mode_codes(state: KVState, tier: str, mode: str) -> np.ndarray:
-    """uint8 LUT codes, one per block of ``tier``, for a colour mode (all numpy):
+def mode_codes(state: KVState, tier: str, mode: str,
+               idx: np.ndarray | None = None) -> np.ndarray:
+    """uint8 LUT codes, one per block of ``tier`` (or per block of ``idx``), for a colour
+    mode (all numpy):
 
     state      free / cached / in use / shared (``KVState.block_codes``)
     owner      in-use blocks by the sequence that took them (palette slot of its id),
@@ -70,29 +72,34 @@ def mode_codes(state: KVState, tier: str, mode: str) -> np.ndarray:
                just now; never changed = darkest)
     """
     t = state.tiers[tier]
+
+    def col(a: np.ndarray) -> np.ndarray:
+        return a if idx is None else a[idx]
+
     if mode == "state":
-        return state.block_codes(tier)
+        return state.block_codes(tier, idx)
     if mode == "owner":
         state.resolve_owners(tier)
-        codes = state.block_codes(tier)
-        own = t.owner
+        codes = state.block_codes(tier, idx)
+        own = col(t.owner)
         slots = (own % _OWNER_SLOTS).astype(np.uint8)
         slots += P.OWNER_BASE
         return np.where((codes == S.BLOCK_USED) & (own >= 0), slots, codes)
     if mode == "ref count":
-        ref = np.minimum(t.ref, P.RAMP_LEN - 1).astype(np.uint8)
+        ref = np.minimum(col(t.ref), P.RAMP_LEN - 1).astype(np.uint8)
         codes = _REF_CODES[ref]
-        codes |= t.hashed_c.np & (ref == 0)  # ref 0 + hash: cached
+        codes |= col(t.hashed_c.np) & (ref == 0)  # ref 0 + hash: cached
         return codes
     if mode == "format":
-        codes = t.block_format_codes().astype(np.uint8) % P.FORMAT_LEN
+        codes = col(t.block_format_codes()).astype(np.uint8) % P.FORMAT_LEN
         codes += P.FORMAT_BASE
-        unheld = (t.ref == 0) & (t.hashed_c.np == 0)
+        unheld = (col(t.ref) == 0) & (col(t.hashed_c.np) == 0)
         codes[unheld] = S.BLOCK_FREE
         return codes
     if mode == "age":
-        age = (max(state.step, 0) - t.touched).astype(np.float32)
-        age[t.touched < 0] = 2.0 ** 30
+        touched = col(t.touched)
+        age = (max(state.step, 0) - touched).astype(np.float32)
+        age[touched < 0] = 2.0 ** 30
         bucket = np.log2(age + 1.0, out=age)
         np.minimum(bucket, P.RAMP_LEN - 1, out=bucket)
         return (P.RAMP_BASE + P.RAMP_LEN - 1) - bucket.astype(np.uint8)
@@ -191,6 +198,12 @@ class _TierPanel:
                             autoDownsample=False)
         self.view.setRange(xRange=(0, self.width), yRange=(0, rows), padding=0.02)
 
+    def draw_cells(self, blocks: np.ndarray, codes: np.ndarray) -> None:
+        """Redraw only ``blocks`` (their codes given; no highlight/selection active)."""
+        self.cells.reshape(-1)[blocks] = codes
+        self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
+                            autoDownsample=False)
+
     def draw(self, codes: np.ndarray) -> None:
         flat = self.cells.reshape(-1)
         flat[: codes.size] = codes
@@ -284,7 +297,20 @@ class BlockMapView(QWidget):
             panel.configure(t.num_blocks, t.block_size, t.format)
             draw_key = (id(t), t.version, mode, st.step if mode == "age" else None,
                         (id(st), self.model.selected_seq, sel) if selecting else None)
-            if draw_key != panel.draw_key:
+            changed = t.changed_since
+            if (not selecting and panel.draw_key is not None and changed is not None
+                    and draw_key[0] == panel.draw_key[0] and draw_key[2:] == panel.draw_key[2:]
+                    and changed[0] == panel.draw_key[1]):
+                # the same tier object, brought up to date in place: redraw what changed
+                idx = np.unique(changed[1])
+                new_base = st.block_codes(name, idx)
+                panel.counts = panel.counts - np.bincount(panel.base[idx], minlength=4) \
+                    + np.bincount(new_base, minlength=4)
+                panel.base[idx] = new_base
+                panel.draw_cells(idx, new_base if mode == "state"
+                                 else mode_codes(st, name, mode, idx))
+                panel.draw_key = draw_key
+            elif draw_key != panel.draw_key:
                 base = st.block_codes(name)
                 panel.base = base
                 panel.counts = np.bincount(base, minlength=4)

@@ -80,8 +80,10 @@ def test_map_redraws_only_changed_tiers(qtbot):  # noqa: ANN001
     model.set_state(st.clone())  # st is the mirror; the model gets frames (clones)
     draws: list[str] = []
     for name, panel in view.panels.items():
-        real = panel.draw
+        real, real_cells = panel.draw, panel.draw_cells
         panel.draw = lambda codes, name=name, real=real: (draws.append(name), real(codes))
+        panel.draw_cells = lambda blocks, codes, name=name, real=real_cells: (
+            draws.append(name), real(blocks, codes))
     view.refresh()
     assert draws == []  # nothing changed since set_state drew it
     st.apply({"v": 2, "step": 42, "events": [
@@ -93,3 +95,11 @@ def test_map_redraws_only_changed_tiers(qtbot):  # noqa: ANN001
     view.colour_by.setCurrentText("ref count")
     assert sorted(draws) == ["cpu", "gpu", "gpu"]
     assert np.array_equal(view.cells("cpu"), np.zeros(16, dtype=np.uint8))
+    for step in (43, 44):  # only the changed blocks are recomputed, same result as a full
+        st.apply({"v": 2, "step": step, "events": [
+            {"kind": "seq_add", "seq": f"e{step}", "parent": "d"},
+            {"kind": "fork", "tier": "gpu", "seq": f"e{step}", "parent": "d", "blocks": [6]}]})
+        model.set_state(st.clone(reuse=model.state))
+        assert np.array_equal(view.cells("gpu"), mode_codes(st, "gpu", "ref count"))
+    assert view.cells("gpu")[6] == P.RAMP_BASE + 2  # ref 3
+    assert view.legend.text().count("■") >= 4
