@@ -46,6 +46,7 @@ from engine.events.schema import ProtocolError
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 ORPHAN = -2  # owner column: held, but not by the sequence that took it (see docstring)
+NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages are huge)
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
 
@@ -141,7 +142,7 @@ class TierState:
         self.hash_c = Column("q", n)
         self.owner_c = Column("q", n, -1)
         self.fmt_c = Column("B", n)  # index into self.format_names; 0 = the tier's format
-        self.touched_c = Column("i", n, -1)  # step of the last change to the block
+        self.touched_c = Column("i", n, NEVER)  # step of the last change to the block
         self.big_hashes: dict[int, int] = {}  # hashes outside int64 (foreign producers)
         self.format_names: list[str] = [format]
         # bumped by every change to a block (a rejected batch may bump it too): readers

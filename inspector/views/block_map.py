@@ -56,6 +56,10 @@ MODES = ("state", "owner", "ref count", "format", "age")
 _REF_CODES = np.array([S.BLOCK_FREE] + [P.RAMP_BASE + i for i in range(P.RAMP_LEN - 1)],
                       dtype=np.uint8)
 _OWNER_SLOTS = len(P.OWNER_COLOURS)
+# age (steps, capped) -> code: log2 buckets on the ramp, newest brightest
+_AGE_MAX = (1 << (P.RAMP_LEN - 1)) - 1
+_AGE_CODES = ((P.RAMP_BASE + P.RAMP_LEN - 1) - np.minimum(
+    np.floor(np.log2(np.arange(_AGE_MAX + 1) + 1.0)), P.RAMP_LEN - 1)).astype(np.uint8)
 
 
 def mode_codes(state: KVState, tier: str, mode: str,
@@ -97,12 +101,10 @@ def mode_codes(state: KVState, tier: str, mode: str,
         codes[unheld] = S.BLOCK_FREE
         return codes
     if mode == "age":
-        touched = col(t.touched)
-        age = (max(state.step, 0) - touched).astype(np.float32)
-        age[touched < 0] = 2.0 ** 30
-        bucket = np.log2(age + 1.0, out=age)
-        np.minimum(bucket, P.RAMP_LEN - 1, out=bucket)
-        return (P.RAMP_BASE + P.RAMP_LEN - 1) - bucket.astype(np.uint8)
+        # integer ops and one table lookup (no float log2 over millions of blocks)
+        age = np.subtract(max(state.step, 0), col(t.touched))  # int32 (NEVER: ~2**30)
+        np.clip(age, 0, _AGE_MAX, out=age)
+        return _AGE_CODES[age]
     raise ValueError(f"unknown colour mode {mode!r}; known: {', '.join(MODES)}")
 
 
