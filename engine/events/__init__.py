@@ -7,11 +7,11 @@ from engine.events.recording import Recording, RecordingError, RecordingWarning,
 from engine.events.schema import PROTOCOL_VERSION, ProtocolError
 from engine.events.sink import EventSink, ListSink, NullSink
 from engine.events.state import KVState, SeqState, TierState
-from engine.events.stream import EventStream
+from engine.events.stream import BatchConsumer, EventStream
 from engine.events.subscriber import Subscriber
 
 __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "EventSink", "ListSink", "NullSink",
-    "KVState", "SeqState", "TierState", "Codec", "EventStream", "Subscriber",
+    "KVState", "SeqState", "TierState", "Codec", "EventStream", "BatchConsumer", "Subscriber",
     "Recording", "RecordingWriter", "RecordingError", "RecordingWarning",
 ]
