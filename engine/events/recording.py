@@ -9,12 +9,16 @@ File layout (all integers big-endian):
     frames    each: u8 kind | u32 meta_len | u32 payload_len | u32 crc32(meta+payload)
                     | meta (msgpack, uncompressed) | payload (one zstd frame)
         K keyframe  meta {"step", "seq"};  payload msgpack {"epoch", "seq", "state"}
-                    (state = KVState.snapshot() after the batch with that step)
+                    (state = KVState.snapshot() after the batch with that step;
+                    written by an EventStream, the cache manager's own snapshot)
         D deltas    meta {"first", "last", "n", "seq": [first, last], "steps"?}
                     ("steps" only when not the contiguous range first..last);
                     payload = the batch messages, msgpack-concatenated
         I index     meta {}; payload msgpack [[kind, offset, meta], ...] of every K/D frame
     trailer   b"KVSINDEX" + u64 offset of the I frame (written by close())
+
+The header's "protocol" is the event protocol of the batches and keyframes inside:
+readers take 1 (id lists as msgpack ints) and 2 (packed int32 id lists).
 
 Invariants: frames appear in step order; a keyframe at step k follows every delta with
 step <= k and precedes every delta with step > k. So ``state_at(s)`` = the last keyframe
