@@ -108,6 +108,40 @@ def mode_codes(state: KVState, tier: str, mode: str,
     raise ValueError(f"unknown colour mode {mode!r}; known: {', '.join(MODES)}")
 
 
+class AgeIndex:
+    """A tier's blocks by the step of their last change, so that an age-mode frame
+    recomputes only blocks whose log2 age bucket moves at this step (age + 1 reaches a
+    power of two: last change at ``step + 1 - 2**k``) plus the blocks that changed."""
+
+    MAX_STEPS = 64  # a frame further ahead than this recomputes the whole tier
+
+    def __init__(self, touched: np.ndarray) -> None:
+        order = np.argsort(touched, kind="stable")
+        steps, starts = np.unique(touched[order], return_index=True)
+        ends = np.append(starts[1:], len(order))
+        self.by_step = {int(s): order[a:b] for s, a, b in zip(
+            steps.tolist(), starts.tolist(), ends.tolist(), strict=True)}
+
+    def add(self, blocks: np.ndarray, touched: np.ndarray) -> None:
+        """``blocks`` changed; ``touched`` is the tier's last-change column."""
+        steps = touched[blocks]
+        for s in np.unique(steps).tolist():
+            new = blocks[steps == s]
+            old = self.by_step.get(s)
+            self.by_step[s] = new if old is None else np.concatenate([old, new])
+
+    def crossing(self, s0: int, s1: int, touched: np.ndarray) -> np.ndarray:
+        """Blocks whose age bucket differs between steps ``s0`` and ``s1`` (> s0)."""
+        out = []
+        for s in range(s0 + 1, s1 + 1):
+            for k in range(1, P.RAMP_LEN):
+                t = s + 1 - (1 << k)
+                blocks = self.by_step.get(t)
+                if blocks is not None:
+                    out.append(blocks[touched[blocks] == t])  # not changed since
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
 def cell_codes(state: KVState, tier: str, *, by_owner: bool = False, mode: str = "state",
                highlight: list[int] | None = None, selected: int | None = None,
                codes: np.ndarray | None = None) -> np.ndarray:
@@ -184,6 +218,7 @@ class _TierPanel:
         self.base = np.zeros(0, dtype=np.uint8)  # KVState.block_codes of the frame drawn
         self.counts = np.zeros(4, dtype=np.int64)  # blocks per state code, same frame
         self.draw_key: tuple | None = None  # what the drawn image shows (see refresh)
+        self.age: AgeIndex | None = None  # age mode: blocks by last-change step
 
     def configure(self, num_blocks: int, block_size: int, fmt: str) -> None:
         if (num_blocks, fmt) == (self.num_blocks, self.fmt):
@@ -300,7 +335,26 @@ class BlockMapView(QWidget):
             draw_key = (id(t), t.version, mode, st.step if mode == "age" else None,
                         (id(st), self.model.selected_seq, sel) if selecting else None)
             changed = t.changed_since
-            if (not selecting and panel.draw_key is not None and changed is not None
+            prev = panel.draw_key
+            if (mode == "age" and not selecting and prev is not None and prev[2] == "age"
+                    and panel.age is not None and prev[0] == draw_key[0]
+                    and 0 <= st.step - prev[3] <= AgeIndex.MAX_STEPS
+                    and (prev[1] == t.version
+                         or (changed is not None and changed[0] == prev[1]))):
+                # age mode, a later step: the changed blocks and the bucket crossings
+                moved = np.zeros(0, dtype=np.int64)
+                if prev[1] != t.version:
+                    moved = np.unique(changed[1])
+                    new_base = st.block_codes(name, moved)
+                    panel.counts = panel.counts - np.bincount(
+                        panel.base[moved], minlength=4) + np.bincount(new_base, minlength=4)
+                    panel.base[moved] = new_base
+                    panel.age.add(moved, t.touched)
+                idx = np.concatenate([moved, panel.age.crossing(prev[3], st.step, t.touched)])
+                if idx.size:
+                    panel.draw_cells(idx, mode_codes(st, name, mode, idx))
+                panel.draw_key = draw_key
+            elif (not selecting and panel.draw_key is not None and changed is not None
                     and draw_key[0] == panel.draw_key[0] and draw_key[2:] == panel.draw_key[2:]
                     and changed[0] == panel.draw_key[1]):
                 # the same tier object, brought up to date in place: redraw what changed
@@ -317,6 +371,7 @@ class BlockMapView(QWidget):
                 panel.base = base
                 panel.counts = np.bincount(base, minlength=4)
                 codes = base.copy() if mode == "state" else mode_codes(st, name, mode)
+                panel.age = AgeIndex(t.touched) if mode == "age" else None
                 panel.draw(cell_codes(
                     st, name, mode=mode, highlight=self.model.highlighted_blocks(name),
                     selected=sel[1] if sel is not None and sel[0] == name else None,

@@ -103,3 +103,32 @@ def test_map_redraws_only_changed_tiers(qtbot):  # noqa: ANN001
         assert np.array_equal(view.cells("gpu"), mode_codes(st, "gpu", "ref count"))
     assert view.cells("gpu")[6] == P.RAMP_BASE + 2  # ref 3
     assert view.legend.text().count("■") >= 4
+
+
+def test_age_mode_frames_update_incrementally_and_exactly(qtbot):  # noqa: ANN001
+    """Each later step recomputes only changed blocks and bucket crossings; the map
+    always equals a full recomputation."""
+    model = InspectorModel()
+    view = BlockMapView(model)
+    qtbot.addWidget(view)
+    st = KVState()
+    st.apply({"v": 2, "step": 0, "events": [
+        {"kind": "tier_init", "tier": "gpu", "num_blocks": 64, "block_size": 4},
+        {"kind": "tier_init", "tier": "cpu", "num_blocks": 32, "block_size": 4},
+        {"kind": "offload", "src": [0, 1], "dst": [3, 4], "hashes": [1, 2]}]})
+    model.set_state(st.clone())
+    view.colour_by.setCurrentText("age")
+    full_draws = []
+    for panel in view.panels.values():
+        real = panel.draw
+        panel.draw = lambda codes, real=real: (full_draws.append(1), real(codes))
+    for step in range(1, 70):
+        events = [{"kind": "seq_add", "seq": f"s{step}"},
+                  {"kind": "alloc", "tier": "gpu", "seq": f"s{step}", "blocks": [step % 64]},
+                  {"kind": "free", "tier": "gpu", "seq": f"s{step}", "blocks": [step % 64]},
+                  {"kind": "seq_finish", "seq": f"s{step}", "reason": "stop"}]
+        st.apply({"v": 2, "step": step + (step > 60) * 5, "events": events})  # then jumps
+        model.set_state(st.clone(reuse=model.state))
+        for tier in ("gpu", "cpu"):
+            assert np.array_equal(view.cells(tier), mode_codes(st, tier, "age")), (step, tier)
+    assert full_draws == []  # every frame was incremental
