@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "tcp://127.0.0.1:5557 (snapshot/replay on port + 1)")
     p.add_argument("--record", metavar="PATH", default=None,
                    help="record the cache events to this .kvtrace file")
+    p.add_argument("--kv-events-config", metavar="JSON", default=None,
+                   help="also publish vLLM-format KV events (vLLM's flag and JSON keys), e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'')
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGINT/SIGTERM, let in-flight requests finish for S seconds")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -73,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_kwargs(
             **{k: getattr(args, k) for k in ENGINE_FLAGS},
-            events_endpoint=args.events, record_path=args.record)
+            events_endpoint=args.events, record_path=args.record,
+            kv_events_config=args.kv_events_config)
     except (ValueError, TypeError) as e:
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 2

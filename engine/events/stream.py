@@ -63,9 +63,16 @@ class EventStream:
                  snapshot_endpoint: str | None = None, header: dict[str, Any] | None = None,
                  snapshot_fn: SnapshotFn | None = None, queue_size: int = 1024,
                  replay_size: int = 4096, heartbeat_s: float = 1.0,
-                 keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0) -> None:
-        self.enabled = endpoint is not None or record_path is not None
+                 keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0,
+                 consumers: list[Any] | None = None) -> None:
+        # consumers: other listeners of each closed batch (the in-memory dict, read only),
+        # e.g. engine.events.vllm.VllmPublisher: ``on_batch(batch)`` on the stream thread,
+        # ``close()`` when the stream closes.
+        self.consumers = list(consumers or ())
+        self.enabled = endpoint is not None or record_path is not None or bool(self.consumers)
         self.sink: EventSink = ListSink() if self.enabled else NullSink()
+        if any(getattr(c, "needs_store_detail", False) for c in self.consumers):
+            self.sink.store_detail = True  # type: ignore[attr-defined]
         self.epoch = secrets.token_hex(8)
         self.seq = 0  # seq of the last batch handed over (assigned even if dropped)
         self.dropped_batches = 0
@@ -193,6 +200,8 @@ class EventStream:
         except Exception:
             log.exception("event stream thread failed; events are no longer published")
         finally:
+            for consumer in self.consumers:
+                consumer.close()
             if self.recorder is not None:
                 self.recorder.close()
             if self.publisher is not None:
@@ -222,6 +231,8 @@ class EventStream:
         if self.publisher is not None:
             self.publisher.publish(batch["seq"], payload)
         self._last_seq_handled = batch["seq"]
+        for consumer in self.consumers:
+            consumer.on_batch(batch)
         if self.recorder is not None and self._mirror_ok:
             if keyframe:
                 self.recorder.keyframe(self.mirror, batch["seq"], self.epoch)
