@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also publish vLLM-format KV events (vLLM's flag and JSON keys), e.g. "
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
                         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'')
+    p.add_argument("--metrics-prefix", choices=["kvscope", "vllm"], default="kvscope",
+                   help="/metrics names: kvscope's (default) or vLLM's exact names and labels "
+                        "for metrics vLLM also has (kvscope-only ones stay kvscope:)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGINT/SIGTERM, let in-flight requests finish for S seconds")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -88,5 +91,6 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              max_n=args.max_n, drain_timeout_s=args.drain_timeout)
+                              max_n=args.max_n, drain_timeout_s=args.drain_timeout,
+                              metrics_prefix=args.metrics_prefix)
     return run_daemon(config, settings, args.host, args.port, args.log_level)

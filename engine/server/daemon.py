@@ -45,7 +45,7 @@ def build_state(engine: Any, settings: Any) -> Any:
     from engine.server.engine_loop import EngineLoop
     from engine.server.metrics import ServerMetrics
 
-    metrics = ServerMetrics(settings.served_model_name)
+    metrics = ServerMetrics(settings.served_model_name, prefix=settings.metrics_prefix)
     loop = EngineLoop(engine, on_step=metrics.on_step, on_finish=metrics.on_finish,
                       on_abort=metrics.on_abort)
     metrics.on_step(engine)

@@ -53,10 +53,14 @@ def decode_frames(topic: bytes, seq_bytes: bytes, payload: bytes,
 
 class VllmSubscriber:
     def __init__(self, endpoint: str, *, bind: bool = False, replay_endpoint: str | None = None,
-                 topic: str = "", replay_timeout_s: float = 2.0) -> None:
+                 topic: str = "", replay_timeout_s: float = 2.0,
+                 recorder: Any = None) -> None:
+        """``recorder``: optional ``VllmRecordingWriter``; every decodable message is
+        written to it as received (raw bytes), before ordering and replay."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s
+        self.recorder = recorder
         self.last_seq: int | None = None
         self.errors = 0
         self.last_error = ""
@@ -116,6 +120,8 @@ class VllmSubscriber:
             except W.VllmWireError as e:
                 self._error(str(e))
                 continue
+            if self.recorder is not None:
+                self.recorder.write(*frames, recv_time=batch.recv_time)
             out = self._order(batch)
             if out:
                 self._pending.extend(out[1:])
