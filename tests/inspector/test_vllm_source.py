@@ -31,10 +31,10 @@ def test_real_vllm_capture_decodes_with_zero_errors():
     kinds = {tuple(sorted({e["type"] for e in W.decode(m[3])["events"]})) for m in messages}
     assert any(W.BLOCK_STORED in k for k in kinds) and any(W.BLOCK_REMOVED in k for k in kinds)
     s = cache.summary("GPU")
-    assert s["blocks"] > 0 and s["block_size"] == 16 and s["prefixes"] > 0
+    assert s["blocks"] > 0 and s["block_size"] == 32 and s["prefixes"] > 0
     assert "GPU:" in summary_text(cache)
     rows = block_rows(cache, "GPU", cache.last_ts)
-    assert len(rows) == s["blocks"] and all(r[2] == 16 for r in rows)
+    assert len(rows) == s["blocks"] and all(r[2] == 32 for r in rows)
     img = age_map(cache, "GPU", cache.last_ts, columns=8)
     assert img.shape[1] == 8 and (img < 254).sum() == s["blocks"] - s["orphans"]
     assert len(timeline_arrays(cache)["t"]) == cache.batches
