@@ -6,6 +6,7 @@ and bad input."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -24,6 +25,8 @@ from engine.events.vllm.publisher import VllmPublisher, is_bind_endpoint
 from engine.events.vllm.subscriber import VllmSubscriber
 from engine.events.vllm.translate import MEDIUM, VllmTranslator
 
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-kv-events.vllmtrace"
+
 
 def test_payload_layout_is_msgspecs():
     events = [W.block_stored([11, 12], None, list(range(32)), 16, "GPU"),
@@ -31,10 +34,13 @@ def test_payload_layout_is_msgspecs():
     raw = msgpack.unpackb(W.Encoder().encode(1.5, events, 0), raw=False)
     assert isinstance(raw, list) and raw[0] == 1.5 and raw[2] == 0  # array_like EventBatch
     stored, removed, cleared = raw[1]
+    # as vLLM 0.32 writes them (keys and order of the committed real capture)
     assert list(stored) == ["type", "block_hashes", "parent_block_hash", "token_ids",
-                            "block_size", "lora_id", "medium", "lora_name"]
+                            "block_size", "lora_id", "medium", "lora_name", "extra_keys",
+                            "group_idx", "kv_cache_spec_kind"]
     assert stored["type"] == "BlockStored" and stored["parent_block_hash"] is None
-    assert list(removed) == ["type", "block_hashes", "medium"]
+    assert stored["extra_keys"] == [None, None] and stored["group_idx"] == 0
+    assert list(removed) == ["type", "block_hashes", "medium", "group_idx"]
     assert cleared == {"type": "AllBlocksCleared"}
     # the rank is a trailing default: left out when None (omit_defaults)
     assert len(msgpack.unpackb(W.Encoder().encode(2.0, [], None))) == 2
@@ -42,6 +48,33 @@ def test_payload_layout_is_msgspecs():
     assert back["ts"] == 1.5 and back["data_parallel_rank"] == 0
     assert back["events"] == [W._ordered(e) for e in events]
     assert W.decode_seq(W.encode_seq(-1)) == -1 and W.decode_seq(W.encode_seq(7)) == 7
+    plain = W.Encoder().encode(1.0, [{"type": "BlockRemoved", "block_hashes": [1],
+                                      "medium": None}], None)
+    assert list(msgpack.unpackb(plain)[1][0]) == ["type", "block_hashes", "medium"]  # omitted
+
+
+def test_layout_equals_the_real_vllm_capture():
+    """Every event of the committed vLLM 0.32 capture has exactly the keys, in the order,
+    that kvscope's encoder writes for the same event."""
+    from engine.events.vllm.recording import read_messages
+
+    _, messages = read_messages(FIXTURE)
+    seen = set()
+    for _, _, _, payload in messages:
+        raw = msgpack.unpackb(payload, raw=False)
+        assert len(raw) == 3 and raw[2] == 0
+        for ev in raw[1]:
+            ours = W._ordered({**ev})
+            assert list(ev) == list(ours) and ev == ours
+            seen.add(ev["type"])
+            if ev["type"] == W.BLOCK_STORED:
+                mine = W.block_stored(ev["block_hashes"], ev["parent_block_hash"],
+                                      ev["token_ids"], ev["block_size"], ev["medium"])
+                assert msgpack.packb(W._ordered(mine)) == msgpack.packb(ev)
+            if ev["type"] == W.BLOCK_REMOVED:
+                mine = W.block_removed(ev["block_hashes"], ev["medium"])
+                assert msgpack.packb(W._ordered(mine)) == msgpack.packb(ev)
+    assert seen == {W.BLOCK_STORED, W.BLOCK_REMOVED}
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1]),

