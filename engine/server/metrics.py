@@ -39,6 +39,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.events.schema import FINISH_REASONS
 from engine.outputs import RequestOutput
 
 P = "kvscope:"
@@ -140,6 +141,9 @@ class ServerMetrics:
         self._success = Counter(self._name("request_success"),
                                 "finished requests by finish reason",
                                 [*ln, "finished_reason"], registry=r)
+        if vllm:  # as vLLM: every finish reason is a series from the start (at 0)
+            for reason in FINISH_REASONS:
+                self._success.labels(**self._labels, finished_reason=reason)
         self.aborted = Counter(P + "request_aborted", "aborted requests by reason",
                                ["reason"], registry=r)
         self._last_step_end: float | None = None
