@@ -519,7 +519,7 @@ class KVCacheManager:
             pool.evictable.touch(stored, seq.priority)
             if self.sink.enabled:
                 more = {S.STORE_PARENTS: parents,
-                        S.STORE_TOKENS: [list(entry[b][2]) for b in stored]
+                        S.STORE_TOKENS: [entry[b][2] for b in stored]  # tuples: no copy
                         } if detail else {}
                 self.sink.emit(S.STORE, tier="gpu", blocks=stored,
                                hashes=[entry[b][0] for b in stored], **more)
