@@ -154,7 +154,7 @@ def test_inspector_rebuilds_vllms_cached_set(vllm_server):
     for prompt in prompts:
         _post(url + "/v1/completions", {"model": "smollm2", "prompt": prompt,
                                         "max_tokens": 8, "temperature": 0})
-        sub.recv(0.05)
+        _drain(sub, cache, quiet_s=0.05)
     _drain(sub, cache)
     rec.close()
     _, messages = read_messages(rec_path := tmp / "vllm.vllmtrace")

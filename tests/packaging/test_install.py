@@ -62,5 +62,10 @@ def test_wheel_installs_without_torch_and_renders(tmp_path):
     r = _run([kvscope, "inspect", "--screenshot", str(out / "sample.png")], out,
              QT_QPA_PLATFORM="offscreen")
     assert r.returncode == 0 and (out / "sample.png").stat().st_size > 10_000, r.stderr
+    for live in (["--connect", "tcp://127.0.0.1:9"], ["--connect-vllm", "tcp://127.0.0.1:9"]):
+        # live mode loads without torch; nobody publishes there: exit 3, "no state/events"
+        r = _run([kvscope, "inspect", *live, "--wait", "0.5", "--screenshot",
+                  str(out / "live.png")], out, QT_QPA_PLATFORM="offscreen")
+        assert r.returncode == 3 and "kvscope inspect: no" in r.stderr, r.stderr
     r = _run([kvscope, "serve"], out)
     assert r.returncode == 2 and "pip install 'kvscope[engine]'" in r.stderr, r.stderr
