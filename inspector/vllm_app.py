@@ -56,11 +56,14 @@ def run_vllm(*, endpoint: str | None = None, bind: bool = False,
                      f"{st['restarts']}{err}{rec}")
 
     if screenshot is not None:
+        # wait for the first batch, then until the stream is quiet for a second
         end = time.monotonic() + wait_s
-        while time.monotonic() < end and live.cache.batches == 0:
+        quiet = None
+        while time.monotonic() < end and (quiet is None or time.monotonic() - quiet < 1.0):
             app.processEvents()
             time.sleep(0.05)
-            live.drain()
+            if live.drain():
+                quiet = time.monotonic()
         tick()
         live.stop()
         if live.cache.batches == 0:

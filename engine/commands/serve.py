@@ -2,6 +2,8 @@
 
     kvscope serve [--model smollm2] [--host 127.0.0.1] [--port 8000]
                   [--events tcp://127.0.0.1:5557] [--record run.kvtrace] [engine flags]
+                  [--kv-events-config '{"enable_kv_cache_events": true, ...}']  (vLLM's)
+                  [--metrics-prefix kvscope|vllm]
 
 Engine flags use vLLM's names. Binds loopback unless told otherwise; ``--api-key`` (or
 env ``KVSCOPE_API_KEY``) makes /v1/* require ``Authorization: Bearer <key>``.

