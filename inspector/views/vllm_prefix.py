@@ -167,7 +167,7 @@ def make_view(cache_getter: Any) -> Any:
                 w = QSplitter(Qt.Orientation.Horizontal)
                 glw = pg.GraphicsLayoutWidget()
                 vb = glw.addViewBox(lockAspect=True, invertY=True)
-                img = pg.ImageItem(autoDownsample=False)
+                img = pg.ImageItem(autoDownsample=False, axisOrder="row-major")
                 img.setLookupTable(lut)
                 vb.addItem(img)
                 table = QTableWidget(0, 5)
