@@ -18,7 +18,9 @@ from inspector.errors import InspectError
 def run_vllm(*, endpoint: str | None = None, bind: bool = False,
              replay_endpoint: str | None = None, topic: str = "",
              record_path: str | None = None, recording: str | None = None,
-             screenshot: str | None = None, wait_s: float = 5.0) -> int:
+             screenshot: str | None = None, wait_s: float = 5.0,
+             until_seq: int | None = None) -> int:
+    """``until_seq`` (replay only, ``--step``): show the state after that batch seq."""
     from inspector.app import make_app
 
     app = make_app(offscreen=screenshot is not None)
@@ -29,10 +31,11 @@ def run_vllm(*, endpoint: str | None = None, bind: bool = False,
 
     try:
         if recording is not None:
-            cache, bad = load_vllm_recording(recording)
+            cache, bad = load_vllm_recording(recording, until_seq)
             view = make_view(lambda: cache)
             note = f" ({bad} undecodable messages skipped)" if bad else ""
-            view.refresh(f"replay of {recording}: {cache.batches} batches{note}")
+            upto = f" up to seq {cache.last_seq}" if until_seq is not None else ""
+            view.refresh(f"replay of {recording}: {cache.batches} batches{upto}{note}")
             if screenshot is not None:
                 return _save(app, view, screenshot)
             view.show()

@@ -56,7 +56,8 @@ def _run(args: argparse.Namespace) -> int:
                         replay_endpoint=args.vllm_replay, topic=args.vllm_topic,
                         record_path=args.record_vllm,
                         recording=None if vllm else args.recording,
-                        screenshot=args.screenshot, wait_s=args.wait)
+                        screenshot=args.screenshot, wait_s=args.wait,
+                        until_seq=args.step)  # a vLLM recording's "step" is its seq
     from inspector.app import run  # Qt loads only here
 
     return run(recording=args.recording, connect=args.connect, screenshot=args.screenshot,

@@ -38,6 +38,8 @@ def test_real_vllm_capture_decodes_with_zero_errors():
     img = age_map(cache, "GPU", cache.last_ts, columns=8)
     assert img.shape[1] == 8 and (img < 254).sum() == s["blocks"] - s["orphans"]
     assert len(timeline_arrays(cache)["t"]) == cache.batches
+    early, _ = load_vllm_recording(FIXTURE, until_seq=10)  # `inspect X --step 10`
+    assert early.batches == 11 and early.last_seq == 10
 
 
 def test_screenshot_of_the_capture(tmp_path, qapp):
