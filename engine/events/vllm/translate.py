@@ -22,7 +22,9 @@ opaque id). ``parent_block_hash`` is ``h_{i-1}`` of the first block of the event
 None for a request's first block (whose parent is the salt's root, not a block: vLLM
 writes None there too). Consecutive stored blocks are grouped into one BlockStored only
 while each block's parent is the previous block's hash, so parents always chain.
-``token_ids`` are the blocks' tokens, concatenated.
+``token_ids`` are the blocks' tokens, concatenated. A "CPU" store (an offload) names the
+parent's hash even when only the GPU holds that parent: the host tier keeps what the GPU
+evicts, not whole chains.
 
 Invariants:
 - A hash is announced (BlockStored) on a medium when the first block of that tier takes
