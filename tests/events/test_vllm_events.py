@@ -230,3 +230,12 @@ def test_subscriber_survives_garbage_and_fills_gaps_by_replay(tmp_path):
         assert sub.recv(5).restarted and sub.restarts == 1
     pub.close(0)
     router.close(0)
+
+
+@pytest.mark.parametrize("bad", ['{"enable_kv_cache_events": true, "endpont": "x"}',
+                                 "{not json", '{"publisher": "kafka"}'])
+def test_serve_refuses_a_bad_kv_events_config_before_loading(bad, capsys):
+    from engine.cli import main
+
+    assert main(["serve", "--kv-events-config", bad]) == 2
+    assert "kv-events-config" in capsys.readouterr().err
