@@ -31,6 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as e:  # a command of an extra that is not installed
+        from engine.extras import missing_extra_message
+
+        msg = missing_extra_message(args.command, e)
+        if msg is None:
+            raise
+        print(msg, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

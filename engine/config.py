@@ -45,6 +45,7 @@ class EngineConfig:
     # events
     events_endpoint: str | None = None
     record_path: str | None = None
+    kv_events_config: str | None = None  # vLLM's KVEventsConfig JSON (engine.events.vllm)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -73,6 +74,10 @@ class EngineConfig:
         need(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_events_config is not None:
+            from engine.events.vllm.config import KVEventsConfig
+
+            KVEventsConfig.from_json(self.kv_events_config)  # ValueError with the reason
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

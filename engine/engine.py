@@ -161,14 +161,28 @@ class LLMEngine:
 
     def _open_events(self):
         cfg = self.config
-        if not (cfg.events_endpoint or cfg.record_path):
+        from engine.events.vllm.config import KVEventsConfig
+
+        vllm_events = KVEventsConfig.from_json(cfg.kv_events_config or "{}")
+        if not (cfg.events_endpoint or cfg.record_path or vllm_events.enabled):
             return None
         from engine.events.stream import EventStream
 
+        consumers = []
+        if vllm_events.enabled:
+            from engine.events.vllm.publisher import VllmPublisher
+
+            consumers.append(VllmPublisher(vllm_events))
         header = {"model": cfg.model, "config": {k: v for k, v in vars(cfg).items()
                                                   if isinstance(v, (int, float, str, bool))}}
-        return EventStream(endpoint=cfg.events_endpoint, record_path=cfg.record_path,
-                           header=header, engine_lock=self._cache_lock)
+        try:
+            return EventStream(endpoint=cfg.events_endpoint, record_path=cfg.record_path,
+                               header=header, engine_lock=self._cache_lock,
+                               consumers=consumers)
+        except BaseException:
+            for consumer in consumers:
+                consumer.close()
+            raise
 
     # ------------------------------------------------------------- requests
     @_holding_cache_lock

@@ -11,12 +11,15 @@ import os
 import sys
 import time
 import warnings
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from inspector.errors import InspectError
 
-SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "sample.kvtrace"
+# assets/ ships as the package kvscope_assets (setup.py): found the same way in a
+# checkout (editable install) and in an installed wheel.
+SAMPLE = Path(str(files("kvscope_assets") / "sample.kvtrace"))
 
 
 def open_recording(path: str | os.PathLike) -> tuple[Any, list[str]]:

@@ -480,6 +480,10 @@ class KVCacheManager:
         host = self.host.host.cached if self.host is not None else None
         ph, pid = seq.chain_hash, seq.chain_id
         stored = []
+        # vLLM's BlockStored needs each stored block's parent hash and tokens (sink.py)
+        detail = self.sink.enabled and getattr(self.sink, "store_detail", False)
+        parents: list[int | None] = []
+        first_block = seq.block_table[0] if seq.block_table else None
         # zip(*[it] * bs) cuts the token span into bs-tuples at C speed.
         chunks = zip(*[iter(seq.token_ids[first * bs:full * bs])] * bs, strict=True)
         for b, chunk in zip(seq.block_table[first:full], chunks, strict=True):
@@ -502,6 +506,8 @@ class KVCacheManager:
                         pid = serial
                     cached[h] = b
                     stored.append(b)
+                    if detail:
+                        parents.append(None if b == first_block else ph)
                 else:  # the same content under another block stays the indexed one
                     oe = entry[other]
                     pid = oe[3] if oe[1] == pid and oe[2] == chunk else None
@@ -512,8 +518,11 @@ class KVCacheManager:
         if stored:
             pool.evictable.touch(stored, seq.priority)
             if self.sink.enabled:
+                more = {S.STORE_PARENTS: parents,
+                        S.STORE_TOKENS: [entry[b][2] for b in stored]  # tuples: no copy
+                        } if detail else {}
                 self.sink.emit(S.STORE, tier="gpu", blocks=stored,
-                               hashes=[entry[b][0] for b in stored])
+                               hashes=[entry[b][0] for b in stored], **more)
 
     # ------------------------------------------------------------ allocation
     def can_allocate(self, seq_id: str, num_new_tokens: int, watermark: float = 0.0) -> bool:

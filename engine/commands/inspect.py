@@ -4,6 +4,10 @@
     kvscope inspect run.kvtrace            replay a recording
     kvscope inspect --connect tcp://127.0.0.1:5557    attach to a running engine
     kvscope inspect run.kvtrace --screenshot out.png [--step N]    render offscreen, exit
+    kvscope inspect --connect-vllm tcp://127.0.0.1:5557   a vLLM/SGLang publisher that binds
+    kvscope inspect --listen-vllm tcp://127.0.0.1:5557    one that connects (vLLM does, for
+                                                          a concrete tcp://host:port)
+    kvscope inspect capture.vllmtrace      replay a recorded vLLM-format stream
 """
 
 from __future__ import annotations
@@ -25,13 +29,35 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with a recording: show this engine step (default: the last)")
     p.add_argument("--wait", type=float, default=5.0,
                    help="with --connect --screenshot: seconds to wait for the engine's state")
+    v = p.add_argument_group("vLLM-format KV events (vLLM, SGLang, kvscope --kv-events-config)")
+    v.add_argument("--connect-vllm", metavar="ENDPOINT", default=None,
+                   help="connect to a publisher that binds (vLLM endpoint tcp://*:N or ipc)")
+    v.add_argument("--listen-vllm", metavar="ENDPOINT", default=None,
+                   help="bind here for a publisher that connects (vLLM given tcp://host:N)")
+    v.add_argument("--vllm-replay", metavar="ENDPOINT", default=None,
+                   help="the publisher's replay_endpoint: fills seq gaps")
+    v.add_argument("--vllm-topic", default="", help="the publisher's topic (default '')")
+    v.add_argument("--record-vllm", metavar="PATH", default=None,
+                   help="also record the stream to a .vllmtrace file (replay: inspect PATH)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.connect and args.recording:
-        print("kvscope inspect: give a recording or --connect, not both")
+    vllm = args.connect_vllm or args.listen_vllm
+    if sum(map(bool, (args.connect, args.recording, vllm))) > 1 or (
+            args.connect_vllm and args.listen_vllm):
+        print("kvscope inspect: give one of a recording, --connect, --connect-vllm or "
+              "--listen-vllm")
         return 2
+    if vllm or (args.recording or "").endswith(".vllmtrace"):
+        from inspector.vllm_app import run_vllm  # Qt loads only here
+
+        return run_vllm(endpoint=vllm, bind=bool(args.listen_vllm),
+                        replay_endpoint=args.vllm_replay, topic=args.vllm_topic,
+                        record_path=args.record_vllm,
+                        recording=None if vllm else args.recording,
+                        screenshot=args.screenshot, wait_s=args.wait,
+                        until_seq=args.step)  # a vLLM recording's "step" is its seq
     from inspector.app import run  # Qt loads only here
 
     return run(recording=args.recording, connect=args.connect, screenshot=args.screenshot,

@@ -2,6 +2,8 @@
 
     kvscope serve [--model smollm2] [--host 127.0.0.1] [--port 8000]
                   [--events tcp://127.0.0.1:5557] [--record run.kvtrace] [engine flags]
+                  [--kv-events-config '{"enable_kv_cache_events": true, ...}']  (vLLM's)
+                  [--metrics-prefix kvscope|vllm]
 
 Engine flags use vLLM's names. Binds loopback unless told otherwise; ``--api-key`` (or
 env ``KVSCOPE_API_KEY``) makes /v1/* require ``Authorization: Bearer <key>``.
@@ -28,6 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "tcp://127.0.0.1:5557 (snapshot/replay on port + 1)")
     p.add_argument("--record", metavar="PATH", default=None,
                    help="record the cache events to this .kvtrace file")
+    p.add_argument("--kv-events-config", metavar="JSON", default=None,
+                   help="also publish vLLM-format KV events (vLLM's flag and JSON keys), e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'')
+    p.add_argument("--metrics-prefix", choices=["kvscope", "vllm"], default="kvscope",
+                   help="/metrics names: kvscope's (default) or vLLM's exact names and labels "
+                        "for metrics vLLM also has (kvscope-only ones stay kvscope:)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGINT/SIGTERM, let in-flight requests finish for S seconds")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -73,7 +82,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_kwargs(
             **{k: getattr(args, k) for k in ENGINE_FLAGS},
-            events_endpoint=args.events, record_path=args.record)
+            events_endpoint=args.events, record_path=args.record,
+            kv_events_config=args.kv_events_config)
     except (ValueError, TypeError) as e:
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 2
@@ -83,5 +93,6 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              max_n=args.max_n, drain_timeout_s=args.drain_timeout)
+                              max_n=args.max_n, drain_timeout_s=args.drain_timeout,
+                              metrics_prefix=args.metrics_prefix)
     return run_daemon(config, settings, args.host, args.port, args.log_level)

@@ -97,3 +97,9 @@ BLOCK_STATE_NAMES = ("free", "cached", "used", "shared")
 
 class ProtocolError(ValueError):
     """A batch or event that does not follow the protocol (or does not fit the state)."""
+
+# Optional ``store`` fields, present when the sink's ``store_detail`` is on (a vLLM-format
+# publisher listens): per stored block, its parent's chain hash (None for a sequence's
+# first block) and its token ids. Readers that do not need them ignore them.
+STORE_PARENTS = "parents"
+STORE_TOKENS = "tokens"

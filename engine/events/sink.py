@@ -35,6 +35,10 @@ class ListSink:
     """
 
     enabled = True
+    # When True, ``store`` events also carry ``parents`` and ``tokens`` (per block: the
+    # parent's chain hash, None for a first block; the block's token ids), for a
+    # consumer that needs them (vLLM's BlockStored). Off, emitters skip building them.
+    store_detail = False
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []

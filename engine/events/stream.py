@@ -89,9 +89,16 @@ class EventStream:
                  snapshot_fn: SnapshotFn | None = None,
                  engine_lock: threading.Lock | threading.RLock | None = None,
                  queue_size: int = 1024, replay_size: int = 4096, heartbeat_s: float = 1.0,
-                 keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0) -> None:
-        self.enabled = endpoint is not None or record_path is not None
+                 keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0,
+                 consumers: list[Any] | None = None) -> None:
+        # consumers: other listeners of each closed batch with ``on_batch(batch)`` (a
+        # BatchConsumer, on the stream thread) and ``close()`` (when the stream closes),
+        # e.g. engine.events.vllm.VllmPublisher.
+        self.consumers = list(consumers or ())
+        self.enabled = endpoint is not None or record_path is not None or bool(self.consumers)
         self.sink: EventSink = ListSink() if self.enabled else NullSink()
+        if any(getattr(c, "needs_store_detail", False) for c in self.consumers):
+            self.sink.store_detail = True  # type: ignore[attr-defined]
         self.epoch = secrets.token_hex(8)
         self.seq = 0  # seq of the last batch handed over (assigned even if dropped)
         self.dropped_batches = 0
@@ -99,7 +106,7 @@ class EventStream:
         self.engine_lock = engine_lock
         self.snapshots_taken = 0  # cache snapshots the engine side produced
         self.consumer_errors = 0
-        self._consumers: list[BatchConsumer] = []
+        self._consumers: list[BatchConsumer] = [c.on_batch for c in self.consumers]
         self._need_resync = False
         # snapshot requests: the stream thread bumps _snap_wanted, whoever takes the
         # snapshot (engine thread, or stream thread under engine_lock) copies it over
@@ -274,6 +281,8 @@ class EventStream:
         except Exception:
             log.exception("event stream thread failed; events are no longer published")
         finally:
+            for consumer in self.consumers:
+                consumer.close()
             if self.recorder is not None:
                 self.recorder.close()
             if self.publisher is not None:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-WORKLOAD_DIR = Path(__file__).resolve().parents[2] / "assets" / "workloads"
+WORKLOAD_DIR = Path(str(files("kvscope_assets") / "workloads"))  # assets/ (setup.py)
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -44,6 +44,7 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     max_n: int = 16  # completions per request (n times the number of prompts)
     drain_timeout_s: float = 30.0
+    metrics_prefix: str = "kvscope"  # or "vllm": vLLM's metric names (server/metrics.py)
 
 
 @dataclass

@@ -45,7 +45,7 @@ def build_state(engine: Any, settings: Any) -> Any:
     from engine.server.engine_loop import EngineLoop
     from engine.server.metrics import ServerMetrics
 
-    metrics = ServerMetrics(settings.served_model_name)
+    metrics = ServerMetrics(settings.served_model_name, prefix=settings.metrics_prefix)
     loop = EngineLoop(engine, on_step=metrics.on_step, on_finish=metrics.on_finish,
                       on_abort=metrics.on_abort)
     metrics.on_step(engine)
@@ -156,6 +156,10 @@ def run_daemon(config: Any, settings: Any, host: str, port: int,
             extras.append(f"events {events} (snapshot {snap})")
         if config.record_path:
             extras.append(f"recording {config.record_path}")
+        for pub in engine.events.consumers if engine.events else ():
+            if hasattr(pub, "replay_endpoint"):  # engine.events.vllm.VllmPublisher
+                replay = f" (replay {pub.replay_endpoint})" if pub.replay_endpoint else ""
+                extras.append(f"vLLM KV events {pub.endpoint}{replay}")
         line = f"kvscope serve: ready on {where} ({'; '.join(extras)})"
         try:
             asyncio.run(serve_forever(state, sock, log_level, line))

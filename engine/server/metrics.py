@@ -1,4 +1,23 @@
-"""Prometheus metrics of the daemon, named as vLLM's under a ``kvscope:`` prefix.
+"""Prometheus metrics of the daemon, named as vLLM's, under the ``kvscope:`` prefix or,
+with ``kvscope serve --metrics-prefix vllm``, exactly as vLLM 0.32 exposes them.
+
+``--metrics-prefix vllm`` (for dashboards built for vLLM): the metrics vLLM also has take
+its names, types and labels (``model_name`` = the served model name, ``engine`` = "0"):
+``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc`` (gauges),
+``vllm:prefix_cache_queries`` / ``_hits``, ``vllm:num_preemptions``,
+``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:request_success``
+(``finished_reason``) (counters), ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
+``vllm:e2e_request_latency_seconds`` (histograms). Metrics vLLM does not have (swap tier,
+evictions, block count, aborts by reason) keep the ``kvscope:`` prefix either way, so a
+name never claims vLLM's meaning for something vLLM does not measure. The default
+(``kvscope``) keeps the names and label-free series this server has always exported
+(the TPOT histogram there is ``kvscope:time_per_output_token_seconds``).
+
+Inter-token latency: each token decoded in an engine step is observed once, as the wall
+time since the previous engine step ended (tokens of consecutive steps are consecutive
+tokens of their request under continuous batching; a preempted request's resumed token
+is the exception).
 
 Two kinds of source:
 - per request (histograms and token counters), observed on the engine thread when a
@@ -14,14 +33,26 @@ hits count tokens.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.events.schema import FINISH_REASONS
 from engine.outputs import RequestOutput
 
 P = "kvscope:"
+METRICS_PREFIXES = ("kvscope", "vllm")
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Metrics vLLM also exports: these take the chosen prefix (the rest stay kvscope:).
+VLLM_NAMED = frozenset((
+    "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+    "generation_tokens", "request_success", "time_to_first_token_seconds",
+    "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
+    "inter_token_latency_seconds"))
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -33,11 +64,14 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class _EngineCollector:
     """Exposes the latest engine snapshot (a dict replaced whole, so reads are atomic)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: Any, labels: dict[str, str]) -> None:
         self.snapshot: dict[str, Any] = {}
+        self.name = name  # short name -> full metric name
+        self.labels = labels
 
     def collect(self):  # noqa: ANN201 - prometheus-client's collector protocol
         s = self.snapshot
+        keys, values = list(self.labels), list(self.labels.values())
         gauges = {
             "kv_cache_usage_perc": ("fraction of GPU-tier KV blocks in use (0..1)", "usage"),
             "num_requests_running": ("requests in the running batch", "running"),
@@ -48,7 +82,9 @@ class _EngineCollector:
                                      "cpu_usage"),
         }
         for name, (doc, key) in gauges.items():
-            yield GaugeMetricFamily(P + name, doc, value=float(s.get(key, 0)))
+            g = GaugeMetricFamily(self.name(name), doc, labels=keys)
+            g.add_metric(values, float(s.get(key, 0)))
+            yield g
         counters = {
             "prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
                                      "query_tokens"),
@@ -59,38 +95,75 @@ class _EngineCollector:
             "swap_in_blocks": ("KV blocks swapped in from the CPU tier", "swap_in_blocks"),
         }
         for name, (doc, key) in counters.items():
-            yield CounterMetricFamily(P + name, doc, value=float(s.get(key, 0)))
+            c = CounterMetricFamily(self.name(name), doc, labels=keys)
+            c.add_metric(values, float(s.get(key, 0)))
+            yield c
 
 
 class ServerMetrics:
     """One registry per server (tests may run several in one process)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "kvscope") -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self._engine = _EngineCollector()
+        self.prefix = prefix
+        vllm = prefix == "vllm"
+        # vLLM labels every series with the served model and the engine index
+        self._labels = {"model_name": model_name, "engine": "0"} if vllm else {}
+        self._engine = _EngineCollector(self._name, self._labels)
         self.registry.register(self._engine)
-        r = self.registry
-        self.ttft = Histogram(P + "time_to_first_token_seconds",
-                              "time from arrival to the first output token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(P + "time_per_output_token_seconds",
-                              "mean time between output tokens of a finished request",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds",
-                             "time from arrival to finish", buckets=E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens of finished requests",
-                                     registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens",
-                                         "generated tokens of finished requests", registry=r)
-        self.success = Counter(P + "request_success", "finished requests by finish reason",
-                               ["finished_reason"], registry=r)
+        r, ln = self.registry, list(self._labels)
+
+        def labelled(metric: Any) -> Any:
+            return metric.labels(**self._labels) if self._labels else metric
+
+        tpot = "request_time_per_output_token_seconds" if vllm else "time_per_output_token_seconds"
+        self.ttft = labelled(Histogram(self._name("time_to_first_token_seconds"),
+                                       "time from arrival to the first output token",
+                                       ln, buckets=TTFT_BUCKETS, registry=r))
+        self.tpot = labelled(Histogram(self._name(tpot),
+                                       "mean time between output tokens of a finished request",
+                                       ln, buckets=TPOT_BUCKETS, registry=r))
+        self.itl = labelled(Histogram(self._name("inter_token_latency_seconds"),
+                                      "time between consecutive output tokens",
+                                      ln, buckets=ITL_BUCKETS, registry=r)) if vllm else None
+        self.e2e = labelled(Histogram(self._name("e2e_request_latency_seconds"),
+                                      "time from arrival to finish", ln,
+                                      buckets=E2E_BUCKETS, registry=r))
+        self.prompt_tokens = labelled(Counter(self._name("prompt_tokens"),
+                                              "prompt tokens of finished requests", ln,
+                                              registry=r))
+        self.generation_tokens = labelled(Counter(self._name("generation_tokens"),
+                                                  "generated tokens of finished requests", ln,
+                                                  registry=r))
+        self._success = Counter(self._name("request_success"),
+                                "finished requests by finish reason",
+                                [*ln, "finished_reason"], registry=r)
+        if vllm:  # as vLLM: every finish reason is a series from the start (at 0)
+            for reason in FINISH_REASONS:
+                self._success.labels(**self._labels, finished_reason=reason)
         self.aborted = Counter(P + "request_aborted", "aborted requests by reason",
                                ["reason"], registry=r)
+        self._last_step_end: float | None = None
+
+    def _name(self, short: str) -> str:
+        """The exported name: vLLM's metrics under the chosen prefix, kvscope's own under
+        ``kvscope:``."""
+        return (self.prefix + ":" if short in VLLM_NAMED else P) + short
 
     # -------------------------------------------------- engine-thread hooks
     def on_step(self, engine: Any) -> None:
         st = engine.stats or {}
+        now = time.monotonic()
+        if self.itl is not None:
+            decoded = int(st.get("decode_tokens", 0) or 0)
+            if decoded and self._last_step_end is not None:
+                gap = now - self._last_step_end
+                for _ in range(decoded):
+                    self.itl.observe(gap)
+            self._last_step_end = now if engine.has_unfinished_requests() else None
         m = engine.cache.metrics()
         gpu = m["tiers"].get("gpu", {"total": 0, "used": 0})
         cpu = m["tiers"].get("cpu")
@@ -124,7 +197,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(m.num_generation_tokens)
         # One count per request (as vLLM), labelled by its first completion's reason.
-        self.success.labels(out.outputs[0].finish_reason or "unknown").inc()
+        self._success.labels(**self._labels,
+                             finished_reason=out.outputs[0].finish_reason or "unknown").inc()
 
     def on_abort(self, reason: str) -> None:
         self.aborted.labels(reason).inc()

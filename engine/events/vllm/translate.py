@@ -1,0 +1,188 @@
+"""kvscope's per-step event batches -> vLLM's KV events, in one place.
+
+Input: the in-memory batch dicts the EventStream closes each step (``engine.events.schema``
+kinds, before any encoding). Output: the events of one vLLM ``EventBatch`` (dicts built
+by ``engine.events.vllm.wire``). vLLM's stream is the prefix-cache INDEX per medium, not
+the page table, so only the kinds that change which hashes a tier holds matter:
+
+    tier_init (of a tier that held hashes)   AllBlocksCleared, state reset
+    store  tier, blocks, hashes (+ parents, tokens)   BlockStored, medium of the tier
+    evict  tier, blocks                      BlockRemoved for hashes no block holds any more
+    offload  dst, hashes                     BlockStored medium "CPU"
+    host_hit src, dst                        BlockStored medium "GPU" (the gpu block is
+                                             now cached too, as KVState._host_hit says)
+
+Medium names: kvscope tier "gpu" (the device tier, even on a CPU run, as vLLM-CPU says
+"GPU") -> "GPU", "cpu" (the host swap/offload tier) -> "CPU".
+
+Hashes: kvscope's chained hash ``h_i = hash((h_{i-1}, tokens_i))`` with
+``h_{-1} = root_hash(cache_salt)`` (engine/cache/hashing.py) is used as vLLM's
+``block_hashes`` entry unchanged (a signed 64-bit int; vLLM consumers treat it as an
+opaque id). ``parent_block_hash`` is ``h_{i-1}`` of the first block of the event, and
+None for a request's first block (whose parent is the salt's root, not a block: vLLM
+writes None there too). Consecutive stored blocks are grouped into one BlockStored only
+while each block's parent is the previous block's hash, so parents always chain.
+``token_ids`` are the blocks' tokens, concatenated. A "CPU" store (an offload) names the
+parent's hash even when only the GPU holds that parent: the host tier keeps what the GPU
+evicts, not whole chains.
+
+Invariants:
+- A hash is announced (BlockStored) on a medium when the first block of that tier takes
+  it and withdrawn (BlockRemoved) when the last one leaves, so the consumer's set per
+  medium equals the set of hashes held by that KVState tier (``tiers[t].hashes``).
+- Parents and tokens come with ``store`` events when the sink's ``store_detail`` is on
+  (the EventStream turns it on for this translator); stores without them (a swap-in's
+  re-index) reuse what an earlier store said for the same hash. A hash never described
+  is not announced (``undescribed`` counts them), and then not withdrawn either.
+- A seq gap (the EventStream dropped batches) cannot be repaired from vLLM's contract
+  (it has no snapshot): the translator sends AllBlocksCleared and starts over, so a
+  consumer never keeps hashes the engine no longer holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.events import schema as S
+from engine.events.vllm import wire as W
+
+MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU}
+STORE_PARENTS = S.STORE_PARENTS
+STORE_TOKENS = S.STORE_TOKENS
+
+
+class VllmTranslator:
+    """Stateful kvscope-batch -> vLLM-events translator (one per EventStream)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, dict[int, int]] = {}  # tier -> block -> hash
+        self.holders: dict[str, dict[int, int]] = {}  # tier -> hash -> #blocks holding it
+        self.announced: dict[str, set[int]] = {}  # tier -> hashes sent as BlockStored
+        self.block_size: dict[str, int] = {}
+        self.described: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # parent, tokens
+        self.last_seq: int | None = None
+        self.undescribed = 0  # hashes a store gave without parents/tokens never seen before
+        self.resets = 0  # seq gaps answered with AllBlocksCleared
+
+    # --------------------------------------------------------------------- api
+    def translate(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """The vLLM events for one kvscope batch (possibly empty)."""
+        out: list[dict[str, Any]] = []
+        seq = batch.get("seq")
+        if seq is not None and self.last_seq is not None and seq != self.last_seq + 1:
+            self._reset(out)
+        self.last_seq = seq
+        self._dropped: set[int] = set()
+        for ev in batch["events"]:
+            kind = ev.get("kind")
+            if kind == S.STORE:
+                self._store(ev, out)
+            elif kind == S.EVICT:
+                self._evict(ev, out)
+            elif kind == S.OFFLOAD:
+                self._put("cpu", list(ev["dst"]), list(ev["hashes"]), out)
+            elif kind == S.HOST_HIT:
+                host = self.blocks.get("cpu", {})
+                pairs = [(b, host[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
+                         if a in host]
+                self._put("gpu", [b for b, _ in pairs], [h for _, h in pairs], out)
+            elif kind == S.TIER_INIT:
+                if self.blocks.get(ev["tier"]):
+                    self._reset(out)
+                self.block_size[ev["tier"]] = int(ev["block_size"])
+                self._tier(ev["tier"])
+        # forget descriptions no tier needs any more (an evict may precede the offload
+        # of the same content within one step, so only at the batch's end)
+        for h in self._dropped:
+            if not any(h in held for held in self.holders.values()):
+                self.described.pop(h, None)
+        return out
+
+    def cached(self, tier: str) -> set[int]:
+        """The hashes a consumer of this translator holds for ``tier`` now."""
+        return set(self.announced.get(tier, ()))
+
+    # ---------------------------------------------------------------- kinds
+    def _tier(self, tier: str) -> None:
+        self.blocks.setdefault(tier, {})
+        self.holders.setdefault(tier, {})
+        self.announced.setdefault(tier, set())
+
+    def _reset(self, out: list[dict[str, Any]]) -> None:
+        if any(self.announced.values()):
+            out.append(W.all_blocks_cleared())
+        for tier in self.blocks:
+            self.blocks[tier], self.holders[tier], self.announced[tier] = {}, {}, set()
+        self.described.clear()
+        self.resets += 1
+
+    def _store(self, ev: dict[str, Any], out: list[dict[str, Any]]) -> None:
+        blocks, hashes = list(ev["blocks"]), [int(h) for h in ev["hashes"]]
+        parents, tokens = ev.get(STORE_PARENTS), ev.get(STORE_TOKENS)
+        if parents is not None and tokens is not None:
+            for h, p, t in zip(hashes, parents, tokens, strict=True):
+                self.described[h] = (p, tuple(t))
+        self._put(ev["tier"], blocks, hashes, out)
+
+    def _put(self, tier: str, blocks: list[int], hashes: list[int],
+             out: list[dict[str, Any]]) -> None:
+        self._tier(tier)
+        where, holders, announced = self.blocks[tier], self.holders[tier], self.announced[tier]
+        removed: list[int] = []
+        new: list[int] = []
+        for b, h in zip(blocks, hashes, strict=True):
+            old = where.get(b)
+            if old == h:
+                continue
+            if old is not None:
+                self._release(tier, old, removed)
+            where[b] = h
+            holders[h] = holders.get(h, 0) + 1
+            if holders[h] == 1 and h not in announced:
+                if h in self.described:
+                    new.append(h)
+                    announced.add(h)
+                else:
+                    self.undescribed += 1
+        if removed:
+            out.append(W.block_removed(removed, MEDIUM.get(tier)))
+        self._announce(tier, new, out)
+
+    def _announce(self, tier: str, hashes: list[int], out: list[dict[str, Any]]) -> None:
+        """BlockStored events for ``hashes`` (in order), one per chained run."""
+        bs = self.block_size.get(tier, 0)
+        run: list[int] = []
+        tokens: list[int] = []
+        for h in hashes:
+            parent, toks = self.described[h]
+            if run and parent != run[-1]:
+                out.append(W.block_stored(run, self.described[run[0]][0], tokens, bs,
+                                          MEDIUM.get(tier)))
+                run, tokens = [], []
+            run.append(h)
+            tokens.extend(toks)
+        if run:
+            out.append(W.block_stored(run, self.described[run[0]][0], tokens, bs,
+                                      MEDIUM.get(tier)))
+
+    def _evict(self, ev: dict[str, Any], out: list[dict[str, Any]]) -> None:
+        tier = ev["tier"]
+        self._tier(tier)
+        where = self.blocks[tier]
+        removed: list[int] = []
+        for b in ev["blocks"]:
+            h = where.pop(b, None)
+            if h is not None:
+                self._release(tier, h, removed)
+        if removed:
+            out.append(W.block_removed(removed, MEDIUM.get(tier)))
+
+    def _release(self, tier: str, h: int, removed: list[int]) -> None:
+        holders = self.holders[tier]
+        holders[h] -= 1
+        if holders[h] == 0:
+            del holders[h]
+            self._dropped.add(h)
+            if h in self.announced[tier]:
+                self.announced[tier].discard(h)
+                removed.append(h)

@@ -1,0 +1,71 @@
+"""The wheel, installed in a fresh venv with no torch: it carries the sample recording and
+the workloads (importlib.resources), `kvscope inspect` renders the sample offscreen,
+`kvscope load --list` works, and engine commands name the extra they need.
+
+Offline and bounded: the wheel is built from a copy of the working tree without build
+isolation (the dev venv's setuptools); the venv installs from the local package index
+and pip's cache. `pip install .` and `pip install ".[inspector]"` install the same
+requirements (the inspector is in the base install), so one venv checks both."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 240,
+         **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **env})
+
+
+def test_wheel_installs_without_torch_and_renders(tmp_path):
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    src = tmp_path / "src"
+    src.mkdir()
+    with tarfile.open(tmp_path / "src.tar", "w") as tar:  # the tree as git sees it
+        for f in files:
+            if not f.startswith("tests/") and (ROOT / f).is_file():
+                tar.add(ROOT / f, arcname=f)
+    with tarfile.open(tmp_path / "src.tar") as tar:
+        tar.extractall(src, filter="data")
+    r = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+              "-w", str(tmp_path / "dist"), "."], src)
+    assert r.returncode == 0, r.stderr[-2000:]
+    wheel = next((tmp_path / "dist").glob("kvscope-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kvscope_assets/sample.kvtrace" in names
+    assert "kvscope_assets/workloads/demo.json" in names
+
+    venv = tmp_path / "venv"
+    assert _run([sys.executable, "-m", "venv", str(venv)], tmp_path).returncode == 0
+    r = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"),
+              f"{wheel}[inspector]"], tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    py, kvscope = str(venv / "bin" / "python"), str(venv / "bin" / "kvscope")
+    out = tmp_path / "elsewhere"  # outside the checkout: assets come from the wheel
+    out.mkdir()
+    r = _run([py, "-c", "import importlib.util as u; print(u.find_spec('torch'))"], out)
+    assert r.stdout.strip() == "None", "the inspector install pulled torch"
+    r = _run([kvscope, "load", "--list"], out)
+    assert r.returncode == 0 and "demo" in r.stdout, r.stderr
+    r = _run([kvscope, "inspect", "--screenshot", str(out / "sample.png")], out,
+             QT_QPA_PLATFORM="offscreen")
+    assert r.returncode == 0 and (out / "sample.png").stat().st_size > 10_000, r.stderr
+    for live in (["--connect", "tcp://127.0.0.1:9"], ["--connect-vllm", "tcp://127.0.0.1:9"]):
+        # live mode loads without torch; nobody publishes there: exit 3, "no state/events"
+        r = _run([kvscope, "inspect", *live, "--wait", "0.5", "--screenshot",
+                  str(out / "live.png")], out, QT_QPA_PLATFORM="offscreen")
+        assert r.returncode == 3 and "kvscope inspect: no" in r.stderr, r.stderr
+    r = _run([kvscope, "serve"], out)
+    assert r.returncode == 2 and "pip install 'kvscope[engine]'" in r.stderr, r.stderr
