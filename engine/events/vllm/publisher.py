@@ -97,6 +97,10 @@ class VllmPublisher:
     # ---------------------------------------------------- the stream's thread
     def on_batch(self, batch: dict[str, Any]) -> None:
         """Queue one kvscope batch (never blocks)."""
+        # The stream packs id lists in place once its consumers return (protocol 2), and
+        # this batch is translated later on our own thread: keep a shallow copy of each
+        # event, whose lists the packing replaces but never mutates.
+        batch = {**batch, "events": [dict(ev) for ev in batch["events"]]}
         try:
             self._queue.put_nowait(batch)
             self.batches_in += 1
