@@ -153,6 +153,8 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
+    # chat's name for the same budget; guidellm sends both (equal) on completions
+    max_completion_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -174,6 +176,12 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> None:
         super().unsupported()
+        if self.max_completion_tokens is not None:
+            if "max_tokens" in self.model_fields_set and \
+                    self.max_tokens != self.max_completion_tokens:
+                raise bad_request("'max_tokens' and 'max_completion_tokens' disagree; give "
+                                  "one, or both equal", "max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
         if self.suffix:
             raise bad_request("'suffix' is not supported by kvscope", "suffix")
         if self.best_of is not None and self.best_of != self.n:
