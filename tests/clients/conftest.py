@@ -1,11 +1,12 @@
 """Real clients against a real daemon (issue 19): each client runs unmodified, offline,
-against ``kvscope serve`` on the embedded model. Their tokenizer (lm-eval, guidellm load
-one through transformers) is written once per session from the GGUF itself, with
-SmolLM2's own pre-tokenizer (see tests/model/conftest.py::hf_tokenizer), so no client
-downloads anything."""
+against ``kvscope serve`` on the embedded model. (lm-eval lives in
+tests/model/test_lm_eval_parity.py, beside the transformers model it compares with.)
+guidellm loads a tokenizer through transformers: one is written once per session from
+the GGUF itself, so no client downloads anything."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,26 +34,35 @@ def offline() -> Iterator[None]:
 
 @pytest.fixture(scope="package")
 def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A transformers tokenizer directory of the embedded model, built from its GGUF."""
-    from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
-
+    """A transformers tokenizer directory of the embedded model: kvscope's own tokenizer
+    (built from the GGUF's metadata, SmolLM2's pre-tokenizer included) saved as
+    tokenizer.json, which transformers loads as a PreTrainedTokenizerFast. (Converting
+    the GGUF with transformers costs ~40 s here and gets the digit split wrong.)"""
+    from engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
     from engine.model.pull import resolve_model
+    from engine.model.tokenizer import Tokenizer
 
     gguf = resolve_model(MODEL_NAME)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok = Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(gguf), gguf),
+                                       str(gguf))
     out = tmp_path_factory.mktemp("hf_tokenizer")
-    tok.save_pretrained(out)
+    tok.backend.save(str(out / "tokenizer.json"))
+
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else tok.token_text(token_id)
+
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192,
+        "bos_token": text(tok.bos_token_id), "eos_token": text(tok.eos_token_ids[0]),
+        "add_bos_token": tok.add_bos}))
     return out
 
 
 @pytest.fixture(scope="package")
 def daemon() -> Iterator[Daemon]:
-    d = start_daemon("--num-gpu-blocks", "256", "--max-model-len", "2048",
-                     "--max-num-seqs", "16", "--served-model-name", MODEL_NAME)
+    # A short context and n <= 2 bound what any valid request can cost, so a fuzzer's
+    # random valid bodies (schemathesis) stay cheap; guidellm's 32 + 8 tokens fit.
+    d = start_daemon("--num-gpu-blocks", "64", "--max-model-len", "96", "--max-n", "2",
+                     "--max-num-seqs", "8", "--served-model-name", MODEL_NAME)
     yield d
     stop_daemon(d)

@@ -1,20 +1,26 @@
 """lm-eval (EleutherAI's harness), unmodified, through its ``local-completions`` model
 against the daemon: a small multiple-choice task (loglikelihoods via echo + logprobs)
 and a generate_until task, shipped with the tests and read from local files (no
-downloads). The per-item loglikelihoods must equal those lm-eval computes with
-transformers' own model (``hf``) on the same GGUF and tokenizer, and so must the
-accuracy."""
+downloads, HF offline). The per-item loglikelihoods must equal those lm-eval computes
+with transformers' own model (its ``hf`` model, given this package's session
+``hf_model``: loading it again would cost ~40 s) on the same GGUF and tokenizer, and so
+must the accuracy. Lives in tests/model for that shared fixture."""
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from engine.model.pull import resolve_model
-from tests.clients.conftest import MODEL_NAME
-from tests.server.conftest import Daemon
+from tests.server.conftest import Daemon, start_daemon, stop_daemon
+
+pytestmark = pytest.mark.slow
+
+MODEL_NAME = "smollm2"
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 DATA = Path(__file__).parent / "lm_eval_data"
 TOLERANCE = 5e-3  # nats per item (a sum over a few tokens; logits agree within 1e-3)
@@ -53,6 +59,29 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    before = {k: os.environ.get(k) for k in OFFLINE}
+    os.environ.update(OFFLINE)  # lm-eval's datasets must read the local files only
+    d = start_daemon("--num-gpu-blocks", "128", "--max-model-len", "256",
+                     "--served-model-name", MODEL_NAME)
+    yield d
+    stop_daemon(d)
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(hf_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tokenizer as a directory, which lm-eval's local-completions loads by path."""
+    out = tmp_path_factory.mktemp("hf_tokenizer")
+    hf_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
 def task_manager(tmp_path_factory: pytest.TempPathFactory):
     from lm_eval.tasks import TaskManager
 
@@ -68,7 +97,7 @@ def _logliks(results: dict, task: str) -> list[list[float]]:
 
 
 def test_lm_eval_local_completions_matches_transformers(daemon: Daemon, hf_tokenizer_dir,
-                                                        task_manager):
+                                                        hf_model, hf_tokenizer, task_manager):
     import lm_eval
 
     ours = lm_eval.simple_evaluate(
@@ -78,13 +107,11 @@ def test_lm_eval_local_completions_matches_transformers(daemon: Daemon, hf_token
                     "num_concurrent": 4, "max_retries": 1, "timeout": 120},
         tasks=["kvscope_mc", "kvscope_gen"], task_manager=task_manager, log_samples=True,
         batch_size=1)
-    gguf = resolve_model(MODEL_NAME)
+    from lm_eval.models.huggingface import HFLM
+
     theirs = lm_eval.simple_evaluate(
-        model="hf",
-        model_args={"pretrained": str(gguf.parent), "gguf_file": gguf.name,
-                    "tokenizer": str(hf_tokenizer_dir), "dtype": "float32",
-                    "device": "cpu"},
-        tasks=["kvscope_mc"], task_manager=task_manager, log_samples=True, batch_size=4)
+        model=HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=4),
+        tasks=["kvscope_mc"], task_manager=task_manager, log_samples=True)
 
     got, want = _logliks(ours, "kvscope_mc"), _logliks(theirs, "kvscope_mc")
     assert len(got) == len(want) == 16
