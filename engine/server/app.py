@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.outputs import RequestOutput
@@ -139,7 +140,7 @@ def create_app(state: ServerState) -> FastAPI:
                   for _, ids in tokenized]
         job = await _submit(state, "cmpl", tokenized, params)
         if req.stream:
-            return _sse(_stream_completion(state, request, job, req))
+            return _sse(_stream_completion(state, request, job, req), state, job)
         outs = await _collect(state, request, job)
         return JSONResponse(_completion_body(state, job, req, outs))
 
@@ -168,7 +169,7 @@ def create_app(state: ServerState) -> FastAPI:
                          top if req.logprobs else None)
         job = await _submit(state, "chatcmpl", [(text, ids)], [params])
         if req.stream:
-            return _sse(_stream_chat(state, request, job, req))
+            return _sse(_stream_chat(state, request, job, req), state, job)
         outs = await _collect(state, request, job)
         return JSONResponse(_chat_body(state, job, req, outs))
 
@@ -321,9 +322,13 @@ async def _collect(state: ServerState, request: Request, job: _Job) -> list[Requ
     return [job.last[r] for r in job.rids if r in job.last]
 
 
-def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+def _sse(gen: AsyncIterator[str], state: ServerState, job: _Job) -> StreamingResponse:
+    # The background task aborts what is left even when the client hung up before the
+    # stream's first iteration: Starlette then cancels the response without ever
+    # starting (so never closing) the generator, whose own ``finally`` would not run.
     return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(_abort_rest, state, job))
 
 
 def _data(obj: Any) -> str:
