@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.clients.conftest import MODEL_NAME
 from tests.server.conftest import Daemon
 
-REQUESTS = 12
+REQUESTS = 8
 
 
 def test_guidellm_concurrent_all_requests_succeed(daemon: Daemon, hf_tokenizer_dir: Path,

@@ -12,7 +12,7 @@ import httpx
 
 from tests.server.conftest import Daemon
 
-EXAMPLES = 15  # per operation: bounded (each valid body runs the model)
+EXAMPLES = 10  # per operation: bounded (each valid body runs the model)
 
 
 def test_schemathesis_finds_no_server_error(daemon: Daemon):
