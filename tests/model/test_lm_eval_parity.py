@@ -119,6 +119,11 @@ def test_lm_eval_local_completions_matches_transformers(daemon: Daemon, hf_token
         assert all(math.isfinite(x) and x < 0 for x in g)
         assert max(abs(a - b) for a, b in zip(g, w, strict=True)) < TOLERANCE, (g, w)
     acc = ours["results"]["kvscope_mc"]["acc,none"]
+    gap = max(abs(a - b) for g, w in zip(got, want, strict=True)
+              for a, b in zip(g, w, strict=True))
+    print(f"lm-eval kvscope_mc: acc {acc:.4f} via kvscope, "  # shown with pytest -s
+          f"{theirs['results']['kvscope_mc']['acc,none']:.4f} via transformers; "
+          f"max per-item loglikelihood gap {gap:.2e} nats")
     assert acc == theirs["results"]["kvscope_mc"]["acc,none"]
     assert acc > 0.5  # the model knows most of these; all-0.0 logprobs would give 0.25
 
