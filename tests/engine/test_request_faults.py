@@ -68,3 +68,28 @@ def test_min_tokens_keeps_eos_out(make_engine):
     assert len(done["min"].outputs[0].token_ids) == 6
     assert eos not in done["min"].outputs[0].token_ids
     assert done["min"].outputs[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_survive_chunking_and_preemption(make_engine):
+    """Prompt logprobs computed in 16-token chunks, by requests that get preempted
+    (recompute) and resumed, equal those of each request run alone in one chunk."""
+    prompts = [PROMPTS[i % len(PROMPTS)] * 4 for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
+    alone = {}
+    eng = make_engine(model="smollm2", device="cpu", dtype="float32", num_gpu_blocks=64)
+    for i, p in enumerate(prompts):  # one at a time, whole prompt in one chunk
+        eng.add_request(f"r{i}", p, params)
+        alone.update(run_all(eng, check=False))
+    # 3 x (~25 + 16) tokens into 6 blocks of 16: someone must be preempted
+    eng = make_engine(model="smollm2", device="cpu", dtype="float32", num_gpu_blocks=6,
+                      max_num_batched_tokens=16)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    squeezed = run_all(eng)
+    assert sum(o.metrics.num_preemptions for o in squeezed.values()) > 0
+    for rid, out in squeezed.items():
+        want = alone[rid].prompt_logprobs
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids) == len(want)
+        for got, ref in zip(out.prompt_logprobs[1:], want[1:], strict=True):
+            assert got.keys() == ref.keys()
+            assert max(abs(got[t] - ref[t]) for t in got) < 1e-4
