@@ -4,7 +4,9 @@ Both the plain reference generation and the paged engine feed sampled tokens thr
 ``CompletionState.add``, so the two cannot disagree on when a completion ends or what its
 text is. Stops, first that applies: EOS (unless ignore_eos), a stop token id, a stop
 string found in the incrementally detokenized text (trimmed from the text unless
-``include_stop_str_in_output``), then ``budget`` tokens reached ("length").
+``include_stop_str_in_output``), then ``budget`` tokens reached ("length"). Before
+``params.min_tokens`` tokens no stop rule applies (vLLM's min_tokens), and
+``banned_token_ids`` tells the sampler to keep EOS and the stop token ids out.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class CompletionState:
     def finished(self) -> bool:
         return self.output.finish_reason is not None
 
+    def banned_token_ids(self) -> set[int]:
+        """Token ids the next sample may not take: EOS and stop ids before min_tokens."""
+        if len(self.output.token_ids) >= self.params.min_tokens:
+            return set()
+        return self.eos_ids | self.stop_ids
+
     def add(self, token: int, logprob: float, top: dict[int, float] | None = None) -> bool:
         """Record a sampled token; returns True when it ended the completion."""
         out = self.output
@@ -58,6 +66,11 @@ class CompletionState:
         out.cumulative_logprob += logprob
         if out.logprobs is not None:
             out.logprobs.append(top)
+        if len(out.token_ids) < min(self.params.min_tokens, self.budget):  # no stop yet (vLLM)
+            if self.detok is not None:
+                self.text += self.detok.add(token)
+            out.text = self.text
+            return False
         if token in self.eos_ids:
             out.finish_reason = "stop"
         elif token in self.stop_ids:

@@ -31,10 +31,18 @@ from engine.model import load_model
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Sequence
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, make_generator, sample, top_logprobs
+from engine.sampling import (
+    SamplingParams,
+    make_generator,
+    prompt_logprobs,
+    sample,
+    top_logprobs,
+)
 from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once (rows x vocab fp32)
 
 
 @dataclass
@@ -48,9 +56,14 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)  # index order once forked
     generators: dict[str, torch.Generator | None] = field(default_factory=dict)
     completions: dict[str, CompletionState] = field(default_factory=dict)
+    # params.prompt_logprobs: one entry per prompt token computed so far (the first is None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # this request failed inside a step (only it)
 
     @property
     def finished(self) -> bool:
+        if self.error is not None:
+            return True
         return len(self.seqs) == self.params.n and all(s.status == "finished" for s in self.seqs)
 
 
@@ -212,11 +225,22 @@ class LLMEngine:
                              f"{capacity}; raise num_gpu_blocks/kv_cache_memory_bytes")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        vocab = self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, "
+                                 f"got {getattr(params, name)}")
         now = time.monotonic() if arrival_time is None else arrival_time
         seed = int(self._seeds.integers(2**62))
         req = _Request(request_id, text, ids, params, now,
                        params.seed if params.seed is not None else seed)
         seq = self._new_seq(req, 0, priority)
+        if params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position's logits: a prefix-cache hit would
+            # skip computing them, so such a request does not look the cache up until they
+            # are all computed (its blocks are still stored for others).
+            req.prompt_logprobs = [None]
+            seq.prefix_lookup = len(ids) == 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
@@ -302,10 +326,61 @@ class LLMEngine:
             self.runner.copy_blocks(self.cache.take_copy_orders())
             tables = [self.cache.block_table(s.seq.seq_id) for s in out.scheduled]
             batch = self.runner.prepare(out.scheduled, tables)
-            logits = self.runner.execute(batch)
+            plan = self._prompt_logprob_plan(out)
+            logits, kept = self.runner.execute_keeping(
+                batch, [row for rows in plan.values() for row, _ in rows] or None)
+            if kept is not None:
+                self._add_prompt_logprobs(plan, kept, touched)
             self._process(out, logits, touched)
         self._close_step(time.perf_counter() - t0, out)
         return [self._output(req) for req in touched.values()]
+
+    def _prompt_logprob_plan(self, out) -> dict[str, list[tuple[int, int]]]:
+        """Per request wanting prompt logprobs: (flattened-batch row, prompt token index it
+        predicts) for the prompt positions this step computes and that are still missing
+        (a recompute after preemption does not redo them)."""
+        plan: dict[str, list[tuple[int, int]]] = {}
+        offset = 0
+        for s in out.scheduled:
+            req = self.requests.get(s.seq.request_id)
+            if req is not None and req.prompt_logprobs is not None and s.seq.index == 0:
+                # The logits at position p predict prompt token p + 1.
+                lo = max(s.start, len(req.prompt_logprobs) - 1)
+                hi = min(s.start + s.num_new_tokens, len(req.prompt_token_ids) - 1)
+                if lo < hi:
+                    plan[req.request_id] = [(offset + p - s.start, p + 1)
+                                            for p in range(lo, hi)]
+            offset += s.num_new_tokens
+        return plan
+
+    def _add_prompt_logprobs(self, plan: dict[str, list[tuple[int, int]]],
+                             kept: torch.Tensor, touched: dict[str, _Request]) -> None:
+        first = 0  # kept holds the plan's rows in order
+        for rid, rows in plan.items():
+            req = self.requests[rid]
+            try:
+                for i in range(0, len(rows), PROMPT_LOGITS_ROWS):
+                    part = rows[i:i + PROMPT_LOGITS_ROWS]
+                    logits = self.runner.logits_of(kept[first + i:first + i + len(part)])
+                    targets = [req.prompt_token_ids[t] for _, t in part]
+                    req.prompt_logprobs.extend(prompt_logprobs(logits, targets,
+                                                               req.params.prompt_logprobs))
+            except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
+                self._fail_request(req, e, touched)
+            first += len(rows)
+            if len(req.prompt_logprobs) == len(req.prompt_token_ids):
+                req.seqs[0].prefix_lookup = True
+
+    def _fail_request(self, req: _Request, exc: Exception,
+                      touched: dict[str, _Request]) -> None:
+        """One request broke inside the step: finish it alone (abort: its blocks are
+        freed and the event stream shows seq_finish "abort"); the step goes on."""
+        log.exception("request %s failed inside the step; aborting it alone", req.request_id)
+        req.error = f"{type(exc).__name__}: {exc}"
+        for seq in req.seqs:
+            if seq.status != "finished":
+                self.scheduler.finish(seq, "abort")
+        touched[req.request_id] = req
 
     def _process(self, out, logits: torch.Tensor, touched: dict[str, _Request]) -> None:
         now = time.monotonic()
@@ -318,7 +393,10 @@ class LLMEngine:
             if not sampling:
                 continue
             req = self.requests[seq.request_id]
-            rows.append((seq, r))
+            r += 1
+            if req.error is not None:
+                continue
+            rows.append((seq, r - 1))
             # n > 1: fork the children when the parent's prompt is done, before its first
             # token lands, so they share every prompt block copy-on-write.
             if seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
@@ -328,24 +406,27 @@ class LLMEngine:
                     child.ever_started, child.first_scheduled_time = True, now
                     child.num_cached_tokens = seq.num_cached_tokens
                     self.scheduler.add_forked(seq, child)
-                    rows.append((child, r))
-            r += 1
-        if not rows:
-            return
-        idx = torch.tensor([row for _, row in rows], dtype=torch.int64)
-        rows_logits = logits[idx]
-        params = [seq.params for seq, _ in rows]
-        tokens, logprobs = sample(
-            rows_logits, params,
-            [self.requests[seq.request_id].generators[seq.seq_id] for seq, _ in rows])
-        tops = top_logprobs(rows_logits, params, tokens)
-        for (seq, _), tok, lp, top in zip(rows, tokens.tolist(), logprobs.tolist(), tops,
-                                          strict=True):
+                    rows.append((child, r - 1))
+        # Row by row, so that an exception one request causes (its parameters, its text)
+        # fails that request only; each row draws from its own generator either way.
+        for seq, row in rows:
             req = self.requests[seq.request_id]
+            if req.error is not None:  # a sibling failed earlier in this step
+                continue
+            state = req.completions[seq.seq_id]
+            try:
+                row_logits = logits[row:row + 1]
+                token, logprob = sample(row_logits, [seq.params], [req.generators[seq.seq_id]],
+                                        [state.banned_token_ids()])
+                top = top_logprobs(row_logits, [seq.params], token)[0]
+                tok = int(token[0])
+                done = state.add(tok, float(logprob[0]), top)
+            except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
+                self._fail_request(req, e, touched)
+                continue
             touched[req.request_id] = req
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            done = req.completions[seq.seq_id].add(tok, lp, top)
             self.cache.append_token_ids(seq.seq_id, [tok])
             if done:
                 self.scheduler.finish(seq, req.completions[seq.seq_id].output.finish_reason)
@@ -361,6 +442,9 @@ class LLMEngine:
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=finished,
             metrics=self._metrics(req),
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None
+            else None,
+            error=req.error,
         )
 
     def _metrics(self, req: _Request) -> RequestMetrics:

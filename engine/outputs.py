@@ -58,3 +58,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None)
+    # vLLM's: per prompt token {token_id: logprob} of it and the top-k; the first is None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Set when this request alone failed inside the engine (it is finished, its blocks
+    # freed); other requests are unaffected.
+    error: str | None = None

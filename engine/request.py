@@ -36,6 +36,9 @@ class Sequence:
     first_token_time: float | None = None
     finished_time: float | None = None
     ever_started: bool = False
+    # False while the request still needs this prompt's logits (prompt logprobs): the
+    # scheduler then does not look the prefix cache up for it.
+    prefix_lookup: bool = True
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -157,11 +157,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run the forward; returns fp32 logits [R, vocab] for the sampling rows."""
+        return self.execute_keeping(batch, None)[0]
+
+    @torch.inference_mode()
+    def execute_keeping(self, batch: StepBatch, rows: list[int] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``execute``, also returning the final hidden states of the flattened-batch
+        ``rows`` (prompt positions whose logprobs a request asked for); turn them into
+        logits with ``logits_of`` a slice at a time (a whole prompt's logits is
+        tokens x vocab floats)."""
         self.attn.batch = batch
         hidden = self.model.forward(batch.input_ids, batch.positions, self.attn)
+        kept = hidden[torch.as_tensor(rows, dtype=torch.int64, device=hidden.device)] \
+            if rows else None
         if batch.sample_index.numel() == 0:
-            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.sample_index]).float()
+            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32), kept
+        return self.model.compute_logits(hidden[batch.sample_index]).float(), kept
+
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of final hidden states [N, hidden]."""
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def copy_blocks(self, orders: list[tuple[int, int]]) -> None:

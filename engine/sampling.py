@@ -7,6 +7,7 @@ whatever other requests share its batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -18,7 +19,11 @@ import torch
 class SamplingParams:
     """temperature == 0 means greedy (top_k/top_p/min_p are then irrelevant). top_k <= 0 and
     top_p == 1 and min_p == 0 disable those filters. `logprobs` = k returns the chosen token's
-    logprob plus the k most likely per step (raw logits, before temperature, as vLLM)."""
+    logprob plus the k most likely per step (raw logits, before temperature, as vLLM).
+    `prompt_logprobs` = k returns, per prompt token after the first, its logprob given the
+    tokens before it plus the k most likely (vLLM's; the first prompt token's entry is None).
+    `min_tokens`: EOS and stop token ids cannot be sampled, and no stop rule applies, before
+    that many tokens (vLLM's semantics)."""
 
     n: int
     temperature: float
@@ -31,6 +36,8 @@ class SamplingParams:
     max_tokens: int
     ignore_eos: bool
     logprobs: int | None
+    prompt_logprobs: int | None
+    min_tokens: int
     skip_special_tokens: bool
     include_stop_str_in_output: bool
 
@@ -38,7 +45,8 @@ class SamplingParams:
         defaults: dict[str, Any] = {
             "n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
             "stop": None, "stop_token_ids": None, "max_tokens": 16, "ignore_eos": False,
-            "logprobs": None, "skip_special_tokens": True, "include_stop_str_in_output": False,
+            "logprobs": None, "prompt_logprobs": None, "min_tokens": 0,
+            "skip_special_tokens": True, "include_stop_str_in_output": False,
         }
         unknown = sorted(set(kwargs) - set(defaults))
         if unknown:
@@ -61,15 +69,17 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         need(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
-        need(isinstance(self.temperature, int | float) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature!r}")
+        need(isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+             and self.temperature >= 0,
+             f"temperature must be >= 0 and finite, got {self.temperature!r}")
         need(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
              f"top_p must be in (0, 1], got {self.top_p!r}")
         need(is_int(self.top_k), f"top_k must be an int (0 or -1 disables), got {self.top_k!r}")
         need(self.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         need(isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1,
              f"min_p must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or is_int(self.seed), f"seed must be an int, got {self.seed!r}")
+        need(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+             f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
         need(is_int(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         need(all(isinstance(s, str) and s for s in self.stop),
@@ -78,6 +88,11 @@ class SamplingParams:
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
              f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        need(self.prompt_logprobs is None
+             or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+             f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
         need(isinstance(self.ignore_eos, bool),
              f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
@@ -95,7 +110,8 @@ def completion_seed(seed: int, index: int) -> int:
     s and s + 1 share no stream."""
     if index == 0:
         return seed
-    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
+    # SeedSequence takes non-negative entries only; a negative seed maps to its uint64 bits.
+    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def make_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
@@ -127,22 +143,29 @@ def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+           generators: list[torch.Generator | None],
+           banned: list[set[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], one row per sequence to sample; params/generators per row.
     Returns (token_ids LongTensor [B], their logprobs FloatTensor [B] under the raw
-    distribution, before temperature/filters, as vLLM reports them).
+    distribution, before temperature/filters, as vLLM reports them). ``banned`` (per row)
+    holds token ids that row may not sample (min_tokens); logprobs stay the raw ones.
 
     Greedy rows take the argmax (first index on ties, as HF). A non-greedy row needs a generator
     (its only source of randomness) and draws exactly V numbers from it per call."""
     logits = logits.float()
     chosen: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        row_logits = logits[row]
+        if banned is not None and banned[row]:
+            ids = torch.tensor(sorted(t for t in banned[row] if t < logits.shape[-1]),
+                               dtype=torch.long, device=logits.device)
+            row_logits = row_logits.index_fill(0, ids, float("-inf"))
         if p.greedy:
-            chosen.append(int(torch.argmax(logits[row])))
+            chosen.append(int(torch.argmax(row_logits)))
             continue
         if gen is None:
             raise ValueError("a non-greedy request needs a torch.Generator")
-        probs = torch.softmax(_filter_logits(logits[row], p), dim=-1)
+        probs = torch.softmax(_filter_logits(row_logits, p), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, using exactly V draws.
         noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
         noise.clamp_min_(1e-10)  # a 0 draw would make 0/0 = nan for a filtered-out token
@@ -166,8 +189,24 @@ def top_logprobs(logits: torch.Tensor, params: list[SamplingParams],
             raw = torch.log_softmax(logits.float(), dim=-1)
         chosen = int(token_ids[row])
         entry = {chosen: float(raw[row, chosen])}
-        if p.logprobs > 0:
-            values, ids = torch.topk(raw[row], p.logprobs)
+        if p.logprobs > 0:  # at most the vocabulary (the server caps it far lower)
+            values, ids = torch.topk(raw[row], min(p.logprobs, raw.shape[-1]))
             entry |= dict(zip(ids.tolist(), values.tolist(), strict=True))
         out.append(entry)
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int],
+                    k: int) -> list[dict[int, float]]:
+    """Teacher-forced logprobs: row i of ``logits`` [N, V] predicts ``targets[i]``. Per row
+    {target: logprob} plus the ``k`` most likely tokens (raw distribution, as vLLM)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(targets, dtype=torch.long, device=raw.device)
+    chosen = raw.gather(1, tgt[:, None])[:, 0].tolist()
+    out = [{t: lp} for t, lp in zip(targets, chosen, strict=True)]
+    if k > 0:
+        values, ids = torch.topk(raw, min(k, raw.shape[-1]), dim=-1)
+        for entry, v, i in zip(out, values.tolist(), ids.tolist(), strict=True):
+            entry |= dict(zip(i, v, strict=True))
+            # the target's own logprob wins if it is also in the top k (same value anyway)
     return out

@@ -205,7 +205,7 @@ class Scheduler:
             need = self.max_model_len if contiguous else n
             if not self.cache.can_allocate(seq.seq_id, need, self.config.watermark):
                 break
-            if not contiguous and self.config.enable_prefix_caching:
+            if not contiguous and self.config.enable_prefix_caching and seq.prefix_lookup:
                 hit = self.cache.match_prefix(seq.seq_id)
                 seq.num_computed_tokens = hit
                 if not seq.ever_started:

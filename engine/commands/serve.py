@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-n", type=int, default=16,
                    help="most completions per request (n x prompts)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask "
+                        "for (vLLM's name and default); more is a 400")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
     e = p.add_argument_group("engine (vLLM's names)")
@@ -87,12 +90,14 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 2
-    if args.max_n < 1 or args.max_body_bytes < 1 or args.drain_timeout < 0:
+    if args.max_n < 1 or args.max_body_bytes < 1 or args.drain_timeout < 0 or \
+            args.max_logprobs < 0:
         print("kvscope serve: --max-n and --max-body-bytes must be >= 1, "
-              "--drain-timeout >= 0", file=sys.stderr)
+              "--drain-timeout and --max-logprobs >= 0", file=sys.stderr)
         return 2
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               max_n=args.max_n, drain_timeout_s=args.drain_timeout,
-                              metrics_prefix=args.metrics_prefix)
+                              metrics_prefix=args.metrics_prefix,
+                              max_logprobs=args.max_logprobs)
     return run_daemon(config, settings, args.host, args.port, args.log_level)

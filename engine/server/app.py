@@ -19,14 +19,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server import openai_format as fmt
-from engine.server.engine_loop import Aborted, EngineLoop
+from engine.server.engine_loop import Aborted, EngineLoop, EngineUnavailable
 from engine.server.errors import APIError, bad_request, unavailable
 from engine.server.metrics import ServerMetrics
+from engine.server.openapi import install as install_openapi
+from engine.server.openapi import request_body
 from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +46,7 @@ class ServerSettings:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_body_bytes: int = 4 << 20
     max_n: int = 16  # completions per request (n times the number of prompts)
+    max_logprobs: int = 20  # logprobs / top_logprobs / prompt_logprobs (vLLM's default)
     drain_timeout_s: float = 30.0
     metrics_prefix: str = "kvscope"  # or "vllm": vLLM's metric names (server/metrics.py)
 
@@ -77,8 +81,10 @@ class _Job:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kvscope", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvscope", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.kv = state
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -117,29 +123,35 @@ def create_app(state: ServerState) -> FastAPI:
             "created": state.created, "owned_by": "kvscope",
             "max_model_len": state.max_model_len}]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         _admit(state, request)
         req: CompletionRequest = parse(CompletionRequest, await _read_body(state, request))
         _check_model(state, req.model)
+        req.check_limits(state.settings.max_logprobs, state.vocab_size)
         prompts = req.prompts()
         _check_n(state, req.n * len(prompts))
         tokenized = [_tokenize_completion(state, p) for p in prompts]
-        params = [_params(req, check_max_tokens(req.max_tokens, len(ids), state.max_model_len,
-                                                "max_tokens"), req.logprobs)
+        # max_tokens 0 with echo scores the prompt only: generate one token and drop it
+        # (vLLM does the same; that token comes with the prefill, at no extra step).
+        budget = 1 if req.prompt_only else req.max_tokens
+        params = [_params(req, check_max_tokens(budget, len(ids), state.max_model_len,
+                                                "max_tokens"), req.logprobs,
+                          req.engine_prompt_logprobs())
                   for _, ids in tokenized]
         job = await _submit(state, "cmpl", tokenized, params)
         if req.stream:
-            return _sse(_stream_completion(state, request, job, req))
+            return _sse(_stream_completion(state, request, job, req), state, job)
         outs = await _collect(state, request, job)
         return JSONResponse(_completion_body(state, job, req, outs))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         _admit(state, request)
         req: ChatCompletionRequest = parse(ChatCompletionRequest,
                                            await _read_body(state, request))
         _check_model(state, req.model)
+        req.check_limits(state.settings.max_logprobs, state.vocab_size)
         _check_n(state, req.n)
         try:
             text = state.tokenizer.apply_chat_template(req.conversation(),
@@ -158,7 +170,7 @@ def create_app(state: ServerState) -> FastAPI:
                          top if req.logprobs else None)
         job = await _submit(state, "chatcmpl", [(text, ids)], [params])
         if req.stream:
-            return _sse(_stream_chat(state, request, job, req))
+            return _sse(_stream_chat(state, request, job, req), state, job)
         outs = await _collect(state, request, job)
         return JSONResponse(_chat_body(state, job, req, outs))
 
@@ -233,9 +245,10 @@ def _tokenize_completion(state: ServerState, prompt: str | list[int]) -> tuple[s
     return None, list(prompt)
 
 
-def _params(req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(req: Any, max_tokens: int, logprobs: int | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     try:
-        return SamplingParams(**req.sampling_kwargs(max_tokens, logprobs))
+        return SamplingParams(**req.sampling_kwargs(max_tokens, logprobs, prompt_logprobs))
     except (ValueError, TypeError) as e:
         msg = str(e).removeprefix("SamplingParams: ")
         param = msg.split(" ", 1)[0] if msg else None
@@ -261,12 +274,15 @@ async def _submit(state: ServerState, prefix: str, tokenized: list[tuple[str | N
         fut = state.loop.submit(rid, {"prompt_token_ids": ids}, p, deliver)
         try:
             await asyncio.wrap_future(fut)
-        except (ValueError, TypeError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - refused: undo this job's earlier prompts
             for done in job.rids:
                 state.loop.abort(done)
-            if isinstance(e, RuntimeError):
+            if isinstance(e, EngineUnavailable):
                 raise APIError(503, str(e), type="service_unavailable") from None
-            raise bad_request(str(e), "prompt") from None
+            if isinstance(e, ValueError | TypeError):
+                raise bad_request(str(e), "prompt") from None
+            raise APIError(500, f"the engine could not admit this request: "
+                           f"{type(e).__name__}: {e}", type="server_error") from None
         job.rids.append(rid)
     return job
 
@@ -307,9 +323,13 @@ async def _collect(state: ServerState, request: Request, job: _Job) -> list[Requ
     return [job.last[r] for r in job.rids if r in job.last]
 
 
-def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+def _sse(gen: AsyncIterator[str], state: ServerState, job: _Job) -> StreamingResponse:
+    # The background task aborts what is left even when the client hung up before the
+    # stream's first iteration: Starlette then cancels the response without ever
+    # starting (so never closing) the generator, whose own ``finally`` would not run.
     return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(_abort_rest, state, job))
 
 
 def _data(obj: Any) -> str:
@@ -317,9 +337,11 @@ def _data(obj: Any) -> str:
 
 
 async def _stream(state: ServerState, job: _Job, stops: list[str],
-                  make_chunk: Any, include_usage: bool, usage_chunk: Any) -> AsyncIterator[str]:
+                  make_chunk: Any, include_usage: bool, usage_chunk: Any,
+                  continuous_usage: bool = False) -> AsyncIterator[str]:
     """Shared SSE loop: deltas per choice, optional usage chunk, [DONE]. Leaving early
-    (the client disconnected: Starlette cancels us) aborts what is left."""
+    (the client disconnected: Starlette cancels us) aborts what is left. With vLLM's
+    ``continuous_usage`` every chunk also carries the usage so far."""
     tracker = fmt.DeltaTracker(stops)
     try:
         while not job.finished:
@@ -334,7 +356,10 @@ async def _stream(state: ServerState, job: _Job, stops: list[str],
                 choice = k * job.n + c.index
                 d = tracker.delta(choice, c)
                 if d is not None:
-                    yield _data(make_chunk(choice, c, *d))
+                    body = make_chunk(choice, c, *d)
+                    if continuous_usage:
+                        body["usage"] = fmt.usage(list(job.last.values()))
+                    yield _data(body)
         else:
             if include_usage:
                 yield _data(usage_chunk(fmt.usage([job.last[r] for r in job.rids])))
@@ -348,18 +373,27 @@ def _completion_body(state: ServerState, job: _Job, req: CompletionRequest,
                      outs: list[RequestOutput]) -> dict[str, Any]:
     text_of = fmt.TokenText(state.tokenizer)
     choices = []
+    if req.prompt_only:  # the one token generated is not part of the answer
+        outs = [fmt.without_generation(o) for o in outs]
     for k, out in enumerate(outs):
         prefix = ""
         if req.echo:
             prefix = job.prompt_texts[k] if job.prompt_texts[k] is not None else \
                 state.tokenizer.decode(out.prompt_token_ids)
         for c in out.outputs:
-            choices.append({
-                "index": k * job.n + c.index, "text": prefix + c.text,
-                "logprobs": (fmt.completion_logprobs(c, 0, len(c.token_ids), req.logprobs,
-                                                     text_of, len(prefix))
-                             if req.logprobs is not None else None),
-                "finish_reason": c.finish_reason})
+            lp = None
+            if req.logprobs is not None:
+                lp = fmt.completion_logprobs(c, 0, len(c.token_ids), req.logprobs, text_of,
+                                             len(prefix))
+                if req.echo:  # the prompt's tokens first; the first has no logprob
+                    lp = fmt.join_logprobs(fmt.prompt_completion_logprobs(
+                        out, req.logprobs, text_of), lp)
+            choice = {"index": k * job.n + c.index, "text": prefix + c.text, "logprobs": lp,
+                      "finish_reason": c.finish_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = fmt.vllm_prompt_logprobs(out, req.prompt_logprobs,
+                                                                     text_of)
+            choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     return {"id": job.id, "object": "text_completion", "created": int(time.time()),
             "model": state.settings.served_model_name, "choices": choices,
@@ -390,7 +424,8 @@ def _stream_completion(state: ServerState, request: Request, job: _Job,
                 "choices": [], "usage": u}
 
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return _stream(state, job, stops, chunk, req.include_usage, usage_chunk)
+    return _stream(state, job, stops, chunk, req.include_usage, usage_chunk,
+                   req.continuous_usage)
 
 
 # --------------------------------------------------------------------- chat
@@ -433,4 +468,5 @@ def _stream_chat(state: ServerState, request: Request, job: _Job,
                 "model": model, "choices": [], "usage": u}
 
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return _stream(state, job, stops, chunk, req.include_usage, usage_chunk)
+    return _stream(state, job, stops, chunk, req.include_usage, usage_chunk,
+                   req.continuous_usage)

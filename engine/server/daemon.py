@@ -9,6 +9,11 @@ requests run to completion for up to ``drain_timeout_s``, then the rest are abor
 clients get a 503 error, or an error event on a stream); uvicorn closes its connections;
 the engine thread stops and closes the engine, which flushes the event stream and writes
 the recording's index. A second signal skips the wait.
+
+Engine fault (an exception escaping the engine step: kernel error, OOM): the engine loop
+has already aborted every in-flight request with an error; the daemon then stops the
+same way and exits with status 3, so a supervisor restarts it (a daemon that lives on
+answering 500 helps nobody). A request that alone fails is no engine fault.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import time
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+EXIT_ENGINE_FAILED = 3
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -93,13 +100,25 @@ async def serve_forever(state: Any, sock: socket.socket, log_level: str = "warni
     if ready_line:
         print(ready_line, flush=True)
     stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    watcher = asyncio.create_task(_engine_failed(state))
+    await asyncio.wait({task, stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if watcher.done():
+        print(f"kvscope serve: the engine failed ({state.loop.failed}); stopping",
+              file=sys.stderr, flush=True)
+        await asyncio.sleep(0.2)  # let the handlers send their clients the error
+    watcher.cancel()
     await drain(state, signals)
     server.should_exit = True
     await task
     stopper.cancel()
     for sig in (signal.SIGINT, signal.SIGTERM):
         aio.remove_signal_handler(sig)
+
+
+async def _engine_failed(state: Any) -> None:
+    """Returns when the engine thread failed or died."""
+    while state.loop.failed is None and state.loop.alive:
+        await asyncio.sleep(0.1)
 
 
 async def drain(state: Any, signals: list[int] | None = None) -> None:
@@ -171,4 +190,8 @@ def run_daemon(config: Any, settings: Any, host: str, port: int,
     if config.record_path:
         msg += f"; recording written to {config.record_path}"
     print(msg, file=sys.stderr, flush=True)
+    if state.loop.failed is not None:
+        print(f"kvscope serve: exiting with status {EXIT_ENGINE_FAILED}: the engine failed: "
+              f"{state.loop.failed}", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_FAILED
     return 0

@@ -8,8 +8,15 @@ the ``deliver`` callback given with each request (the server wraps an asyncio qu
 has nothing to do.
 
 Invariant: every submitted request gets exactly one terminal delivery: a finished
-``RequestOutput``, or an ``Aborted`` (aborted by the client, by a drain, or because the
-engine failed), unless its ``submit`` future failed (then it was never admitted).
+``RequestOutput``, or an ``Aborted`` (aborted by the client, by a drain, because it alone
+failed inside a step, or because the engine failed), unless its ``submit`` future failed
+(then it was never admitted).
+
+Faults: an exception one request causes inside the step fails that request only (the
+engine reports it as ``RequestOutput.error``; here it becomes ``Aborted(reason="error")``).
+An exception escaping ``engine.step()`` is an engine fault: every in-flight request is
+aborted with an error and ``failed`` is set; the daemon then exits non-zero so that a
+supervisor restarts it, rather than living on answering 500.
 """
 
 from __future__ import annotations
@@ -30,10 +37,15 @@ log = logging.getLogger(__name__)
 Deliver = Callable[[Any], None]  # called with RequestOutput | Aborted, on the engine thread
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine takes no more requests (stopping, or failed)."""
+
+
 @dataclass(frozen=True)
 class Aborted:
     """Terminal delivery of a request that did not finish: ``reason`` is "client"
-    (the caller aborted it), "shutdown" (drain timeout) or "error" (the engine failed)."""
+    (the caller aborted it), "shutdown" (drain timeout) or "error" (it failed inside the
+    engine, alone or with the whole engine)."""
 
     request_id: str
     reason: str
@@ -65,7 +77,9 @@ class EngineLoop:
     def submit(self, request_id: str, prompt: Any, params: Any,
                deliver: Deliver) -> concurrent.futures.Future:
         """Queue a request. The future resolves to None once the engine accepted it, or
-        to the engine's ValueError/TypeError (state unchanged) if it refused it."""
+        to the engine's ValueError/TypeError (state unchanged) if it refused it,
+        EngineUnavailable when the engine is stopping or failed, or another exception
+        (an engine bug in admitting this request; the engine keeps serving others)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", request_id, prompt, params, deliver, fut))
         return fut
@@ -101,7 +115,7 @@ class EngineLoop:
                 if any(c[0] == "stop" for c in commands):
                     for c in commands:  # refuse adds that raced the stop
                         if c[0] == "add":
-                            c[5].set_exception(RuntimeError("the engine is stopping"))
+                            c[5].set_exception(EngineUnavailable("the engine is stopping"))
                     self._abort_all("shutdown")
                     if self.failed is None:
                         self._step()  # publish the aborts' frees before closing
@@ -130,11 +144,13 @@ class EngineLoop:
         if kind == "add":
             _, rid, prompt, params, deliver, fut = c
             if self.failed is not None:
-                fut.set_exception(RuntimeError(f"the engine failed: {self.failed}"))
+                fut.set_exception(EngineUnavailable(f"the engine failed: {self.failed}"))
                 return
             try:
                 self.engine.add_request(rid, prompt, params)
-            except (ValueError, TypeError) as e:
+            except Exception as e:  # noqa: BLE001 - refuse this request, keep the engine
+                if not isinstance(e, ValueError | TypeError):
+                    log.exception("admitting %s failed", rid)
                 fut.set_exception(e)
                 return
             self._inflight[rid] = deliver
@@ -178,6 +194,10 @@ class EngineLoop:
             if out.finished:
                 del self._inflight[out.request_id]
                 self.num_inflight = len(self._inflight)
+                if out.error is not None:  # it alone failed inside the step
+                    self._on_abort("error")
+                    deliver(Aborted(out.request_id, "error", f"request failed: {out.error}"))
+                    continue
                 self._on_finish(out)
             deliver(out)
         self._on_step(self.engine)

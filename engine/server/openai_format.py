@@ -6,6 +6,7 @@ A completions request may carry a batch of prompts; its choices are numbered
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from engine.outputs import CompletionOutput, RequestOutput
@@ -51,6 +52,57 @@ def completion_logprobs(c: CompletionOutput, start: int, end: int, k: int,
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def prompt_completion_logprobs(out: RequestOutput, k: int,
+                               text_of: TokenText) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of the prompt tokens (echo): the first token has
+    no logprob (None, as OpenAI), each other its teacher-forced logprob and top k."""
+    tokens, lps, tops, offsets = [], [], [], []
+    offset = 0
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for tid, entry in zip(out.prompt_token_ids, entries, strict=True):
+        s = text_of(tid)
+        tokens.append(s)
+        lps.append(entry.get(tid) if entry else None)
+        tops.append({text_of(t): lp for t, lp in _top(entry, tid, k)} if entry else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(out: RequestOutput, k: int,
+                         text_of: TokenText) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a completions choice: per prompt token None (the
+    first) or {token_id: {"logprob", "rank", "decoded_token"}} for it and the top k
+    (rank: 1-based place among the top k, None when it is not among them)."""
+    result: list[dict[str, dict[str, Any]] | None] = []
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for tid, entry in zip(out.prompt_token_ids, entries, strict=True):
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        ranks = {t: r for r, (t, _) in enumerate(ranked, 1)}
+        keep = dict(ranked) | {tid: entry[tid]}
+        result.append({str(t): {"logprob": lp, "rank": ranks.get(t),
+                                "decoded_token": text_of(t)} for t, lp in keep.items()})
+    return result
+
+
+def without_generation(out: RequestOutput) -> RequestOutput:
+    """The output of a prompt-only request (echo, max_tokens 0): no generated token."""
+    out = copy.copy(out)
+    out.outputs = [CompletionOutput(index=c.index, text="", token_ids=[],
+                                    cumulative_logprob=0.0,
+                                    logprobs=[] if c.logprobs is not None else None,
+                                    finish_reason="length") for c in out.outputs]
+    return out
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int,

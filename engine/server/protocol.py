@@ -1,9 +1,20 @@
 """Request bodies of /v1/completions and /v1/chat/completions, validated strictly.
 
-Strict on purpose: a wrong JSON type (``"max_tokens": "5"``), an unknown field (a typo
-such as ``max_token``) or a feature the engine does not have (``logit_bias``, tools,
-penalties) is a 400 naming the field, never silently ignored. OpenAI's names and
-defaults; vLLM's extra sampling fields (top_k, min_p, ignore_eos, ...) are accepted too.
+The compatibility policy (README "Compatibility"), field by field:
+- honoured: OpenAI's sampling fields and vLLM's extensions that clients send (top_k,
+  min_p, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs,
+  stream_options.continuous_usage_stats, ...).
+- accepted and ignored (``IGNORED``): fields that do not change what is generated
+  (store, metadata, service_tier, user, reasoning_effort, parallel_tool_calls without
+  tools, response_format of type "text").
+- refused with a 400 naming the field: what would change the output and is not
+  supported (penalties other than 0, logit_bias, tools, JSON mode, suffix, ...).
+- unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
+  typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
+  fields known to be harmless are listed above instead.
+A wrong JSON type (``"max_tokens": "5"``) is a 400 naming the field. Limits that depend on
+the server (``--max-logprobs``, ``--max-n``) and the model (context) are checked here too,
+before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -21,6 +32,18 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (guidellm sends it)
+    include_obfuscation: bool | None = None  # OpenAI: padding against side channels; ignored
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+# Accepted and ignored: they do not change what is generated (README "Compatibility").
+IGNORED = ("user", "store", "metadata", "service_tier", "reasoning_effort",
+           "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 
 
 class _Sampling(_Strict):
@@ -34,35 +57,86 @@ class _Sampling(_Strict):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    # accepted and ignored (IGNORED)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
 
     def unsupported(self) -> None:
         """Refuse values the engine cannot honour rather than ignore them."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise bad_request(f"'{name}' is not supported by kvscope (only 0)", name)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise bad_request("'repetition_penalty' is not supported by kvscope (only 1)",
+                              "repetition_penalty")
         if self.logit_bias:
             raise bad_request("'logit_bias' is not supported by kvscope", "logit_bias")
+        for name in ("tools", "functions"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"'{name}' (tool calling) is not supported by kvscope", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise bad_request(f"'{name}' (tool calling) is not supported by kvscope", name)
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(f"'response_format' of type '{self.response_format.type}' "
+                              "(JSON mode) is not supported by kvscope; only 'text'",
+                              "response_format")
 
-    def sampling_kwargs(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    def check_limits(self, max_logprobs: int, vocab_size: int) -> None:
+        """Server and model limits of the sampling fields (each a 400 naming its field)."""
+        for name, value in self.logprob_counts().items():
+            if value is not None and not 0 <= value <= max_logprobs:
+                raise bad_request(f"'{name}' must be in [0, {max_logprobs}] on this server "
+                                  f"(--max-logprobs), got {value}", name)
+        if self.top_k is not None and self.top_k < -1:
+            raise bad_request(f"'top_k' must be -1, 0 (disabled) or >= 1, got {self.top_k}",
+                              "top_k")
+        if self.stop_token_ids and not all(0 <= t < vocab_size for t in self.stop_token_ids):
+            raise bad_request(f"'stop_token_ids' must lie in [0, {vocab_size})",
+                              "stop_token_ids")
+        if self.min_tokens is not None and self.min_tokens < 0:
+            raise bad_request(f"'min_tokens' must be >= 0, got {self.min_tokens}",
+                              "min_tokens")
+
+    def logprob_counts(self) -> dict[str, int | None]:
+        return {"prompt_logprobs": self.prompt_logprobs}
+
+    def sampling_kwargs(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> dict[str, Any]:
         """SamplingParams keyword arguments (OpenAI defaults: temperature 1, top_p 1)."""
         kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens}
+        if self.min_tokens is not None:  # never past the budget the context leaves
+            kw["min_tokens"] = min(self.min_tokens, max_tokens)
         optional = {"temperature": self.temperature, "top_p": self.top_p, "stop": self.stop,
                     "seed": self.seed, "top_k": self.top_k, "min_p": self.min_p,
                     "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
                     "skip_special_tokens": self.skip_special_tokens,
                     "include_stop_str_in_output": self.include_stop_str_in_output,
-                    "logprobs": logprobs}
+                    "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
         kw.update({k: v for k, v in optional.items() if v is not None})
         return kw
 
@@ -70,23 +144,53 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: usage in every chunk (needs include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
+    # chat's name for the same budget; guidellm sends both (equal) on completions
+    max_completion_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
+    def logprob_counts(self) -> dict[str, int | None]:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    @property
+    def prompt_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: score the prompt, generate nothing."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs the engine computes: vLLM's field, or ``logprobs`` for echo."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
     def unsupported(self) -> None:
         super().unsupported()
+        if self.max_completion_tokens is not None:
+            if "max_tokens" in self.model_fields_set and \
+                    self.max_tokens != self.max_completion_tokens:
+                raise bad_request("'max_tokens' and 'max_completion_tokens' disagree; give "
+                                  "one, or both equal", "max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
         if self.suffix:
             raise bad_request("'suffix' is not supported by kvscope", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("'best_of' other than n is not supported by kvscope", "best_of")
         if self.echo and self.stream:
             raise bad_request("'echo' with 'stream' is not supported by kvscope", "echo")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("'prompt_logprobs' with 'stream' is not supported by kvscope",
+                              "prompt_logprobs")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one string, one token list, or a list of either."""
@@ -125,10 +229,16 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    def logprob_counts(self) -> dict[str, int | None]:
+        return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
+
     def unsupported(self) -> None:
         super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if self.prompt_logprobs is not None:
+            raise bad_request("'prompt_logprobs' on chat is not supported by kvscope; use "
+                              "/v1/completions", "prompt_logprobs")
 
     def conversation(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role.
@@ -163,7 +273,8 @@ def parse(model: type[_Strict], body: bytes) -> Any:
 def check_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int,
                      param: str, prompt_param: str = "prompt") -> int:
     """The completion budget; None means "the rest of the context", as vLLM does.
-    Refuses a prompt that leaves no room and a budget past the context (OpenAI's 400)."""
+    Refuses a prompt that leaves no room and a budget past the context (OpenAI's 400).
+    (``max_tokens: 0`` with echo is mapped to 1 by the caller, as vLLM does.)"""
     if prompt_len >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
                        f"the prompt has {prompt_len} (at least one must be generated).",

@@ -57,8 +57,9 @@ class Daemon:
 
 
 def start_daemon(*args: str, record: Path | None = None,
-                 env: dict[str, str] | None = None) -> Daemon:
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args]
+                 env: dict[str, str] | None = None, module: str = "engine.cli") -> Daemon:
+    """``module`` runs instead of engine.cli (e.g. tests.server.faulty_serve)."""
+    cmd = [sys.executable, "-m", module, "serve", "--port", "0", *args]
     if record is not None:
         cmd += ["--record", str(record)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,0 +1,109 @@
+"""The compatibility policy (README "Compatibility"): vLLM's extensions that clients send
+are honoured, OpenAI fields that do not change the output are accepted and ignored, what
+would change the output and is unsupported is a 400 naming the field; echo + logprobs
+returns the prompt's logprobs (lm-eval's loglikelihood) and max_tokens 0 with echo
+scores the prompt only."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import Daemon
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+IGNORED = {"store": True, "metadata": {"team": "a"}, "service_tier": "auto", "user": "u1",
+           "parallel_tool_calls": False, "response_format": {"type": "text"},
+           "reasoning_effort": "low", "prompt_cache_key": "k", "safety_identifier": "s"}
+
+
+def _post(d: Daemon, path: str, body: dict) -> httpx.Response:
+    return httpx.post(d.url + path, json=body, timeout=60)
+
+
+def test_ignored_fields_do_not_change_the_output(daemon: Daemon):
+    base = {"messages": HI, "max_tokens": 6, "temperature": 0}
+    plain = _post(daemon, CHAT, base)
+    extra = _post(daemon, CHAT, base | IGNORED)
+    assert plain.status_code == extra.status_code == 200, extra.text
+    assert extra.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    cmpl = _post(daemon, CMPL, {"prompt": "x", "max_tokens": 2} | IGNORED)
+    assert cmpl.status_code == 200, cmpl.text
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
+    (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"messages": HI, "tool_choice": "auto"}, "tool_choice"),
+    (CMPL, {"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
+    (CMPL, {"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    (CMPL, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    (CMPL, {"prompt": "x", "temprature": 0}, "temprature"),  # a typo: never ignored
+    (CHAT, {"messages": HI, "prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_what_would_change_the_output_is_refused(daemon: Daemon, path, body, param):
+    r = _post(daemon, path, body | {"max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(daemon: Daemon):
+    body = {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True, "min_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", daemon.url + CMPL, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines()
+                  if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert chunks and all("usage" in c for c in chunks)
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert done == sorted(done) and done[-1] == 5
+    assert chunks[-1]["choices"] == []  # the final usage chunk
+
+
+def test_echo_logprobs_cover_the_prompt(daemon: Daemon):
+    prompt = "The capital of France is Paris"
+    r = _post(daemon, CMPL, {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1,
+                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    usage = r.json()["usage"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == usage["prompt_tokens"] + 1
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
+    assert lp["text_offset"][0] == 0
+
+    only = _post(daemon, CMPL, {"prompt": prompt, "max_tokens": 0, "echo": True,
+                                "logprobs": 0, "temperature": 0})
+    assert only.status_code == 200, only.text
+    body = only.json()
+    assert body["choices"][0]["text"] == prompt
+    assert body["usage"]["completion_tokens"] == 0
+    olp = body["choices"][0]["logprobs"]
+    assert olp["token_logprobs"] == lp["token_logprobs"][:-1]  # the same numbers, no tail
+
+
+def test_vllm_prompt_logprobs_field(daemon: Daemon):
+    r = _post(daemon, CMPL, {"prompt": [1, 504, 3458, 282], "max_tokens": 1,
+                             "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 4
+    assert "504" in plp[1] and all(set(v) == {"logprob", "rank", "decoded_token"}
+                                   for v in plp[1].values())
+    assert sorted(v["rank"] for v in plp[1].values() if v["rank"] is not None) == [1, 2]
+
+
+def test_openapi_schema_names_the_request_models(daemon: Daemon):
+    schema = httpx.get(daemon.url + "/openapi.json", timeout=30).json()
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"].endswith("CompletionRequest")
+    assert "prompt" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
