@@ -34,6 +34,14 @@ Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id 
     host_hit     seq, src, dst, tokens                   host-cached src loaded into gpu dst
     quantize     tier, blocks, format                    (reserved) per-block format change
 
+Optional ``cause`` on ``seq_preempt`` and ``evict`` (engine.events.causes; older readers
+ignore it, and readers must accept its absence): ``{"needed_by": seq | None,
+"blocks_needed", "free_blocks", "policy", "reason", "fallback"?}``: the sequence whose
+allocation forced the decision, how many blocks it asked for, how many it could take at
+that moment, the rule that picked the victim and what kind of allocation it was.
+Optional on ``seq_finish``: ``num_tokens`` (positions computed, including its last step,
+which no ``seq_tokens`` reports) and ``output_tokens`` (tokens it generated).
+
 ``stats`` is a free-form map; known keys: gauges running, waiting, swapped,
 scheduled_tokens, prefill_tokens, decode_tokens, step_time_s and "tiers": {tier: {"total",
 "used", "cached", "free"}}; counters hit_tokens, query_tokens (prefix cache, in tokens),
