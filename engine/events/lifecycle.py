@@ -283,6 +283,18 @@ class LifecycleIndex:
         """Prefix-tree nodes, most tokens saved first."""
         return sorted(self.prefix.values(), key=lambda n: (-n.tokens_saved, n.depth))
 
+    def prefix_subtree(self, node_hash: int) -> set[int]:
+        """The hashes of a node and of every node below it."""
+        out, todo = set(), [node_hash]
+        while todo:
+            h = todo.pop()
+            if h not in out:
+                out.add(h)
+                node = self.prefix.get(h)
+                if node is not None:
+                    todo.extend(node.children)
+        return out
+
     def prefix_blocks(self, node_hash: int) -> dict[str, list[int]]:
         """Where a node and its descendants live now: {tier: block ids}."""
         out: dict[str, list[int]] = {t: [] for t in S.TIERS}
@@ -468,7 +480,9 @@ class LifecycleIndex:
     def _seq_tokens(self, ev: dict[str, Any]) -> None:
         seqs = self.seqs
         for sid, n in zip(ev["seqs"], ev["num_tokens"], strict=False):
-            s = seqs[sid]
+            s = seqs.get(sid)
+            if s is None:  # added before a live index started: nothing to account
+                continue
             n = int(n)
             if sid not in self._forked:
                 self._computed(s, s.tokens, n)

@@ -20,6 +20,7 @@ import zmq
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from engine.events import Codec, ProtocolError, Subscriber
+from engine.events.lifecycle import LifecycleIndex
 from inspector.errors import InspectError
 from inspector.model import InspectorModel
 
@@ -103,11 +104,13 @@ class LiveSource(QObject):
                     # A (re)sync: a restarted engine counts steps from 0 again.
                     if tl.n and tl.col("step")[-1] >= u["step"]:
                         tl.truncate_after(u["step"] - 1)
+                        self.model.lifecycle = LifecycleIndex()
                     continue
                 batches.append(u)
                 if tl.n and tl.col("step")[-1] >= u["step"]:
                     tl.truncate_after(u["step"] - 1)
                 tl.append(u)
+                self.model.lifecycle.add(u)
             self.has_state = True
             self.model.set_state(frame)
             self.model.timeline_changed.emit()

@@ -1,0 +1,237 @@
+"""The analysis dock: lifecycle Gantt, range summary, two-moment compare and prefix tree,
+all fed by one engine.events.lifecycle.LifecycleIndex (the recording's, computed once;
+or the live one the model grows), plus threshold banners and the keyboard.
+
+``install(window)`` adds the dock and the shortcuts to a MainWindow; the window calls
+``on_replay(recording)`` / ``on_live()`` when a source opens. Keys: space play/pause (the
+window's), left/right step, Home/End, ``g`` go to step, Ctrl-F find a request id, ``/``
+filter the lifecycle rows, Esc clears the filter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QDockWidget,
+    QDoubleSpinBox,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.events.lifecycle import PHASES, LifecycleIndex
+from inspector import palette as P
+from inspector.thresholds import Thresholds
+from inspector.views.compare import CompareView
+from inspector.views.lifecycle import PHASE_COLOURS, LifecycleView
+from inspector.views.prefix_tree import PrefixTreeView
+from inspector.views.range_summary import RangeSummaryView
+
+LIVE_REFRESH_MS = 250  # the live index grows every tick; its views redraw at most this often
+
+
+class AnalysisPanel(QWidget):
+    def __init__(self, window: Any) -> None:
+        super().__init__()
+        self.window = window
+        self.model = window.model
+        self.index: LifecycleIndex | None = None
+        self.thresholds = Thresholds()
+        self.lifecycle = LifecycleView(self.model)
+        self.range = RangeSummaryView()
+        self.compare = CompareView()
+        self.prefix = PrefixTreeView()
+        self.alerts = QLabel()
+        self.alerts.setObjectName("banner")
+        self.alerts.setStyleSheet(f"color: {P.WARN}; font-weight: bold;")
+        self.alerts.hide()
+
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("filter rows by id  (/ filter · Ctrl-F find)")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(self.lifecycle.set_filter)
+        self.search.returnPressed.connect(lambda: self.lifecycle.find(self.search.text()))
+        legend = QLabel("  ".join(f"<span style='color:{PHASE_COLOURS[k]}'>■</span> {k}"
+                                  for k in PHASES)
+                        + "  <span>▲</span> preemption · bottom strip: blocks held")
+        legend.setWordWrap(False)
+        head = QHBoxLayout()
+        head.addWidget(self.search, 1)
+        head.addWidget(legend)
+        life = QWidget()
+        lay = QVBoxLayout(life)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addLayout(head)
+        lay.addWidget(self.lifecycle, 1)
+
+        self.tabs = QTabWidget()
+        self.tabs.addTab(life, "Lifecycle")
+        self.tabs.addTab(self.range, "Range summary")
+        self.tabs.addTab(self.compare, "Compare")
+        self.tabs.addTab(self.prefix, "Prefixes")
+        self.tabs.addTab(self._threshold_panel(), "Alerts")
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(2, 2, 2, 2)
+        outer.addWidget(self.alerts)
+        outer.addWidget(self.tabs, 1)
+
+        self.lifecycle.canvas.row_clicked.connect(self._row_clicked)
+        self.lifecycle.canvas.range_selected.connect(self._range_selected)
+        self.compare.pin_requested.connect(self._pin)
+        self.prefix.blocks_selected.connect(self._highlight_prefix)
+        self.model.cursor_changed.connect(self._on_cursor)
+        self._live_timer = QTimer(self)
+        self._live_timer.setInterval(LIVE_REFRESH_MS)
+        self._live_timer.timeout.connect(self._refresh_live)
+
+    # --------------------------------------------------------------- sources
+    def set_index(self, index: LifecycleIndex) -> None:
+        self.index = index
+        self.lifecycle.set_index(index)
+        self.range.set_index(index)
+        self.prefix.set_index(index)
+
+    def on_replay(self, recording: Any) -> None:
+        self.set_index(LifecycleIndex.for_recording(recording))
+
+    def on_live(self) -> None:
+        self.set_index(self.model.lifecycle)
+        self._live_timer.start()
+
+    def _refresh_live(self) -> None:
+        if self.model.lifecycle is not self.index:  # a restarted engine: a fresh index
+            self.set_index(self.model.lifecycle)
+        self.lifecycle.refresh()
+        if self.tabs.currentWidget() is self.prefix:
+            self.prefix.refresh()
+
+    # ---------------------------------------------------------- interactions
+    def _row_clicked(self, sid: str) -> None:
+        """Select the sequence everywhere; in replay, seek to where it holds blocks when
+        the step shown is outside its life."""
+        w = self.window
+        if sid not in self.model.state.seqs and w.replay is not None and self.index:
+            s = self.index.seqs[sid]
+            if s.blocks:
+                step = max(s.blocks, key=lambda sb: sb[1])[0]  # most blocks held
+                w.replay.pause()
+                w.replay.seek_step(step)
+        self.model.highlight = None  # a prefix highlight gives way to the selection
+        self.model.select_seq(sid)
+        seqs = getattr(w, "sequences", None)
+        if seqs is not None and hasattr(w, "right_tabs"):
+            w.right_tabs.setCurrentWidget(seqs)
+
+    def _range_selected(self, a: int, b: int) -> None:
+        self.range.set_range(a, b)
+        self.tabs.setCurrentWidget(self.range)
+
+    def _pin(self, name: str) -> None:
+        st = self.model.state
+        label = f"step {st.step}"
+        self.compare.set_moment(name, st.clone(), label)
+
+    def _highlight_prefix(self, _blocks: dict) -> None:
+        """Highlight the selected prefix node's blocks as they are at the step shown."""
+        items = self.prefix.tree.selectedItems()
+        if not items or self.index is None:
+            self.model.set_highlight(None)
+            return
+        hashes = self.index.prefix_subtree(int(items[0].data(0, Qt.ItemDataRole.UserRole)))
+        canon = self.model.state.canonical()["tiers"]
+        self.model.set_highlight({t: [b for b, h in enumerate(v["hash"]) if h in hashes]
+                                  for t, v in canon.items()})
+
+    def _on_cursor(self, step: int) -> None:
+        if self.index is None:
+            return
+        alerts = self.thresholds.check(self.index, step)
+        self.alerts.setText("⚠  " + " · ".join(alerts) if alerts else "")
+        self.alerts.setVisible(bool(alerts))
+
+    def _threshold_panel(self) -> QWidget:
+        w = QWidget()
+        lay = QVBoxLayout(w)
+        on = QCheckBox("Show alert banners (off by default)")
+        lay.addWidget(on)
+        t = self.thresholds
+
+        def spin(label: str, value: float, lo: float, hi: float, step: float, attr: str,
+                 scale: float = 1.0) -> None:
+            box = QDoubleSpinBox()
+            box.setRange(lo, hi)
+            box.setSingleStep(step)
+            box.setValue(value * scale)
+            box.valueChanged.connect(lambda v: (setattr(t, attr, v / scale),
+                                                self._on_cursor(self.model.state.step)))
+            row = QHBoxLayout()
+            row.addWidget(QLabel(label))
+            row.addWidget(box)
+            row.addStretch(1)
+            lay.addLayout(row)
+
+        spin("utilization above (%)", t.max_utilization, 0, 100, 1, "max_utilization", 100)
+        spin("prefix hit rate below (%)", t.min_hit_rate, 0, 100, 1, "min_hit_rate", 100)
+        spin("evictions per second above", t.max_evictions_per_s, 0, 1e9, 10,
+             "max_evictions_per_s")
+        lay.addStretch(1)
+        on.toggled.connect(lambda v: (setattr(t, "enabled", v),
+                                      self._on_cursor(self.model.state.step)))
+        return w
+
+    # -------------------------------------------------------------- keyboard
+    def go_to_step(self) -> None:
+        w = self.window
+        if w.replay is None or not w.replay.num_steps:
+            return
+        step, ok = QInputDialog.getInt(w, "Go to step", "step:", w.replay.step,
+                                       int(w.replay.steps[0]), int(w.replay.steps[-1]))
+        if ok:
+            w.replay.pause()
+            w.replay.seek_step(step)
+
+    def focus_search(self, find: bool) -> None:
+        self.tabs.setCurrentIndex(0)
+        self.search.setFocus()
+        self.search.selectAll()
+        self.search.setPlaceholderText("find a request id, Enter selects it" if find
+                                       else "filter rows by id")
+
+
+def install(window: Any) -> AnalysisPanel:
+    panel = AnalysisPanel(window)
+    dock = QDockWidget("Analysis", window)
+    dock.setObjectName("analysis")
+    dock.setWidget(panel)
+    dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                     | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+    window.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, dock)
+    window.resizeDocks([dock], [380], Qt.Orientation.Vertical)
+
+    def key(seq: Any, fn: Any) -> None:
+        a = QAction(window)
+        a.setShortcut(QKeySequence(seq))
+        a.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+        a.triggered.connect(fn)
+        window.addAction(a)
+
+    def replay(fn_name: str) -> Any:
+        return lambda: getattr(window.replay, fn_name)() if window.replay else None
+
+    key(Qt.Key.Key_Right, replay("step_forward"))
+    key(Qt.Key.Key_Left, replay("step_back"))
+    key(Qt.Key.Key_Home, replay("to_start"))
+    key(Qt.Key.Key_End, replay("to_end"))
+    key("G", panel.go_to_step)
+    key("Ctrl+F", lambda: panel.focus_search(True))
+    key("/", lambda: panel.focus_search(False))
+    key(Qt.Key.Key_Escape, lambda: panel.search.clear())
+    return panel
