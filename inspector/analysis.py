@@ -141,11 +141,10 @@ class AnalysisPanel(QWidget):
 
     def _highlight_prefix(self, _blocks: dict) -> None:
         """Highlight the selected prefix node's blocks as they are at the step shown."""
-        items = self.prefix.tree.selectedItems()
-        if not items or self.index is None:
+        hashes = self.prefix.selected_hashes()
+        if not hashes or self.index is None:
             self.model.set_highlight(None)
             return
-        hashes = self.index.prefix_subtree(int(items[0].data(0, Qt.ItemDataRole.UserRole)))
         canon = self.model.state.canonical()["tiers"]
         self.model.set_highlight({t: [b for b, h in enumerate(v["hash"]) if h in hashes]
                                   for t, v in canon.items()})

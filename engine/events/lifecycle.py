@@ -240,7 +240,7 @@ class LifecycleIndex:
             "running": int(stats.get("running", self._live["running"])),
             "waiting": int(stats.get("waiting", self._live["waiting"])),
             "swapped": int(stats.get("swapped", self._live["swapped"])),
-            "gpu_used": int(gpu.get("used", -1)), "cpu_used": int(cpu.get("used", -1)),
+            "gpu_used": _used(gpu), "cpu_used": _used(cpu),
             "gpu_total": int(gpu.get("total", -1)), "cpu_total": int(cpu.get("total", -1)),
             "hit_tokens": int(stats.get("hit_tokens", -1)),
             "query_tokens": int(stats.get("query_tokens", -1)),
@@ -547,6 +547,15 @@ _HANDLERS = {
     S.SWAP_OUT: LifecycleIndex._swap_out, S.SWAP_IN: LifecycleIndex._swap_in,
     S.SEQ_FINISH: LifecycleIndex._seq_finish,
 }
+
+def _used(tier: dict[str, Any]) -> int:
+    """Used blocks of a stats tier map (total - free - cached when "used" is absent)."""
+    if "used" in tier:
+        return int(tier["used"])
+    if all(k in tier for k in ("total", "free", "cached")):
+        return int(tier["total"]) - int(tier["free"]) - int(tier["cached"])
+    return -1
+
 
 def _ids(blocks: Any) -> list[int]:
     """Block ids as a list of ints, whether the decoder gave a list or an array."""

@@ -147,7 +147,7 @@ class CompareView(QWidget):
         self.grid_a.set_codes(a.block_codes("gpu"), marked, f"A: {self.labels['A']}")
         self.grid_b.set_codes(b.block_codes("gpu"), marked, f"B: {self.labels['B']}")
         rows: list[tuple[str, list]] = []
-        for tier, t in d["tiers"].items():
+        for tier, t in sorted(d["tiers"].items(), key=lambda kv: kv[0] != "gpu"):
             for key in ("allocated", "freed", "cached", "uncached"):
                 rows.append((f"{tier} blocks {key}", t[key]))
         rows.append(("sequences that came", d["seqs_came"]))
@@ -162,6 +162,7 @@ class CompareView(QWidget):
             item = QTableWidgetItem(text)
             item.setToolTip(text)
             self.table.setItem(r, 2, item)
+        self.table.resizeColumnToContents(0)
         self.summary.setText(
             f"{len(marked)} gpu blocks differ (outlined) between A and B; "
             f"{len(d['seqs_came'])} sequences came, {len(d['seqs_went'])} went.")

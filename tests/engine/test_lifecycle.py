@@ -217,3 +217,16 @@ def _args(path, fmt, out):
     import argparse
 
     return argparse.Namespace(recording=str(path), format=fmt, output=str(out))
+
+
+def test_metrics_expose_the_costs(recorded):
+    from engine.load.summary import parse_metrics
+    from engine.server.metrics import ServerMetrics
+
+    _, _, eng = recorded
+    m = ServerMetrics("smollm2")
+    m.on_step(eng)
+    got = parse_metrics(m.render().decode())
+    assert got["kvscope:recomputed_prefill_tokens_total"] == eng.num_recomputed_tokens > 0
+    assert got["kvscope:prefill_computed_tokens_total"] == eng.num_prefill_computed_tokens
+    assert 0.0 <= got["kvscope:kv_cache_fragmentation_perc"] < 1.0
