@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.events.causes import describe
 from engine.events.lifecycle import PHASES, LifecycleIndex
 from inspector import palette as P
 from inspector.thresholds import Thresholds
@@ -161,6 +162,7 @@ class AnalysisPanel(QWidget):
         lay = QVBoxLayout(w)
         on = QCheckBox("Show alert banners (off by default)")
         lay.addWidget(on)
+        self.alert_controls: dict[str, Any] = {"enabled": on}
         t = self.thresholds
 
         def spin(label: str, value: float, lo: float, hi: float, step: float, attr: str,
@@ -171,6 +173,7 @@ class AnalysisPanel(QWidget):
             box.setValue(value * scale)
             box.valueChanged.connect(lambda v: (setattr(t, attr, v / scale),
                                                 self._on_cursor(self.model.state.step)))
+            self.alert_controls[attr] = box
             row = QHBoxLayout()
             row.addWidget(QLabel(label))
             row.addWidget(box)
@@ -185,6 +188,20 @@ class AnalysisPanel(QWidget):
         on.toggled.connect(lambda v: (setattr(t, "enabled", v),
                                       self._on_cursor(self.model.state.step)))
         return w
+
+    def marker_tip(self, kind: str, step: int) -> str:
+        """The causes behind a timeline marker: preemptions or evictions at ``step``."""
+        idx = self.index
+        if idx is None:
+            return ""
+        if kind == "preempt":
+            lines = [f"step {p.step}: {sid} preempted ({p.mode}): {describe(p.cause)}"
+                     for sid, p in idx.preemptions if p.step == step]
+        else:
+            lines = [f"step {e['step']}: evicted {e['blocks']} {e['tier']} block(s): "
+                     f"{describe(e['cause'], 'evict')}" for e in idx.evictions
+                     if e["step"] == step]
+        return "\n".join(lines[:10]) or f"step {step}"
 
     # -------------------------------------------------------------- keyboard
     def go_to_step(self) -> None:
@@ -205,6 +222,20 @@ class AnalysisPanel(QWidget):
                                        else "filter rows by id")
 
 
+def _marker_tooltips(window: Any, panel: AnalysisPanel) -> None:
+    """Hovering a preemption or eviction marker on the window's timelines shows its causes
+    (pyqtgraph scatter tooltips; skipped if the timelines have no such markers)."""
+    curves = getattr(getattr(window, "timelines", None), "curves", {})
+    for name, curve in curves.items():
+        kind = name.rsplit("_", 1)[-1]
+        scatter = getattr(curve, "scatter", None)
+        if kind not in ("preempt", "evict") or scatter is None:
+            continue
+        scatter.opts["hoverable"] = True
+        scatter.opts["tip"] = lambda x, y, data, k=kind: panel.marker_tip(k, int(round(x)))
+        scatter.setAcceptHoverEvents(True)
+
+
 def install(window: Any) -> AnalysisPanel:
     panel = AnalysisPanel(window)
     dock = QDockWidget("Analysis", window)
@@ -214,6 +245,7 @@ def install(window: Any) -> AnalysisPanel:
                      | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
     window.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, dock)
     window.resizeDocks([dock], [380], Qt.Orientation.Vertical)
+    _marker_tooltips(window, panel)
 
     def key(seq: Any, fn: Any) -> None:
         a = QAction(window)

@@ -94,8 +94,8 @@ def main() -> int:
     tree.clearSelection()
     win.model.set_highlight(None)
 
-    panel.thresholds.enabled = True
-    panel.thresholds.max_utilization = 0.8
+    panel.alert_controls["enabled"].setChecked(True)
+    panel.alert_controls["max_utilization"].setValue(80)
     panel.tabs.setCurrentIndex(panel.tabs.count() - 1)
     win.replay.seek_step(busiest)
     save(panel, "alerts")

@@ -31,7 +31,7 @@ PHASE_COLOURS = {
 ROW_H = 16
 LANE_H = 18  # the eviction lane at the top
 LABEL_W = 150
-TAIL_W = 170  # TTFT / TPOT text after the last step
+TAIL_W = 240  # TTFT / TPOT text after the last step
 
 
 def elide_middle(text: str, width: int, metrics: QFontMetrics) -> str:
@@ -258,7 +258,7 @@ def _tail(s: L.SeqLife) -> str:
     if s.tpot is not None:
         parts.append(f"TPOT {s.tpot * 1e3:.0f} ms")
     if s.preemptions:
-        parts.append(f"×{len(s.preemptions)} preempt")
+        parts.append(f"preempted {len(s.preemptions)}×")
     return " · ".join(parts)
 
 

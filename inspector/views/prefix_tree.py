@@ -11,7 +11,8 @@ from PySide6.QtWidgets import QLabel, QTreeWidget, QTreeWidgetItem, QVBoxLayout,
 
 from engine.events.lifecycle import LifecycleIndex, PrefixNode
 
-COLUMNS = ("prefix block", "tokens saved", "hits", "sequences", "age (steps)", "tier: block")
+COLUMNS = ("prefix blocks", "tokens saved", "hits", "sequences", "age (steps)",
+           "where (latest step)")
 MAX_NODES = 5000  # the tree shows the nodes that saved most (a huge cache stays usable)
 
 

@@ -8,7 +8,7 @@ from PySide6.QtGui import QFontMetrics
 
 from engine.events.lifecycle import LifecycleIndex
 from engine.events.ranges import diff_states, range_summary
-from inspector.views.lifecycle import LANE_H, LABEL_W, ROW_H, elide_middle
+from inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H, elide_middle
 from tests.inspector.conftest import expected_state
 
 
@@ -111,3 +111,24 @@ def test_ids_elide_in_the_middle(app):  # noqa: ANN001
     sid = "chatcmpl-0123456789abcdef-request-xyz"
     short = elide_middle(sid, 90, m)
     assert short != sid and short.startswith("chat") and short.endswith("xyz")
+
+
+def test_timeline_markers_explain_themselves(replay_window):  # noqa: ANN001
+    win = replay_window
+    panel = win.analysis
+    idx = panel.index
+    sid, pre = idx.preemptions[0]
+    scatter = win.timelines.curves["gpu_preempt"].scatter
+    assert scatter.opts["hoverable"]
+    tip = scatter.opts["tip"](x=float(pre.step), y=0.0, data=None)
+    assert sid in tip and "preempted" in tip
+    # evictions (this synthetic run has none): an index holding one with its cause
+    ev_index = LifecycleIndex.from_batches([{"v": 1, "step": 3, "time": 1.0, "events": [
+        {"kind": "tier_init", "tier": "gpu", "num_blocks": 8, "block_size": 4},
+        {"kind": "evict", "tier": "gpu", "blocks": [1, 2],
+         "cause": {"needed_by": "req-9", "blocks_needed": 3, "free_blocks": 1,
+                   "policy": "lru", "reason": "allocate"}}]}])
+    panel.set_index(ev_index)
+    tip = win.timelines.curves["gpu_evict"].scatter.opts["tip"](x=3.0, y=0.0, data=None)
+    assert tip == ("step 3: evicted 2 gpu block(s): req-9 needed 3 blocks, 1 free; "
+                   "victim: least recently freed first")
