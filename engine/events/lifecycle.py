@@ -193,6 +193,33 @@ class LifecycleIndex:
             _CACHE[rec] = idx
         return idx
 
+    def adopt(self, state: Any) -> int:
+        """Take in the sequences of a KVState the index has not seen (a live view that
+        joined a running engine): each starts at ``state.step`` in the phase its status
+        implies, its earlier history unknown (no TTFT). Returns how many were adopted."""
+        self._step, self._t0, self._t_end = int(state.step), float(state.time), float(
+            state.time)
+        n = 0
+        for sid, q in state.seqs.items():
+            if sid in self.seqs:
+                continue
+            s = SeqLife(sid, int(q.prompt_tokens), int(q.priority), q.parent, self._step,
+                        self._t0)
+            s.tokens = s.high_water = int(q.num_tokens)
+            s.tier, s.status = q.tier, q.status
+            s.num_blocks = len(q.block_table)
+            if s.num_blocks:
+                s.blocks.append((self._step, s.num_blocks))
+            s.hit_tokens = int(getattr(q, "hit_tokens", 0))
+            self.seqs[sid] = self._alive[sid] = s
+            self.order.append(sid)
+            self._live[q.status] = self._live.get(q.status, 0) + 1
+            kind = {"swapped": SWAPPED, "waiting": PREEMPTED if q.preemptions else WAITING}.get(
+                q.status, PREFILL if q.num_tokens < q.prompt_tokens else RUNNING)
+            s.phases.append(Phase(kind, self._step, self._t0, detail="joined here"))
+            n += 1
+        return n
+
     def add(self, batch: dict[str, Any]) -> None:
         step = int(batch.get("step", self.last_step + 1))
         if step <= self.last_step:

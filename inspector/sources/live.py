@@ -99,8 +99,10 @@ class LiveSource(QObject):
                 frame = self.sub.state.clone()
             tl = self.model.timeline
             batches = []
+            synced = False
             for u in updates:
                 if u.get("type") == "snapshot":
+                    synced = True
                     # A (re)sync: a restarted engine counts steps from 0 again.
                     if tl.n and tl.col("step")[-1] >= u["step"]:
                         tl.truncate_after(u["step"] - 1)
@@ -111,6 +113,8 @@ class LiveSource(QObject):
                     tl.truncate_after(u["step"] - 1)
                 tl.append(u)
                 self.model.lifecycle.add(u)
+            if synced:  # sequences that were running before we joined
+                self.model.lifecycle.adopt(frame)
             self.has_state = True
             self.model.set_state(frame)
             self.model.timeline_changed.emit()
