@@ -1,6 +1,6 @@
-"""Two moments side by side: pin A and B (steps of the open recording, or a second
-recording's step for B), see both block maps with every block that differs outlined,
-and a table of what changed (engine.events.ranges.diff_states).
+"""Two moments side by side: pin A and B (steps of the open recording, or a step of
+another recording for B: ``load_other``), see both block maps with every block that
+differs outlined, and a table of what changed (engine.events.ranges.diff_states).
 
 ``CodeGrid`` draws one tier's block codes: cells with borders and block ids when they
 are big enough to read (small pools), a scaled image otherwise.
@@ -8,13 +8,16 @@ are big enough to read (small pools), a scaled image otherwise.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QImage, QPainter, QPen
 from PySide6.QtWidgets import (
+    QFileDialog,
     QHBoxLayout,
+    QInputDialog,
     QLabel,
     QPushButton,
     QTableWidget,
@@ -26,6 +29,7 @@ from PySide6.QtWidgets import (
 from engine.events import KVState
 from engine.events import schema as S
 from engine.events.ranges import diff_states
+from engine.events.recording import RecordingError
 from inspector import palette as P
 from inspector.views.block_map import grid_width
 
@@ -119,6 +123,9 @@ class CompareView(QWidget):
             b = QPushButton(f"Pin {name} = step shown")
             b.clicked.connect(lambda _=False, n=name: self.pin_requested.emit(n))
             buttons.addWidget(b)
+        other = QPushButton("B from another recording…")
+        other.clicked.connect(self._ask_other)
+        buttons.addWidget(other)
         buttons.addStretch(1)
         maps = QHBoxLayout()
         maps.addWidget(self.grid_a, 1)
@@ -129,6 +136,30 @@ class CompareView(QWidget):
         lay.addWidget(self.summary)
         lay.addWidget(self.table, 2)
         self.diff: dict[str, Any] | None = None
+
+    def load_other(self, path: str, step: int | None = None) -> None:
+        """Moment B from another recording (its last step unless ``step``)."""
+        from engine.events.recording import Recording
+
+        with Recording(path) as rec:
+            if not rec.steps:
+                raise RecordingError(f"{path}: the recording holds no steps")
+            at = rec.steps[-1] if step is None else step
+            self.set_moment("B", rec.state_at(at), f"{Path(path).name} step {at}")
+
+    def _ask_other(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Recording for B", "",
+                                              "kvscope recordings (*.kvtrace);;all (*)")
+        if not path:
+            return
+        step, ok = QInputDialog.getInt(self, "Step of B", "step (-1: the last):", -1, -1,
+                                       1 << 30)
+        if not ok:
+            return
+        try:
+            self.load_other(path, None if step < 0 else step)
+        except (RecordingError, OSError) as e:
+            self.summary.setText(f"⚠  {e}")
 
     def set_moment(self, name: str, state: KVState, label: str) -> None:
         self.states[name] = state

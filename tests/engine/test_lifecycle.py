@@ -54,7 +54,13 @@ def recorded(loaded, tmp_path_factory):
 
 
 def test_index_matches_engine_timings(recorded):
-    path, seen, eng = recorded
+    path, seen, _ = recorded
+    check_timings(path, seen)
+
+
+def check_timings(path, seen: dict) -> None:
+    """Every request's first-token step, finish step, preemptions, output tokens and TTFT
+    from the index equal the engine's own."""
     with Recording(path) as rec:
         idx = LifecycleIndex.for_recording(rec)
         assert LifecycleIndex.for_recording(rec) is idx  # computed once
@@ -95,8 +101,9 @@ def test_every_preemption_and_eviction_has_a_cause(recorded, loaded, tmp_path):
     for i, q in enumerate(["Why is the sky blue?", "What is rain?", "Name a fruit.",
                            "What is snow?"]):
         eng.add_request(f"q{i}", "You are a helpful assistant. " * 2 + q, greedy)
-    run_recorded(eng)
+    seen = run_recorded(eng)
     assert eng.cache.host.num_swap_outs > 0
+    check_timings(swap_path, seen)  # the lifecycle of swapped sequences too
     paths.append(swap_path)
     counts = {"seq_preempt": 0, "evict": 0, "swap": 0}
     for p in paths:

@@ -3,11 +3,13 @@ find, range summary, two-moment compare, prefix highlight, keys, alert banners."
 
 from __future__ import annotations
 
+import pytest
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QFontMetrics
 
 from engine.events.lifecycle import LifecycleIndex
 from engine.events.ranges import diff_states, range_summary
+from engine.events.recording import RecordingError
 from inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H, elide_middle
 from tests.inspector.conftest import expected_state
 
@@ -132,3 +134,18 @@ def test_timeline_markers_explain_themselves(replay_window):  # noqa: ANN001
     tip = win.timelines.curves["gpu_evict"].scatter.opts["tip"](x=3.0, y=0.0, data=None)
     assert tip == ("step 3: evicted 2 gpu block(s): req-9 needed 3 blocks, 1 free; "
                    "victim: least recently freed first")
+
+
+def test_compare_with_another_recording(replay_window, recording_path, batches, tmp_path):  # noqa: ANN001
+    win = replay_window
+    panel = win.analysis
+    win.replay.seek_step(100)
+    panel._pin("A")
+    panel.compare.load_other(str(recording_path), 250)
+    d = diff_states(expected_state(batches, 100), expected_state(batches, 250))
+    assert panel.compare.diff == d
+    bad = tmp_path / "bad.kvtrace"
+    bad.write_bytes(b"nope")
+    with pytest.raises(RecordingError, match="not a kvscope recording"):
+        panel.compare.load_other(str(bad))
+    assert panel.compare.diff == d  # the failed load changed nothing
