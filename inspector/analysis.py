@@ -195,7 +195,8 @@ class AnalysisPanel(QWidget):
         if idx is None:
             return ""
         if kind == "preempt":
-            lines = [f"step {p.step}: {sid} preempted ({p.mode}): {describe(p.cause)}"
+            lines = [f"step {p.step}: {sid} preempted ({p.mode}): "
+                     f"{describe(p.cause, victim=sid)}"
                      for sid, p in idx.preemptions if p.step == step]
         else:
             lines = [f"step {e['step']}: evicted {e['blocks']} {e['tier']} block(s): "

@@ -51,10 +51,11 @@ class Cause(TypedDict, total=False):
     fallback: str
 
 
-def describe(cause: Any, kind: str = "seq_preempt") -> str:
+def describe(cause: Any, kind: str = "seq_preempt", victim: str | None = None) -> str:
     """One line for a tooltip: "needed by req88: 6 blocks, 0 free; victim: lowest
     priority, latest arrival". Tolerates missing keys and non-dict input (old or hostile
-    recordings): what is unknown is said to be unknown."""
+    recordings): what is unknown is said to be unknown. ``victim``: the preempted
+    sequence, to say when it was preempted for its own growth."""
     if not isinstance(cause, dict):
         return "cause not recorded"
     who = cause.get(NEEDED_BY)
@@ -64,7 +65,8 @@ def describe(cause: Any, kind: str = "seq_preempt") -> str:
     if reason == R_RESET:
         parts.append("prefix cache reset")
     else:
-        head = f"{who} needed" if who else "an allocation needed"
+        head = f"{who}{' (itself)' if who and who == victim else ''} needed" if who \
+            else "an allocation needed"
         if need is not None:
             head += f" {need} block{'s' if need != 1 else ''}"
         if free is not None:

@@ -64,7 +64,8 @@ def trace_events(idx: LifecycleIndex) -> list[dict[str, Any]]:
         for p in s.preemptions:
             out.append({"ph": "i", "s": "t", "name": f"preempt ({p.mode})",
                         "cat": "preemption", "pid": REQUESTS_PID, "tid": tid,
-                        "ts": _us(p.time), "args": {"step": p.step, "cause": describe(p.cause),
+                        "ts": _us(p.time), "args": {"step": p.step,
+                                                    "cause": describe(p.cause, victim=sid),
                                                     **(p.cause or {})}})
     cum_pre, cum_redo = np.cumsum(st["prefill_tokens"]), np.cumsum(st["recomputed_tokens"])
     for i in range(len(st["step"])):

@@ -528,7 +528,8 @@ class LifecycleIndex:
         new = "swapped" if mode == "swap" else "waiting"
         self._status(s, s.status, new)
         s.status = new
-        self._enter(s, SWAPPED if mode == "swap" else PREEMPTED, detail=describe(cause))
+        self._enter(s, SWAPPED if mode == "swap" else PREEMPTED,
+                    detail=describe(cause, victim=s.seq_id))
 
     def _move(self, ev: dict[str, Any], tier: str, key: str) -> None:
         s = self.seqs[ev["seq"]]

@@ -193,7 +193,7 @@ class GanttCanvas(QWidget):
         for pre in s.preemptions:
             if abs(pre.step - step) <= self._slop():
                 lines.append(f"preempted ({pre.mode}) at step {pre.step}: "
-                             f"{describe(pre.cause)}")
+                             f"{describe(pre.cause, victim=s.seq_id)}")
         for ph in s.phases:
             end = ph.end_step if ph.end_step is not None else idx.last_step + 1
             if ph.start_step <= step < end:

@@ -90,5 +90,6 @@ def test_cause_text():
                                  "latest arrival (not yet scheduled this step)")
     assert C.describe({C.POLICY: "lfu", C.REASON: C.R_RESET}, "evict") == \
         "prefix cache reset; victim: least frequently used (LFU with dynamic aging)"
+    assert C.describe(cause, victim="req88").startswith("req88 (itself) needed 6 blocks")
     assert C.describe(None) == "cause not recorded"
     assert C.describe("junk") == "cause not recorded"
