@@ -380,11 +380,11 @@ class LLMEngine:
             "query_tokens": m["prefix_query_tokens"],
             "evictions": m["evictions"],
             "cow_copies": m["cow_copies"],
-            "prefill_computed_tokens": self.num_prefill_computed_tokens,
-            "recomputed_tokens": self.num_recomputed_tokens,
             "used_tokens": m["used_tokens"],
             "tiers": m["tiers"],
         }
+        self.stats["prefill_computed_tokens"] = self.num_prefill_computed_tokens
+        self.stats["recomputed_tokens"] = self.num_recomputed_tokens
         if self.swapper is not None:
             self.stats.update(self.swapper.stats())
             self.stats.update({k: m[k] for k in (
