@@ -256,12 +256,13 @@ class LifecycleIndex:
         r = self._row
         tiers = stats.get("tiers") if isinstance(stats.get("tiers"), dict) else {}
         gpu, cpu = tiers.get("gpu") or {}, tiers.get("cpu") or {}
-        gpu_seqs = [s for s in self._live_seqs() if s.tier == "gpu"]
-        slots = sum(s.num_blocks for s in gpu_seqs) * self.block_size.get("gpu", 1)
-        toks = sum(s.tokens for s in gpu_seqs)
-        used = gpu.get("used")
+        used, bs = gpu.get("used"), self.block_size.get("gpu", 1)
         if isinstance(stats.get("used_tokens"), int) and isinstance(used, int):
-            toks, slots = stats["used_tokens"], used * self.block_size.get("gpu", 1)
+            toks, slots = stats["used_tokens"], used * bs  # the engine's (shared blocks once)
+        else:  # from events alone: per sequence, shared blocks counted per holder
+            gpu_seqs = [s for s in self._live_seqs() if s.tier == "gpu"]
+            slots = sum(s.num_blocks for s in gpu_seqs) * bs
+            toks = sum(s.tokens for s in gpu_seqs)
         row = {
             "step": step, "time": t_end, "step_time": dt,
             "running": int(stats.get("running", self._live["running"])),
