@@ -62,7 +62,7 @@ class AnalysisPanel(QWidget):
         self.search.returnPressed.connect(lambda: self.lifecycle.find(self.search.text()))
         legend = QLabel("  ".join(f"<span style='color:{PHASE_COLOURS[k]}'>■</span> {k}"
                                   for k in PHASES)
-                        + "  <span>▲</span> preemption · bottom strip: blocks held")
+                        + "  <span>▲</span> preemption · light strip: blocks held")
         legend.setWordWrap(False)
         head = QHBoxLayout()
         head.addWidget(self.search, 1)

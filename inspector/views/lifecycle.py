@@ -2,7 +2,7 @@
 
 Virtualised: ``paintEvent`` draws only the rows in view (a row is a few rectangles), so
 scrolling costs the same at 100 or 100k sequences. Each row shows its phases
-(engine.events.lifecycle.PHASES) coloured, a strip whose height follows its block count,
+(engine.events.lifecycle.PHASES) coloured, a light strip whose height follows its block count,
 prefix-hit marks, preemption markers (hover: the cause), and at the end TTFT and TPOT.
 A top lane marks evictions (hover: their causes). The cursor step is a vertical line.
 
@@ -156,14 +156,15 @@ class GanttCanvas(QWidget):
             p.fillRect(QRectF(x, y + ROW_H - 5, 2, 3), QColor(P.CACHED).lighter(150))
         last = s.finish_step + 1 if s.finish_step is not None else end_step
         p.setPen(QColor(P.TEXT_DIM))
-        p.drawText(QRectF(self._x(last) + 4, y, TAIL_W, ROW_H), Qt.AlignmentFlag.AlignVCenter,
-                   _tail(s))
+        x = self._x(last) + 4
+        p.drawText(QRectF(x, y, max(TAIL_W, self.width() - x), ROW_H),
+                   Qt.AlignmentFlag.AlignVCenter, _tail(s))
 
     def _paint_blocks(self, p: QPainter, s: L.SeqLife, y: int, end_step: int) -> None:
-        """A dark strip along the row's bottom whose height follows the block count."""
+        """A light strip along the row's bottom whose height follows the block count."""
         if not s.blocks:
             return
-        colour = QColor(0, 0, 0, 90)
+        colour = QColor(255, 255, 255, 70)
         pts = s.blocks
         for j, (step, n) in enumerate(pts):
             nxt = pts[j + 1][0] if j + 1 < len(pts) else (
@@ -258,7 +259,8 @@ def _tail(s: L.SeqLife) -> str:
     if s.tpot is not None:
         parts.append(f"TPOT {s.tpot * 1e3:.0f} ms")
     if s.preemptions:
-        parts.append(f"preempted {len(s.preemptions)}×")
+        n = len(s.preemptions)
+        parts.append(f"{n} preemption{'s' if n != 1 else ''}")
     return " · ".join(parts)
 
 
