@@ -218,6 +218,7 @@ class LifecycleIndex:
                 q.status, PREFILL if q.num_tokens < q.prompt_tokens else RUNNING)
             s.phases.append(Phase(kind, self._step, self._t0, detail="joined here"))
             n += 1
+        self.last_step = max(self.last_step, self._step)  # the state already holds these
         return n
 
     def add(self, batch: dict[str, Any]) -> None:
