@@ -10,9 +10,10 @@ filter the lifecycle rows, Esc clears the filter.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -37,9 +38,14 @@ from inspector.views.prefix_tree import PrefixTreeView
 from inspector.views.range_summary import RangeSummaryView
 
 LIVE_REFRESH_MS = 250  # the live index grows every tick; its views redraw at most this often
+# Recordings longer than this get their index built on a worker thread (its own Recording
+# handle), so opening a long replay is not held up (~10 us per event on this box).
+BACKGROUND_INDEX_STEPS = 2000
 
 
 class AnalysisPanel(QWidget):
+    index_ready = Signal(object, object)  # (recording, LifecycleIndex or error text)
+
     def __init__(self, window: Any) -> None:
         super().__init__()
         self.window = window
@@ -89,6 +95,7 @@ class AnalysisPanel(QWidget):
         self.compare.pin_requested.connect(self._pin)
         self.prefix.blocks_selected.connect(self._highlight_prefix)
         self.model.cursor_changed.connect(self._on_cursor)
+        self.index_ready.connect(self._on_index_ready)
         self._live_timer = QTimer(self)
         self._live_timer.setInterval(LIVE_REFRESH_MS)
         self._live_timer.timeout.connect(self._refresh_live)
@@ -101,7 +108,36 @@ class AnalysisPanel(QWidget):
         self.prefix.set_index(index)
 
     def on_replay(self, recording: Any) -> None:
-        self.set_index(LifecycleIndex.for_recording(recording))
+        path = getattr(recording, "path", None)
+        steps = len(getattr(recording, "steps", ()))
+        if path is None or steps <= BACKGROUND_INDEX_STEPS:
+            self.set_index(LifecycleIndex.for_recording(recording))
+            return
+        self.lifecycle.canvas.message = f"building the lifecycle index of {steps:,} steps…"
+        self.lifecycle.canvas.update()
+
+        def build() -> None:
+            from engine.events.recording import Recording, RecordingError
+
+            try:
+                with Recording(path) as own:  # a Recording is not shared across threads
+                    result: Any = LifecycleIndex.from_batches(own.batches())
+            except (RecordingError, OSError) as e:
+                result = f"lifecycle index: {e}"
+            self.index_ready.emit(recording, result)
+
+        self._builder = threading.Thread(target=build, name="kvscope-lifecycle", daemon=True)
+        self._builder.start()
+
+    def _on_index_ready(self, recording: Any, result: Any) -> None:
+        if getattr(self.window, "replay", None) is None or \
+                self.window.replay.recording is not recording:
+            return  # another recording was opened meanwhile
+        if isinstance(result, str):
+            self.window.show_error(result)
+            return
+        LifecycleIndex.remember(recording, result)
+        self.set_index(result)
 
     def on_live(self) -> None:
         self.set_index(self.model.lifecycle)

@@ -175,6 +175,7 @@ class LifecycleIndex:
         self.totals = {"prefill_tokens": 0, "recomputed_tokens": 0, "decode_tokens": 0}
         self._live = {"waiting": 0, "running": 0, "swapped": 0}
         self._alive: dict[str, SeqLife] = {}  # unfinished sequences (few next to all)
+        self._holders: dict[str, SeqLife] = {}  # sequences holding blocks now
 
     # ----------------------------------------------------------------- build
     @classmethod
@@ -221,6 +222,11 @@ class LifecycleIndex:
         self.last_step = max(self.last_step, self._step)  # the state already holds these
         return n
 
+    @staticmethod
+    def remember(rec: Any, idx: LifecycleIndex) -> None:
+        """Cache an index built elsewhere (e.g. on a worker thread) for ``rec``."""
+        _CACHE[rec] = idx
+
     def add(self, batch: dict[str, Any]) -> None:
         step = int(batch.get("step", self.last_step + 1))
         if step <= self.last_step:
@@ -261,7 +267,7 @@ class LifecycleIndex:
         if isinstance(stats.get("used_tokens"), int) and isinstance(used, int):
             toks, slots = stats["used_tokens"], used * bs  # the engine's (shared blocks once)
         else:  # from events alone: per sequence, shared blocks counted per holder
-            gpu_seqs = [s for s in self._live_seqs() if s.tier == "gpu"]
+            gpu_seqs = [s for s in self._holders.values() if s.tier == "gpu"]
             slots = sum(s.num_blocks for s in gpu_seqs) * bs
             toks = sum(s.tokens for s in gpu_seqs)
         row = {
@@ -355,6 +361,10 @@ class LifecycleIndex:
 
     def _set_blocks(self, s: SeqLife, n: int) -> None:
         s.num_blocks = n
+        if n:
+            self._holders[s.seq_id] = s
+        else:
+            self._holders.pop(s.seq_id, None)
         if s.blocks and s.blocks[-1][0] == self._step:
             s.blocks[-1] = (self._step, n)
         else:
@@ -513,8 +523,15 @@ class LifecycleIndex:
             if s is None:  # added before a live index started: nothing to account
                 continue
             n = int(n)
-            if sid not in self._forked:
-                self._computed(s, s.tokens, n)
+            a = s.tokens
+            if n == a + 1 and a >= s.high_water and a >= s.prompt_tokens and s.phases \
+                    and s.phases[-1].kind == RUNNING and sid not in self._forked:
+                # the common case, a decode step of a running sequence, inlined
+                self._row["decode_tokens"] += 1
+                self._decode_ctx.append(n)
+                s.high_water = n
+            elif sid not in self._forked:
+                self._computed(s, a, n)
             s.tokens = n
 
     def _seq_preempt(self, ev: dict[str, Any]) -> None:
@@ -588,8 +605,10 @@ def _used(tier: dict[str, Any]) -> int:
 
 
 def _ids(blocks: Any) -> list[int]:
-    """Block ids as a list of ints, whether the decoder gave a list or an array."""
-    return blocks.tolist() if hasattr(blocks, "tolist") else [int(b) for b in blocks]
+    """Block ids as a list, whether the decoder gave a list or an array (protocol v2)."""
+    if type(blocks) is list:
+        return blocks
+    return blocks.tolist() if hasattr(blocks, "tolist") else list(blocks)
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -58,6 +58,7 @@ class GanttCanvas(QWidget):
         self.font_small = QFont(self.font())
         self.font_small.setPointSize(8)
         self.metrics = QFontMetrics(self.font_small)
+        self.message = "no lifecycle yet"  # shown while there is no index
         self._max_blocks = 1
 
     # ------------------------------------------------------------- geometry
@@ -94,7 +95,8 @@ class GanttCanvas(QWidget):
         idx = self.index
         if idx is None:
             p.setPen(QColor(P.TEXT_DIM))
-            p.drawText(self.rect(), Qt.AlignmentFlag.AlignCenter, "no lifecycle yet")
+            p.drawText(self.rect(), Qt.AlignmentFlag.AlignCenter, self.message)
+            p.end()
             return
         end_step = idx.last_step + 1
         self._paint_lane(p, idx)

@@ -149,3 +149,19 @@ def test_compare_with_another_recording(replay_window, recording_path, batches, 
     with pytest.raises(RecordingError, match="not a kvscope recording"):
         panel.compare.load_other(str(bad))
     assert panel.compare.diff == d  # the failed load changed nothing
+
+
+def test_long_recordings_are_indexed_in_the_background(window, recording_path, qtbot,
+                                                        monkeypatch):  # noqa: ANN001
+    from inspector import analysis
+    from inspector.app import open_recording
+
+    monkeypatch.setattr(analysis, "BACKGROUND_INDEX_STEPS", 100)  # 300 steps: "long"
+    rec, _ = open_recording(recording_path)
+    window.open_replay(rec, recording_path.name)
+    panel = window.analysis
+    # the result arrives through the event loop: until it runs, the view says it is busy
+    assert panel.index is None and panel.lifecycle.canvas.message.startswith("building")
+    qtbot.waitUntil(lambda: panel.index is not None, timeout=20_000)
+    assert LifecycleIndex.for_recording(rec) is panel.index  # cached for the recording
+    assert panel.lifecycle.canvas.rows == panel.index.order and panel.index.order
