@@ -2,7 +2,10 @@
 and scrolling the lifecycle Gantt with 10k+ sequences.
 
     QT_QPA_PLATFORM=offscreen .venv/bin/python scripts/bench_lifecycle.py
-        [--seqs 10000] [--frames 300]
+        [--seqs 10000] [--frames 300] [--recording-steps 36000]
+
+``--recording-steps N`` also times reading and indexing a recording of N steps of the
+inspector seek benchmark's synthetic workload (8192+2048 blocks, 10 steps/s).
 
 The workload: ``--seqs`` sequences arriving 8 per step, each waiting 2 steps, prefilling
 in 2 chunks, decoding 40 tokens; every 7th is preempted once (recompute) and re-prefills.
@@ -122,11 +125,43 @@ def bench_scroll(idx: LifecycleIndex, frames: int) -> None:
               f"({1 / p95:,.0f} fps)")
 
 
+def bench_recording(steps: int) -> None:
+    import tempfile
+
+    from engine.events import KVState, ListSink
+    from engine.events.recording import Recording, RecordingWriter
+    from engine.events.synthetic import SyntheticCache
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "hour.kvtrace"
+        cache, sink, state = SyntheticCache(seed=1, gpu_blocks=8192, cpu_blocks=2048,
+                                            max_running=32, arrival_rate=0.9), ListSink(), KVState()
+        with RecordingWriter(path, {}) as w:
+            for step in range(steps):
+                stats = cache.step(sink)
+                b = {"v": PROTOCOL_VERSION, "epoch": "bench", "seq": step + 1, "step": step,
+                     "time": 0.1 * step, "events": sink.drain(), "stats": stats}
+                state.apply(b)
+                w.add(b, state)
+        with Recording(path) as rec:
+            t0 = time.perf_counter()
+            n = sum(len(b["events"]) for b in rec.batches())
+            t_read = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            idx = LifecycleIndex.from_batches(rec.batches())
+            t_all = time.perf_counter() - t0
+        print(f"recording of {steps:,} steps, {n:,} events, {len(idx.seqs):,} sequences: "
+              f"read {t_read:.2f} s, read + index {t_all:.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, default=10_000)
     ap.add_argument("--frames", type=int, default=300)
+    ap.add_argument("--recording-steps", type=int, default=0)
     args = ap.parse_args()
+    if args.recording_steps:
+        bench_recording(args.recording_steps)
     idx = bench_index(workload(args.seqs))
     bench_scroll(idx, args.frames)
 
