@@ -287,9 +287,6 @@ class LifecycleIndex:
             self.totals[k] += r[k]
         self._arrays = None
 
-    def _live_seqs(self) -> Iterable[SeqLife]:
-        return self._alive.values()
-
     # ----------------------------------------------------------------- read
     @property
     def steps(self) -> dict[str, np.ndarray]:

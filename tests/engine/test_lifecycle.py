@@ -78,6 +78,12 @@ def check_timings(path, seen: dict) -> None:
         # step's end; the engine's lie inside those bounds.
         ttft = min(s.first_token_time for s in lives) - min(s.add_time for s in lives)
         assert -0.1 <= ttft - m.time_to_first_token <= times[want["first"]] + 0.01, rid
+        if len(lives) == 1 and m.time_per_output_token is not None:
+            # first token to finish: both end inside their steps, the index at the end
+            span = lives[0].tpot * (m.num_generation_tokens - 1)
+            engine_span = m.time_per_output_token * (m.num_generation_tokens - 1)
+            slack = max(times[want["first"]], times[want["finish"]]) + 0.01
+            assert abs(span - engine_span) <= slack, rid
         for s in lives:
             kinds = [p.kind for p in s.phases]
             assert set(kinds) <= set(PHASES) and s.phase is None
