@@ -2,8 +2,9 @@
 chrome://tracing, next to a torch profiler trace) and CSV tables.
 
 Trace layout: process 1 "kvscope requests" has one thread (track) per sequence, in
-arrival order, with one complete slice ("X") per lifecycle phase and an instant event
-("i") per preemption carrying its cause; process 2 "kvscope cache" holds the counter
+arrival order, with one complete slice ("X") per lifecycle phase, an instant event ("i")
+per preemption carrying its cause, and a flow arrow ("s" -> "f") from the sequence whose
+allocation forced the preemption to its victim; process 2 "kvscope cache" holds the counter
 tracks ("C"): blocks per tier, prefix hit rate, running/waiting/swapped, recompute share,
 token vs block occupancy. Timestamps are unix-epoch microseconds (the engine's wall
 clock), so traces of the same run from other tools line up.
@@ -47,6 +48,8 @@ def trace_events(idx: LifecycleIndex) -> list[dict[str, Any]]:
         {"ph": "M", "name": "process_name", "pid": CACHE_PID, "tid": 0,
          "args": {"name": "kvscope cache"}},
     ]
+    tids = {sid: tid for tid, sid in enumerate(idx.order, start=1)}
+    flow = 0
     for tid, sid in enumerate(idx.order, start=1):
         s = idx.seqs[sid]
         out.append({"ph": "M", "name": "thread_name", "pid": REQUESTS_PID, "tid": tid,
@@ -62,6 +65,13 @@ def trace_events(idx: LifecycleIndex) -> list[dict[str, Any]]:
                         "tid": tid, "ts": _us(ph.start_time),
                         "dur": max(0.0, _us(t1) - _us(ph.start_time)), "args": args})
         for p in s.preemptions:
+            needer = (p.cause or {}).get("needed_by")
+            if needer in tids and needer != sid:  # an arrow from who needed the blocks
+                flow += 1
+                common = {"name": "preempted", "cat": "preemption", "pid": REQUESTS_PID,
+                          "id": flow, "ts": _us(p.time)}
+                out.append({"ph": "s", "tid": tids[needer], **common})
+                out.append({"ph": "f", "bp": "e", "tid": tid, **common})
             out.append({"ph": "i", "s": "t", "name": f"preempt ({p.mode})",
                         "cat": "preemption", "pid": REQUESTS_PID, "tid": tid,
                         "ts": _us(p.time), "args": {"step": p.step,

@@ -186,11 +186,12 @@ def test_perfetto_export_is_valid_trace_json(recorded, tmp_path):
     doc = json.loads(out.read_text())
     events = doc["traceEvents"]
     need = {"X": {"name", "ts", "dur", "pid", "tid"}, "C": {"name", "ts", "pid", "args"},
-            "i": {"name", "ts", "pid", "tid", "s"}, "M": {"name", "pid", "args"}}
+            "i": {"name", "ts", "pid", "tid", "s"}, "M": {"name", "pid", "args"},
+            "s": {"name", "ts", "pid", "tid", "id"}, "f": {"name", "ts", "pid", "tid", "id"}}
     for ev in events:
         assert ev["ph"] in need, ev
         assert need[ev["ph"]] <= set(ev), ev
-        if ev["ph"] in ("X", "C", "i"):
+        if ev["ph"] in ("X", "C", "i", "s", "f"):
             assert isinstance(ev["ts"], (int, float)) and ev["ts"] > 0
         if ev["ph"] == "X":
             assert ev["dur"] >= 0
@@ -208,6 +209,13 @@ def test_perfetto_export_is_valid_trace_json(recorded, tmp_path):
         marks = [ev for ev in events if ev["ph"] == "i" and ev["tid"] == tid]
         assert len(marks) == len(idx.seqs[sid].preemptions)
         assert all(ev["args"]["needed_by"] for ev in marks)
+    # flows pair up: one start and one end per id, the end on the victim's track
+    starts = {ev["id"]: ev for ev in events if ev["ph"] == "s"}
+    ends = {ev["id"]: ev for ev in events if ev["ph"] == "f"}
+    assert starts.keys() == ends.keys() and starts
+    others = sum(1 for s in idx.seqs.values() for p in s.preemptions
+                 if p.cause and p.cause["needed_by"] != s.seq_id)
+    assert len(starts) == others
     counters = {ev["name"] for ev in events if ev["ph"] == "C"}
     assert counters == set(COUNTER_TRACKS)
     assert len(trace_events(idx)) == len(events)
