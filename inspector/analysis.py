@@ -124,7 +124,10 @@ class AnalysisPanel(QWidget):
                     result: Any = LifecycleIndex.from_batches(own.batches())
             except (RecordingError, OSError) as e:
                 result = f"lifecycle index: {e}"
-            self.index_ready.emit(recording, result)
+            try:
+                self.index_ready.emit(recording, result)
+            except RuntimeError:  # the window was closed meanwhile
+                pass
 
         self._builder = threading.Thread(target=build, name="kvscope-lifecycle", daemon=True)
         self._builder.start()
