@@ -23,6 +23,8 @@ from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
     QLineEdit,
+    QScrollArea,
+    QSplitter,
     QTabWidget,
     QVBoxLayout,
     QWidget,
@@ -41,6 +43,8 @@ LIVE_REFRESH_MS = 250  # the live index grows every tick; its views redraw at mo
 # Recordings longer than this get their index built on a worker thread (its own Recording
 # handle), so opening a long replay is not held up (~10 us per event on this box).
 BACKGROUND_INDEX_STEPS = 2000
+TAB_LIFECYCLE, TAB_RANGE, TAB_COMPARE, TAB_PREFIXES, TAB_ALERTS = range(5)
+DOCK_HEIGHT = 270  # px at start: the block map and the timelines keep most of the window
 
 
 class AnalysisPanel(QWidget):
@@ -81,10 +85,11 @@ class AnalysisPanel(QWidget):
 
         self.tabs = QTabWidget()
         self.tabs.addTab(life, "Lifecycle")
-        self.tabs.addTab(self.range, "Range summary")
-        self.tabs.addTab(self.compare, "Compare")
+        # Tall pages scroll rather than make the whole dock (and the window) taller.
+        self.tabs.addTab(_scrolling(self.range), "Range summary")
+        self.tabs.addTab(_scrolling(self.compare), "Compare")
         self.tabs.addTab(self.prefix, "Prefixes")
-        self.tabs.addTab(self._threshold_panel(), "Alerts")
+        self.tabs.addTab(_scrolling(self._threshold_panel()), "Alerts")
         outer = QVBoxLayout(self)
         outer.setContentsMargins(2, 2, 2, 2)
         outer.addWidget(self.alerts)
@@ -106,6 +111,10 @@ class AnalysisPanel(QWidget):
         self.lifecycle.set_index(index)
         self.range.set_index(index)
         self.prefix.set_index(index)
+
+    def show_tab(self, tab: int) -> None:
+        """Bring one of the TAB_* pages to the front."""
+        self.tabs.setCurrentIndex(tab)
 
     def on_replay(self, recording: Any) -> None:
         path = getattr(recording, "path", None)
@@ -150,7 +159,7 @@ class AnalysisPanel(QWidget):
         if self.model.lifecycle is not self.index:  # a restarted engine: a fresh index
             self.set_index(self.model.lifecycle)
         self.lifecycle.refresh()
-        if self.tabs.currentWidget() is self.prefix:
+        if self.tabs.currentIndex() == TAB_PREFIXES:
             self.prefix.refresh()
 
     # ---------------------------------------------------------- interactions
@@ -172,7 +181,7 @@ class AnalysisPanel(QWidget):
 
     def _range_selected(self, a: int, b: int) -> None:
         self.range.set_range(a, b)
-        self.tabs.setCurrentWidget(self.range)
+        self.show_tab(TAB_RANGE)
 
     def _pin(self, name: str) -> None:
         st = self.model.state
@@ -262,6 +271,14 @@ class AnalysisPanel(QWidget):
                                        else "filter rows by id")
 
 
+def _scrolling(page: QWidget) -> QScrollArea:
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QScrollArea.Shape.NoFrame)
+    area.setWidget(page)
+    return area
+
+
 def _marker_tooltips(window: Any, panel: AnalysisPanel) -> None:
     """Hovering a preemption or eviction marker on the window's timelines shows its causes
     (pyqtgraph scatter tooltips; skipped if the timelines have no such markers)."""
@@ -284,7 +301,12 @@ def install(window: Any) -> AnalysisPanel:
     dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                      | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
     window.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, dock)
-    window.resizeDocks([dock], [380], Qt.Orientation.Vertical)
+    window.resizeDocks([dock], [DOCK_HEIGHT], Qt.Orientation.Vertical)
+    # The dock takes height from the block map and the timelines: give the timelines
+    # (several stacked plots whose axis titles collide when short) the larger part.
+    split = getattr(window, "timelines", None) and window.timelines.parentWidget()
+    if isinstance(split, QSplitter) and split.count() == 2:
+        split.setSizes([430, 470])
     _marker_tooltips(window, panel)
 
     def key(seq: Any, fn: Any) -> None:

@@ -32,6 +32,7 @@ def main() -> int:
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
+    from inspector import analysis
     from inspector.app import make_app, open_recording
     from inspector.window import MainWindow
 
@@ -43,6 +44,10 @@ def main() -> int:
     win.resize(1800, 1250)
     win.show()
     win.open_replay(rec, Path(args.recording).name)
+    from PySide6.QtWidgets import QDockWidget
+
+    dock = win.findChild(QDockWidget, "analysis")
+    win.resizeDocks([dock], [560], Qt.Orientation.Vertical)  # room for the tall pages
     panel = win.analysis
     idx = panel.index
     st = idx.steps
@@ -67,7 +72,7 @@ def main() -> int:
         (s for s in idx.order if s in win.model.state.seqs), None)
     if sel:
         panel._row_clicked(sel)
-    panel.tabs.setCurrentIndex(0)
+    panel.show_tab(analysis.TAB_LIFECYCLE)
     save(win, "window")
     save(panel.lifecycle, "lifecycle")
 
@@ -80,10 +85,10 @@ def main() -> int:
     panel._pin("A")
     win.replay.seek_step(busiest)
     panel._pin("B")
-    panel.tabs.setCurrentWidget(panel.compare)
+    panel.show_tab(analysis.TAB_COMPARE)
     save(panel, "compare")
 
-    panel.tabs.setCurrentWidget(panel.prefix)
+    panel.show_tab(analysis.TAB_PREFIXES)
     panel.prefix.refresh()
     tree = panel.prefix.tree
     if tree.topLevelItemCount():
@@ -96,12 +101,11 @@ def main() -> int:
 
     panel.alert_controls["enabled"].setChecked(True)
     panel.alert_controls["max_utilization"].setValue(80)
-    panel.tabs.setCurrentIndex(panel.tabs.count() - 1)
+    panel.show_tab(analysis.TAB_ALERTS)
     win.replay.seek_step(busiest)
     save(panel, "alerts")
     QApplication.instance().processEvents()
     win.close()
-    del Qt
     return 0
 
 
