@@ -602,9 +602,12 @@ def _used(tier: dict[str, Any]) -> int:
 
 
 def _ids(blocks: Any) -> list[int]:
-    """Block ids as a list, whether the decoder gave a list or an array (protocol v2)."""
+    """Block ids as a list: a list, a numpy array, or protocol 2's packed little-endian
+    int32 bytes."""
     if type(blocks) is list:
         return blocks
+    if isinstance(blocks, (bytes, bytearray, memoryview)):
+        return np.frombuffer(blocks, dtype="<i4").tolist()
     return blocks.tolist() if hasattr(blocks, "tolist") else list(blocks)
 
 

@@ -43,16 +43,18 @@ def test_incremental_equals_whole_and_phases_are_valid():
         int(whole.steps["preemptions"].sum()) > 0
 
 
-def test_numpy_block_ids_give_the_same_index():
+def test_numpy_and_packed_block_ids_give_the_same_index():
     batches = _batches(120)
-    as_arrays = copy.deepcopy(batches)
-    for b in as_arrays:
-        for ev in b["events"]:
-            for key in ("blocks", "src", "dst"):
-                if key in ev:
-                    ev[key] = np.asarray(ev[key], dtype=np.int32)
-    assert _summary(LifecycleIndex.from_batches(as_arrays)) == \
-        _summary(LifecycleIndex.from_batches(batches))
+    want = _summary(LifecycleIndex.from_batches(batches))
+    for pack in (lambda v: np.asarray(v, dtype=np.int32),
+                 lambda v: np.asarray(v, dtype="<i4").tobytes()):  # protocol 2's wire form
+        packed = copy.deepcopy(batches)
+        for b in packed:
+            for ev in b["events"]:
+                for key in ("blocks", "src", "dst"):
+                    if key in ev:
+                        ev[key] = pack(ev[key])
+        assert _summary(LifecycleIndex.from_batches(packed)) == want
 
 
 def test_late_joiner_adopts_running_sequences():
