@@ -305,10 +305,8 @@ class LifecycleView(QWidget):
             else list(idx.order)
         self.canvas._max_blocks = max(
             (n for s in idx.seqs.values() for _, n in s.blocks[-8:]), default=1) or 1
-        if self.model is not None and getattr(self.model, "following_live", False):
-            self.canvas.fit_steps()
-        elif self.canvas.step1 <= idx.last_step and len(idx.steps["step"]):
-            self.canvas.step1 = idx.last_step + 1
+        if self.canvas.step1 <= idx.last_step and len(idx.steps["step"]):
+            self.canvas.step1 = idx.last_step + 1  # live: the axis grows with the run
         self.scroll.setRange(0, max(0, len(self.canvas.rows) - self.canvas.visible_rows))
         self.scroll.setPageStep(self.canvas.visible_rows)
         self.canvas.update()
