@@ -26,6 +26,7 @@ from engine.cache.page_format import check_supported, page_format
 from engine.completion import CompletionState
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
+from engine.events.lifecycle import classify_chunk
 from engine.events.sink import NullSink
 from engine.model import load_model
 from engine.outputs import RequestMetrics, RequestOutput
@@ -116,6 +117,8 @@ class LLMEngine:
         self.step_count = 0
         self._seeds = np.random.default_rng(config.seed)  # same draw order as LLM's reference
         self.stats: dict[str, Any] = {}
+        self.num_prefill_computed_tokens = 0  # counters: engine.events.lifecycle's accounting
+        self.num_recomputed_tokens = 0
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %s pages)", num_blocks,
                  config.block_size, num_blocks * config.block_size, config.kv_layout,
                  self.page_format.name)
@@ -389,6 +392,7 @@ class LLMEngine:
         for s in out.scheduled:
             seq = s.seq
             sampling = s.samples
+            self._count_prefill(seq, s.num_new_tokens)
             seq.num_computed_tokens += s.num_new_tokens
             if not sampling:
                 continue
@@ -430,6 +434,15 @@ class LLMEngine:
             self.cache.append_token_ids(seq.seq_id, [tok])
             if done:
                 self.scheduler.finish(seq, req.completions[seq.seq_id].output.finish_reason)
+
+    def _count_prefill(self, seq: Sequence, n: int) -> None:
+        """Prefill and recomputed tokens, as engine.events.lifecycle counts them."""
+        a = seq.num_computed_tokens
+        pre, redo = classify_chunk(a, a + n, len(seq.prompt_token_ids),
+                                   seq.max_computed_tokens)
+        self.num_prefill_computed_tokens += pre
+        self.num_recomputed_tokens += redo
+        seq.max_computed_tokens = max(seq.max_computed_tokens, a + n)
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = [copy.copy(req.completions[s.seq_id].output) for s in req.seqs]
@@ -481,6 +494,8 @@ class LLMEngine:
             "used_tokens": m["used_tokens"],
             "tiers": m["tiers"],
         }
+        self.stats["prefill_computed_tokens"] = self.num_prefill_computed_tokens
+        self.stats["recomputed_tokens"] = self.num_recomputed_tokens
         if self.swapper is not None:
             self.stats.update(self.swapper.stats())
             self.stats.update({k: m[k] for k in (

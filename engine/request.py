@@ -32,6 +32,7 @@ class Sequence:
     # metrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
+    max_computed_tokens: int = 0  # high-water mark of num_computed_tokens (recompute cost)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

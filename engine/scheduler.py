@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.events import causes as C
 from engine.request import Sequence
 
 
@@ -155,15 +156,18 @@ class Scheduler:
                 self.finish(seq, "length")
                 out.truncated.append(seq)
                 return False
-            self._preempt(victim, out)
+            cause = {C.NEEDED_BY: seq.seq_id, C.BLOCKS_NEEDED: self.cache.blocks_needed(
+                seq.seq_id, n), C.FREE_BLOCKS: self.cache.num_free_blocks,
+                C.POLICY: C.PREEMPT_RULE, C.REASON: C.R_ALLOCATE}
+            self._preempt(victim, out, cause)
             scheduled.pop(victim.seq_id, None)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, cause: dict | None = None) -> None:
         self.running.remove(seq)
-        mode = self.cache.preempt(seq.seq_id, self.config.preemption_mode)
+        mode = self.cache.preempt(seq.seq_id, self.config.preemption_mode, cause)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)

@@ -13,6 +13,7 @@ from typing import Any
 from PySide6.QtCore import QObject, Signal
 
 from engine.events import KVState
+from engine.events.lifecycle import LifecycleIndex
 from inspector.timeline import Timeline
 
 EVENT_LOG_SIZE = 20_000
@@ -34,6 +35,13 @@ class InspectorModel(QObject):
         self.selected_seq: str | None = None
         self.selected_block: tuple[str, int] | None = None
         self.frame = 0  # bumps on every set_state, so views can skip unchanged redraws
+        self.lifecycle = LifecycleIndex()  # live sources grow it (replay: the recording's)
+        self.highlight: dict[str, list[int]] | None = None  # e.g. a prefix-tree node
+
+    def set_highlight(self, blocks: dict[str, list[int]] | None) -> None:
+        """Blocks to keep bright (per tier), over any selection; None: back to normal."""
+        self.highlight = blocks
+        self.selection_changed.emit()
 
     # --------------------------------------------------------------- frames
     def set_state(self, state: KVState) -> None:
@@ -82,8 +90,11 @@ class InspectorModel(QObject):
     def highlighted_blocks(self, tier: str) -> list[int] | None:
         """Blocks to keep bright on ``tier``'s map, or None when nothing is selected.
 
-        The selected sequence's table; else the tables of the selected block's owners."""
+        An explicit highlight first (``set_highlight``); else the selected sequence's
+        table; else the tables of the selected block's owners."""
         st = self.state
+        if self.highlight is not None:
+            return list(self.highlight.get(tier, []))
         if self.selected_seq is not None:
             s = st.seqs.get(self.selected_seq)
             if s is None:

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from inspector import analysis
 from inspector.model import InspectorModel
 from inspector.sources.replay import ReplayController
 from inspector.views.block_map import BlockMapView
@@ -83,6 +84,7 @@ class MainWindow(QMainWindow):
             self.status.addPermanentWidget(lab)
         self._build_menu()
         self.model.cursor_changed.connect(self._on_cursor)
+        self.analysis = analysis.install(self)  # lifecycle, range, compare, prefixes
 
     # --------------------------------------------------------------- sources
     def open_replay(self, recording: Any, label: str) -> None:
@@ -95,6 +97,7 @@ class MainWindow(QMainWindow):
         self.set_status(source=f"<b>replay</b> {label}",
                         epoch=f"epoch {self.replay.epoch or '—'}",
                         rate=f"{self.replay.num_steps:,} steps")
+        self.analysis.on_replay(recording)
         if self.replay.num_steps:
             self.replay.seek_index(0)
         else:
@@ -108,6 +111,7 @@ class MainWindow(QMainWindow):
         live.status_changed.connect(lambda fields: self.set_status(**fields))
         live.problem.connect(lambda text: self.show_error(text) if text else self.clear_error())
         self.set_status(**live.status_fields())
+        self.analysis.on_live()
 
     # ------------------------------------------------------------ reporting
     def show_error(self, text: str) -> None:

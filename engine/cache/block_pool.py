@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.cache.eviction import EvictionPolicy
+from engine.events import causes as C
 from engine.events import schema as S
 from engine.events.sink import EventSink
 
@@ -57,6 +58,10 @@ class BlockPool:
         self.num_evictions = 0
         self.num_stored = 0  # blocks ever indexed; also the last serial handed out
         self.writeback: Callable[[list[int], list[Entry]], None] | None = None
+        # Who is allocating, and why: the manager sets these before it allocates, so an
+        # eviction can name its cause (engine.events.causes) in the ``evict`` event.
+        self.requester: str | None = None
+        self.reason: str = C.R_ALLOCATE
 
     # ---------------------------------------------------------------- counts
     @property
@@ -94,7 +99,7 @@ class BlockPool:
         else:
             blocks = free[::-1]
             free.clear()
-            blocks += self._evict(n - k)
+            blocks += self._evict(n - k, needed=n, free=k)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
@@ -134,11 +139,12 @@ class BlockPool:
     def evict(self, max_blocks: int | None = None) -> int:
         """Drop up to ``max_blocks`` (default all) cached free blocks from the index."""
         n = len(self.evictable) if max_blocks is None else min(max_blocks, len(self.evictable))
-        victims = self._evict(n)
+        victims = self._evict(n, reason=C.R_RESET)
         self.free_blocks.extend(reversed(victims))
         return n
 
-    def _evict(self, n: int) -> list[int]:
+    def _evict(self, n: int, needed: int | None = None, free: int = 0,
+               reason: str | None = None) -> list[int]:
         """Un-index the policy's next ``n`` victims; returns them in ascending id order
         (which blocks go is the policy's choice; ascending keeps slot runs contiguous)."""
         if n <= 0:
@@ -152,7 +158,12 @@ class BlockPool:
             entry[b] = None
         self.num_evictions += n
         if self.sink.enabled:
-            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims)
+            cause: C.Cause = {C.POLICY: self.evictable.name,
+                              C.REASON: reason or self.reason, C.FREE_BLOCKS: free}
+            if reason != C.R_RESET:
+                cause[C.NEEDED_BY] = self.requester
+                cause[C.BLOCKS_NEEDED] = needed if needed is not None else n
+            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims, cause=cause)
         if self.writeback is not None:
             self.writeback(victims, entries)
         return victims

@@ -86,6 +86,7 @@ from engine.cache.sequence import CacheSeq
 from engine.cache.slots import slot_mapping
 from engine.cache.transfers import Round, plan_rounds
 from engine.cache.validation import check_count, is_int, token_list
+from engine.events import causes as C
 from engine.events import schema as S
 from engine.events.sink import EventSink, NullSink
 
@@ -202,6 +203,7 @@ class KVCacheManager:
         bs, table, known = self.block_size, parent.block_table, len(parent.token_ids)
         first_private = known // bs if parent.num_tokens > known else len(table)
         num_private = len(table) - first_private
+        self._asking(child_id, C.R_FORK)
         if num_private > self.gpu.num_free_blocks:
             raise CacheError(f"cannot fork {parent_id!r}: its {num_private} blocks of "
                              "lookahead slots need private copies and the pool is short")
@@ -248,14 +250,16 @@ class KVCacheManager:
         if self.sink.enabled:
             self.sink.emit(S.SEQ_START, seq=seq_id)
 
-    def preempt(self, seq_id: str, mode: str = "recompute") -> str:
+    def preempt(self, seq_id: str, mode: str = "recompute",
+                cause: C.Cause | None = None) -> str:
         """Take a running sequence off the gpu; returns the mode used.
 
         "recompute": running -> waiting, all blocks freed (its token ids are kept, so it
         recomputes, re-sharing what is still cached). "swap": running -> swapped, its table
         moved to the cpu tier (its gpu blocks are released, so hashed ones stay cached
         there until evicted); when the host pool cannot take it, it is preempted by
-        recompute instead (counted in ``num_swap_fallbacks``)."""
+        recompute instead (counted in ``num_swap_fallbacks``). ``cause`` (the scheduler's
+        reason, engine.events.causes) travels in the ``seq_preempt`` event."""
         seq = self._get(seq_id)
         if mode not in S.PREEMPT_MODES:
             raise CacheError(f"unknown preemption mode {mode!r}; one of {S.PREEMPT_MODES}")
@@ -264,17 +268,22 @@ class KVCacheManager:
         if seq.status != "running":
             raise CacheError(f"cannot preempt {seq_id!r}: it is {seq.status}")
         self.num_preemptions += 1
+        extra = {} if cause is None else {"cause": cause}
         if mode == "swap":
+            self._asking(seq_id, C.R_SWAP_OUT)
             if self.host.swap_out(seq):
                 seq.status = "swapped"
                 if self.sink.enabled:
-                    self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode="swap")
+                    self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode="swap", **extra)
                 return "swap"
             self.num_swap_fallbacks += 1
+            if cause is not None:
+                extra = {"cause": {**cause, C.FALLBACK: "swap fell back to recompute: "
+                                   "the host pool was full"}}
         self._free(seq)
         seq.status = "waiting"
         if self.sink.enabled:
-            self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode="recompute")
+            self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode="recompute", **extra)
         return "recompute"
 
     def can_swap_in(self, seq_id: str, num_new_tokens: int = 0,
@@ -296,6 +305,7 @@ class KVCacheManager:
         still indexes the same content). False, with nothing changed, when the gpu pool is
         too full."""
         seq = self._swapped(seq_id)
+        self._asking(seq_id, C.R_SWAP_IN)
         if not self.host.swap_in(seq):
             return False
         seq.status = "running"
@@ -334,10 +344,12 @@ class KVCacheManager:
         seq = self._get(seq_id)
         if reason not in S.FINISH_REASONS:
             raise CacheError(f"unknown finish reason {reason!r}; one of {S.FINISH_REASONS}")
+        num_tokens = seq.num_tokens  # its last step's tokens: no seq_tokens will say it
         self._free(seq)
         del self._seqs[seq_id]
         if self.sink.enabled:
-            self.sink.emit(S.SEQ_FINISH, seq=seq_id, reason=reason)
+            self.sink.emit(S.SEQ_FINISH, seq=seq_id, reason=reason, num_tokens=num_tokens,
+                           output_tokens=len(seq.token_ids) - seq.num_prompt_tokens)
 
     def _free(self, seq: CacheSeq) -> None:
         table = seq.block_table
@@ -396,6 +408,7 @@ class KVCacheManager:
 
     def _match_both_tiers(self, seq: CacheSeq) -> int:
         """match_prefix over the gpu index, then the host index, block by block."""
+        self._asking(seq.seq_id, C.R_HOST_HIT)
         bs, toks, gpu, host = self.block_size, seq.token_ids, self.gpu, self.host.host
         found: list[tuple[bool, int]] = []  # (on the host?, block), in table order
         ph, pid = seq.root_hash, seq.root_id
@@ -562,6 +575,18 @@ class KVCacheManager:
             raise CacheError(f"{seq_id!r} is swapped out: swap it in before allocating")
         return self._allocate(seq, num_new_tokens)
 
+    def blocks_needed(self, seq_id: str, num_new_tokens: int) -> int:
+        """GPU blocks ``allocate_slots(seq_id, num_new_tokens)`` would take."""
+        return self._blocks_needed(self._get(seq_id), num_new_tokens)
+
+    def _asking(self, seq_id: str, reason: str) -> None:
+        """Name who allocates next and why, for the cause of any eviction it forces (the
+        host pool's evictions then make room for write-backs, or for a swap-out)."""
+        host_reason = C.R_SWAP_OUT if reason == C.R_SWAP_OUT else C.R_WRITE_BACK
+        for pool in self.pools.values():
+            pool.requester = seq_id
+            pool.reason = reason if pool is self.gpu else host_reason
+
     def _blocks_needed(self, seq: CacheSeq, n: int) -> int:
         if n == 0:
             return 0
@@ -579,6 +604,8 @@ class KVCacheManager:
         if need > pool.num_free_blocks:
             return None
         start = seq.num_tokens
+        if need:
+            self._asking(seq.seq_id, C.R_ALLOCATE)
         blocks = pool.allocate(need) if need else []
         if start % bs and self._ref[table[-1]] > 1:
             src, dst = table[-1], blocks[0]

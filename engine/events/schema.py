@@ -37,10 +37,19 @@ Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id 
     quantize     tier, blocks, format                    blocks change page format in place
                                                          (refs, hashes, tables unchanged)
 
+Optional ``cause`` on ``seq_preempt`` and ``evict`` (engine.events.causes; older readers
+ignore it, and readers must accept its absence): ``{"needed_by": seq | None,
+"blocks_needed", "free_blocks", "policy", "reason", "fallback"?}``: the sequence whose
+allocation forced the decision, how many blocks it asked for, how many it could take at
+that moment, the rule that picked the victim and what kind of allocation it was.
+Optional on ``seq_finish``: ``num_tokens`` (positions computed, including its last step,
+which no ``seq_tokens`` reports) and ``output_tokens`` (tokens it generated).
+
 ``stats`` is a free-form map; known keys: gauges running, waiting, swapped,
 scheduled_tokens, prefill_tokens, decode_tokens, step_time_s and "tiers": {tier: {"total",
 "used", "cached", "free"}}; counters hit_tokens, query_tokens (prefix cache, in tokens),
-preemptions, evictions, cow_copies, swap_out_blocks, swap_in_blocks. Counters are
+preemptions, evictions, cow_copies, swap_out_blocks, swap_in_blocks,
+prefill_computed_tokens, recomputed_tokens (engine.events.lifecycle's accounting). Counters are
 cumulative since the engine started (as Prometheus counters), so a reader that joins late
 or misses batches still reads correct totals; per-step rates are differences.
 """

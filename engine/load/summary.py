@@ -28,6 +28,8 @@ SERVER_COUNTERS = {
     "swap_out_blocks": "kvscope:swap_out_blocks_total",
     "swap_in_blocks": "kvscope:swap_in_blocks_total",
     "aborted": "kvscope:request_aborted_total",
+    "prefill_tokens": "kvscope:prefill_computed_tokens_total",
+    "recomputed_tokens": "kvscope:recomputed_prefill_tokens_total",
 }
 
 
@@ -121,6 +123,8 @@ def table(s: dict[str, Any]) -> str:
         ("preemptions", str(sv["preemptions"])),
         ("evictions", f"{sv['evictions']} blocks"),
         ("swaps", f"{sv['swap_out_blocks']} blocks out, {sv['swap_in_blocks']} in"),
+        ("recompute", f"{sv.get('recomputed_tokens', 0)} of {sv.get('prefill_tokens', 0)} "
+                      "prefill tokens computed again after preemption"),
     ]
     if s["errors"]:
         rows.append(("errors", "; ".join(s["errors"])))

@@ -80,6 +80,8 @@ class _EngineCollector:
             "kv_cache_num_blocks": ("KV blocks in the GPU tier", "num_blocks"),
             "cpu_cache_usage_perc": ("fraction of CPU-tier KV blocks in use (0..1)",
                                      "cpu_usage"),
+            "kv_cache_fragmentation_perc": ("slots of used GPU blocks holding no token "
+                                            "(internal fragmentation, 0..1)", "fragmentation"),
         }
         for name, (doc, key) in gauges.items():
             g = GaugeMetricFamily(self.name(name), doc, labels=keys)
@@ -93,6 +95,11 @@ class _EngineCollector:
             "kv_cache_evictions": ("cached KV blocks evicted for reuse", "evictions"),
             "swap_out_blocks": ("KV blocks swapped out to the CPU tier", "swap_out_blocks"),
             "swap_in_blocks": ("KV blocks swapped in from the CPU tier", "swap_in_blocks"),
+            "prefill_computed_tokens": ("prompt/history tokens computed (prefill chunks)",
+                                        "prefill_tokens"),
+            "recomputed_prefill_tokens": ("prefill tokens computed again after a preemption "
+                                          "freed them (engine.events.lifecycle)",
+                                          "recomputed_tokens"),
         }
         for name, (doc, key) in counters.items():
             c = CounterMetricFamily(self.name(name), doc, labels=keys)
@@ -182,6 +189,10 @@ class ServerMetrics:
             # Cumulative swap counts, once the CPU swap tier reports them in its stats.
             "swap_out_blocks": st.get("swap_out_blocks", 0),
             "swap_in_blocks": st.get("swap_in_blocks", 0),
+            "prefill_tokens": getattr(engine, "num_prefill_computed_tokens", 0),
+            "recomputed_tokens": getattr(engine, "num_recomputed_tokens", 0),
+            "fragmentation": 1 - m["used_tokens"] / (gpu["used"] * engine.cache.block_size)
+            if gpu["used"] else 0.0,
         }
 
     def on_finish(self, out: RequestOutput) -> None:

@@ -20,6 +20,7 @@ import zmq
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from engine.events import Codec, ProtocolError, Subscriber
+from engine.events.lifecycle import LifecycleIndex
 from inspector.errors import InspectError
 from inspector.model import InspectorModel
 
@@ -43,6 +44,13 @@ class _ReportingCodec(Codec):
             raise
 
 
+def _keep_joined_state(update: dict[str, Any], state: Any) -> None:
+    """Subscriber hook (its thread): a snapshot update carries a copy of the state it set,
+    so the lifecycle index can adopt the sequences that existed before it joined."""
+    if update.get("type") == "snapshot":
+        update["joined_state"] = state.clone()
+
+
 class LiveSource(QObject):
     status_changed = Signal(dict)  # the fields of status_fields()
     problem = Signal(str)  # "" when all is well
@@ -57,6 +65,7 @@ class LiveSource(QObject):
         except (ValueError, zmq.ZMQError) as e:
             raise InspectError(f"cannot connect to {endpoint!r}: {e}") from None
         self.sub.codec = _ReportingCodec(self.sub.codec.max_bytes)
+        self.sub.on_apply = _keep_joined_state
         self._lock = threading.Lock()
         self._queued: deque[dict[str, Any]] = deque(maxlen=MAX_QUEUED)
         self._dirty = False
@@ -104,11 +113,15 @@ class LiveSource(QObject):
                     # A (re)sync: a restarted engine counts steps from 0 again.
                     if tl.n and tl.col("step")[-1] >= u["step"]:
                         tl.truncate_after(u["step"] - 1)
+                        self.model.lifecycle = LifecycleIndex()
+                    if "joined_state" in u:  # sequences already there when we (re)joined
+                        self.model.lifecycle.adopt(u["joined_state"])
                     continue
                 batches.append(u)
                 if tl.n and tl.col("step")[-1] >= u["step"]:
                     tl.truncate_after(u["step"] - 1)
                 tl.append(u)
+                self.model.lifecycle.add(u)
             self.has_state = True
             self.model.set_state(frame)
             self.model.timeline_changed.emit()
