@@ -35,6 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="most completions per request (n x prompts)")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
+    d = p.add_argument_group("data parallel (kvscope route in front of N replicas)")
+    d.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="start N replicas on loopback and a prefix-aware router on --port")
+    d.add_argument("--routing-policy", default="prefix",
+                   choices=("prefix", "least-load", "round-robin"))
+    d.add_argument("--balance-slack", type=int, default=2, metavar="N",
+                   help="prefix policy: compete on cache only within N of the least load")
     e = p.add_argument_group("engine (vLLM's names)")
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")
@@ -81,6 +88,13 @@ def _run(args: argparse.Namespace) -> int:
         print("kvscope serve: --max-n and --max-body-bytes must be >= 1, "
               "--drain-timeout >= 0", file=sys.stderr)
         return 2
+    if args.data_parallel_size != 1:
+        if args.data_parallel_size < 1:
+            print("kvscope serve: --data-parallel-size must be >= 1", file=sys.stderr)
+            return 2
+        from engine.router.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               max_n=args.max_n, drain_timeout_s=args.drain_timeout)

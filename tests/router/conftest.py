@@ -41,7 +41,11 @@ class Proc:
             self.proc.wait()
 
 
-def launch(cmd: list[str], env: dict[str, str] | None = None) -> tuple[Proc, threading.Event]:
+READY_RE = r"^kvscope \w+: ready on (http://\S+)"  # the process's own line, not a child's
+
+
+def launch(cmd: list[str], env: dict[str, str] | None = None,
+           ready_re: str = READY_RE) -> tuple[Proc, threading.Event]:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, **(env or {})})
     p, ready = Proc(cmd, proc), threading.Event()
@@ -49,7 +53,7 @@ def launch(cmd: list[str], env: dict[str, str] | None = None) -> tuple[Proc, thr
     def reader() -> None:  # drains the pipe so the process never blocks on it
         for line in proc.stdout:
             p.lines.append(line)
-            m = re.search(r"ready on (http://\S+)", line)
+            m = re.search(ready_re, line)
             if m and not p.url:
                 p.url = m.group(1)
                 ready.set()
