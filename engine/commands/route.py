@@ -33,14 +33,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     from engine.router.policy import POLICIES
 
     p.add_argument("--policy", default="prefix", choices=POLICIES,
-                   help="prefix: longest cached prefix within --balance-slack of the least "
-                        "load (default); least-load; round-robin")
-    p.add_argument("--balance-slack", type=int, default=2, metavar="N",
-                   help="prefix policy: a replica competes on cache only while its load is "
-                        "at most N above the least loaded one's")
+                   help="prefix: least uncached prompt tokens + load (default); "
+                        "least-load; round-robin")
+    p.add_argument("--load-cost-tokens", type=int, default=32, metavar="T",
+                   help="prefix policy: each request queued or running on a replica counts "
+                        "as T prompt tokens to compute there")
 
 
-def build_router(specs: list[str], policy: str, balance_slack: int, model: str | None):
+def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: str | None):
     """(Router, error message): the error is for the user, the router None then."""
     from engine.router.app import Router
     from engine.router.policy import Policy
@@ -48,7 +48,7 @@ def build_router(specs: list[str], policy: str, balance_slack: int, model: str |
 
     try:
         parsed = [parse_replica(s) for s in specs]
-        pol = Policy(policy, balance_slack)
+        pol = Policy(policy, load_cost_tokens)
     except ValueError as e:
         return None, str(e)
     tokenizer = None
@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from engine.server.daemon import bind_socket
 
-    router, err = build_router(args.replica, args.policy, args.balance_slack, args.model)
+    router, err = build_router(args.replica, args.policy, args.load_cost_tokens, args.model)
     if router is None:
         print(f"kvscope route: {err}", file=sys.stderr)
         return 2

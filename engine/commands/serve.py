@@ -40,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start N replicas on loopback and a prefix-aware router on --port")
     d.add_argument("--routing-policy", default="prefix",
                    choices=("prefix", "least-load", "round-robin"))
-    d.add_argument("--balance-slack", type=int, default=2, metavar="N",
-                   help="prefix policy: compete on cache only within N of the least load")
+    d.add_argument("--load-cost-tokens", type=int, default=32, metavar="T",
+                   help="prefix policy: each queued/running request counts as T tokens")
     e = p.add_argument_group("engine (vLLM's names)")
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")

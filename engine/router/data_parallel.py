@@ -29,7 +29,7 @@ START_TIMEOUT_S = 600
 RESTART_DELAY_S = 1.0
 # serve flags that stay with the front (the router) and are not passed to the replicas
 FRONT_ONLY = {"host", "port", "events", "record", "data_parallel_size", "routing_policy",
-              "balance_slack", "func", "command"}
+              "load_cost_tokens", "func", "command"}
 
 
 @dataclass
@@ -43,6 +43,8 @@ class Child:
     snapshot: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
     restarts: int = 0
+    quiet: bool = False  # do not echo its output
+    ready_re: str = ""  # a regex with one group, the URL (default: a replica's ready line)
 
     def launch(self) -> None:
         self.ready.clear()
@@ -53,12 +55,17 @@ class Child:
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen) -> None:
+        pattern = re.compile(self.ready_re) if self.ready_re else READY
         for line in proc.stdout:
-            m = READY.search(line)
+            m = pattern.search(line)
             if m and not self.ready.is_set():
-                self.url, self.events, self.snapshot = m.groups()
+                if self.ready_re:
+                    self.url = m.group(1)
+                else:
+                    self.url, self.events, self.snapshot = m.groups()
                 self.ready.set()
-            print(f"[replica r{self.index}] {line}", end="", file=sys.stderr, flush=True)
+            if not self.quiet:
+                print(f"[replica r{self.index}] {line}", end="", file=sys.stderr, flush=True)
         self.ready.set()
 
 
@@ -190,7 +197,7 @@ def _serve_front(args: argparse.Namespace, children: list[Child], stopping: thre
     from engine.server.daemon import bind_socket
 
     specs = [f"{c.url},{c.events},{c.snapshot}" for c in children]
-    router, err = build_router(specs, args.routing_policy, args.balance_slack, args.model)
+    router, err = build_router(specs, args.routing_policy, args.load_cost_tokens, args.model)
     if router is None:
         print(f"kvscope serve: {err}", file=sys.stderr)
         return 2

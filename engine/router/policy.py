@@ -2,14 +2,16 @@
 
     round-robin   each in turn
     least-load    the fewest requests queued or running (``Replica.load``)
-    prefix        the longest cached prefix of the prompt (predicted from each replica's
-                  PrefixIndex), among replicas whose load is within ``balance_slack`` of
-                  the least loaded; with no cached prefix anywhere, least-load
+    prefix        the least estimated work before the first token: the prompt tokens the
+                  replica would still have to compute (its cached prefix, predicted from
+                  its PrefixIndex, is free) plus ``load_cost_tokens`` for each request
+                  already queued or running there; with no cached prefix anywhere,
+                  least-load
 
-The prefix rule is SGLang's cache-aware routing in its simplest form: a cache hit saves
-prefill work only if the replica is not so busy that the request queues behind others,
-so load bounds which replicas may compete on cache. Ties go round-robin, so equal
-replicas share the work.
+The prefix rule is SGLang's cache-aware routing with the load in the same unit as the
+cache: a long cached history keeps a conversation on its replica, a shared system
+prompt cached everywhere does not pull every new conversation onto the busiest replica.
+Ties go round-robin, so equal replicas share the work.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ class Decision:
 
 
 class Policy:
-    def __init__(self, name: str, balance_slack: int = 2) -> None:
+    def __init__(self, name: str, load_cost_tokens: int = 32) -> None:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
         self.name = name
-        self.balance_slack = balance_slack
+        self.load_cost_tokens = load_cost_tokens
         self._turn = itertools.count()
 
     def choose(self, replicas: list[Replica], token_ids: list[int] | None) -> Decision | None:
@@ -51,10 +53,9 @@ class Policy:
         loads = [r.load for r in up]
         least = min(range(len(up)), key=loads.__getitem__)
         predicted = [r.predicted_cached_tokens(token_ids) for r in up]
-        if self.name == "prefix":
-            limit = loads[least] + self.balance_slack
-            best = max((i for i in range(len(up)) if loads[i] <= limit),
-                       key=lambda i: (predicted[i], -loads[i]))
-            if predicted[best] > 0:
-                return Decision(up[best], predicted[best], "prefix")
+        if self.name == "prefix" and max(predicted) > 0:
+            n = len(token_ids or ())
+            cost = [n - predicted[i] + self.load_cost_tokens * loads[i] for i in range(len(up))]
+            best = min(range(len(up)), key=cost.__getitem__)
+            return Decision(up[best], predicted[best], "prefix")
         return Decision(up[least], predicted[least], "least-load")

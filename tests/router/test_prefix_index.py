@@ -70,15 +70,16 @@ def test_policies() -> None:
     ids = list(range(200, 264))  # 4 blocks; 3 matchable
     chain = chain_hashes(ids, 16)
     a, b, c = _replica("a", chain[:1]), _replica("b", chain[:3]), _replica("c")
-    prefix = Policy("prefix", balance_slack=2)
+    prefix = Policy("prefix", load_cost_tokens=32)
+    # work to do: a 64 - 16 = 48, b 64 - 48 = 16, c 64 tokens
     d = prefix.choose([a, b, c], ids)
     assert (d.replica.name, d.predicted_cached_tokens, d.reason) == ("b", 48, "prefix")
-    b.in_flight = 3  # too busy (slack 2 above the least loaded): a's shorter hit wins
+    b.in_flight = 3  # b: 16 + 3 x 32 = 112 > a's 48: the shorter hit on an idle replica
     d = prefix.choose([a, b, c], ids)
     assert (d.replica.name, d.predicted_cached_tokens) == ("a", 16)
-    a.in_flight = 3
-    assert prefix.choose([a, b, c], ids).replica.name == "c"  # nothing cached in reach
-    assert prefix.choose([a, b, c], ids).reason == "least-load"
+    a.in_flight = 3  # a: 144, b: 112, c: 64 (nothing cached, but idle)
+    assert prefix.choose([a, b, c], ids).replica.name == "c"
+    assert prefix.choose([a, b, c], list(range(900, 964))).reason == "least-load"
     b.healthy = False
     a.in_flight = 0
     assert {prefix.choose([a, b, c], None).replica.name for _ in range(4)} == {"a", "c"}
