@@ -61,13 +61,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (gloo on CPU, NCCL on CUDA)")
     p.set_defaults(func=_run)
 
 
 ENGINE_FLAGS = ("model", "device", "dtype", "seed", "block_size", "num_gpu_blocks",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
-                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout")
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
+                "tensor_parallel_size")
 
 
 def _run(args: argparse.Namespace) -> int:
