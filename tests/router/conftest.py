@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # the fleet view test draws offscreen
+
 import httpx
 import pytest
 

@@ -62,6 +62,39 @@ def test_prefix_routing_predicts_the_replicas_cache(cluster: Cluster) -> None:
     assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "smollm2"
 
 
+def test_fleet_view_of_the_routers_replicas(cluster: Cluster, qapp) -> None:  # noqa: ANN001
+    """`kvscope inspect --connect http://ROUTER`: a panel per replica, live from its event
+    stream, with the router's per-replica figures."""
+    import time
+
+    from inspector.fleet import _build
+
+    win = _build([], [cluster.router.url])
+    try:
+        win.start()
+        end = time.monotonic() + 30
+        while not win.has_state and time.monotonic() < end:
+            qapp.processEvents()
+            time.sleep(0.05)
+        for _ in range(5):  # let the 30 Hz ticks hand the frames to the models
+            qapp.processEvents()
+            time.sleep(0.05)
+        win.fetch_router_now()
+        assert win.has_state and len(win.panels) == 2
+        st = cluster.status()["replicas"]
+        for panel, rep in zip(win.panels, st, strict=True):
+            assert panel.key == rep["url"]
+            assert f"{rep['routed']} routed" in panel.router_line.text()
+            assert "in rotation" in panel.router_line.text()
+            assert "prefix hits" in panel.header.text()
+            # the panel draws the same cache the router indexes
+            assert sum(len(t.hashes) for t in panel.model.state.tiers.values()) == \
+                rep["cached_blocks"]
+    finally:
+        win.stop()
+        win.close()
+
+
 def test_killed_replica_fails_its_requests_and_rejoins(cluster: Cluster) -> None:
     url = cluster.router.url
     body = {"prompt": "Count slowly from one to one hundred:", "max_tokens": 400,
