@@ -65,3 +65,12 @@ def test_a_router_address_that_is_not_a_router_is_a_clear_error() -> None:
 
     with pytest.raises(InspectError, match="not a kvscope router"):
         resolve_router("http://127.0.0.1:9", timeout=2.0)
+
+
+def test_the_fleet_view_imports_without_torch() -> None:
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['triton'] = None\n"
+            "import inspector.fleet\n"
+            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert r.returncode == 0, r.stderr
