@@ -42,6 +42,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
+    # parallelism (vLLM's name): ranks that split the heads and the MLP (engine.distributed)
+    tensor_parallel_size: int = 1
     # events
     events_endpoint: str | None = None
     record_path: str | None = None
@@ -72,6 +74,8 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        need(self.tensor_parallel_size >= 1,
+             f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_events_config is not None:

@@ -106,8 +106,15 @@ class LLMEngine:
         if self.events:  # snapshots and keyframes come from the cache, between steps
             self.events.snapshot_fn = self.cache.snapshot
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
-        self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device,
-                                  self.dtype, kv_cache_dtype=config.kv_cache_dtype)
+        if config.tensor_parallel_size > 1:  # rank 0 of N (engine.distributed.tp)
+            from engine.distributed.tp import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,
+                                                self.device, self.dtype)
+        else:
+            self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size,
+                                      self.device, self.dtype,
+                                      kv_cache_dtype=config.kv_cache_dtype)
         self.swapper = None  # the cpu tier's tensors (engine.swapper)
         if num_cpu_blocks:
             from engine.swapper import Swapper
@@ -513,3 +520,6 @@ class LLMEngine:
             self._close_step(0.0, None)
             self.events.close()
             self.events = None
+        close_runner = getattr(self.runner, "close", None)  # tensor-parallel workers
+        if close_runner is not None:
+            close_runner()

@@ -8,6 +8,9 @@
     kvscope inspect --listen-vllm tcp://127.0.0.1:5557    one that connects (vLLM does, for
                                                           a concrete tcp://host:port)
     kvscope inspect capture.vllmtrace      replay a recorded vLLM-format stream
+    kvscope inspect --connect A --connect B    the fleet view: replicas side by side
+    kvscope inspect --connect http://ROUTER    the same, the router's replicas and figures
+    kvscope inspect r0.kvtrace r1.kvtrace      recordings of several replicas, one time axis
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="draw the KV cache live or from a recording (Qt)")
-    p.add_argument("recording", nargs="?", default=None,
-                   help="a .kvtrace recording (default: the bundled sample)")
-    p.add_argument("--connect", metavar="ENDPOINT", default=None,
-                   help="attach to a live engine's event publisher, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("recording", nargs="*", default=None,
+                   help="a .kvtrace recording (default: the bundled sample); several: the "
+                        "fleet view, replayed together on one time axis")
+    p.add_argument("--connect", metavar="ENDPOINT", action="append", default=None,
+                   help="attach to a live engine's event publisher, e.g. tcp://127.0.0.1:5557;"
+                        " repeat it, or give a router's http:// address, for the fleet view")
     p.add_argument("--snapshot-endpoint", metavar="ENDPOINT", default=None,
                    help="the engine's snapshot/replay endpoint (default: --connect's port + 1)")
     p.add_argument("--screenshot", metavar="PNG", default=None,
@@ -49,16 +54,23 @@ def _run(args: argparse.Namespace) -> int:
         print("kvscope inspect: give one of a recording, --connect, --connect-vllm or "
               "--listen-vllm")
         return 2
-    if vllm or (args.recording or "").endswith(".vllmtrace"):
+    if vllm or any(r.endswith(".vllmtrace") for r in args.recording or []):
         from inspector.vllm_app import run_vllm  # Qt loads only here
 
         return run_vllm(endpoint=vllm, bind=bool(args.listen_vllm),
                         replay_endpoint=args.vllm_replay, topic=args.vllm_topic,
                         record_path=args.record_vllm,
-                        recording=None if vllm else args.recording,
+                        recording=None if vllm else args.recording[0],
                         screenshot=args.screenshot, wait_s=args.wait,
                         until_seq=args.step)  # a vLLM recording's "step" is its seq
+    connect, recordings = args.connect or [], args.recording or []
+    if len(connect) > 1 or len(recordings) > 1 or \
+            any(c.startswith(("http://", "https://")) for c in connect):
+        from inspector.fleet import run_fleet  # several replicas side by side
+
+        return run_fleet(recordings, connect, screenshot=args.screenshot, wait_s=args.wait)
     from inspector.app import run  # Qt loads only here
 
-    return run(recording=args.recording, connect=args.connect, screenshot=args.screenshot,
+    return run(recording=recordings[0] if recordings else None,
+               connect=connect[0] if connect else None, screenshot=args.screenshot,
                step=args.step, wait_s=args.wait, snapshot_endpoint=args.snapshot_endpoint)

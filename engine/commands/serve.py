@@ -47,6 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "for (vLLM's name and default); more is a 400")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
+    d = p.add_argument_group("data parallel (kvscope route in front of N replicas)")
+    d.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="start N replicas on loopback and a prefix-aware router on --port")
+    d.add_argument("--routing-policy", default="prefix",
+                   choices=("prefix", "least-load", "round-robin"))
+    d.add_argument("--load-cost-tokens", type=int, default=32, metavar="T",
+                   help="prefix policy: each queued/running request counts as T tokens")
     e = p.add_argument_group("engine (vLLM's names)")
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")
@@ -66,13 +73,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (gloo on CPU, NCCL on CUDA)")
     p.set_defaults(func=_run)
 
 
 ENGINE_FLAGS = ("model", "device", "dtype", "seed", "block_size", "num_gpu_blocks",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
-                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout")
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
+                "tensor_parallel_size")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -95,6 +105,13 @@ def _run(args: argparse.Namespace) -> int:
         print("kvscope serve: --max-n and --max-body-bytes must be >= 1, "
               "--drain-timeout and --max-logprobs >= 0", file=sys.stderr)
         return 2
+    if args.data_parallel_size != 1:
+        if args.data_parallel_size < 1:
+            print("kvscope serve: --data-parallel-size must be >= 1", file=sys.stderr)
+            return 2
+        from engine.router.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               max_n=args.max_n, drain_timeout_s=args.drain_timeout,

@@ -1,0 +1,92 @@
+"""`kvscope route`: a prefix-aware router in front of several `kvscope serve` replicas.
+
+    kvscope route --replica http://127.0.0.1:8001,tcp://127.0.0.1:5557 \
+                  --replica http://127.0.0.1:8002,tcp://127.0.0.1:5559 \
+                  [--policy prefix|least-load|round-robin] [--port 8000] [--model smollm2]
+
+Each replica is ``URL[,EVENTS[,SNAPSHOT]]``: its HTTP address and its event stream
+(``kvscope serve --events``; the snapshot endpoint defaults to the events port + 1).
+Without an event stream a replica is routed by load only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("route", help="route OpenAI requests over several replicas by their "
+                                     "cached prefixes")
+    add_router_args(p)
+    p.add_argument("--replica", action="append", default=[], metavar="URL[,EVENTS]",
+                   required=True, help="a replica: its HTTP URL and event endpoint (repeat)")
+    p.add_argument("--model", default="smollm2",
+                   help="the replicas' model, for its tokenizer and chat template")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_run)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    from engine.router.policy import POLICIES
+
+    p.add_argument("--policy", default="prefix", choices=POLICIES,
+                   help="prefix: least uncached prompt tokens + load (default); "
+                        "least-load; round-robin")
+    p.add_argument("--load-cost-tokens", type=int, default=32, metavar="T",
+                   help="prefix policy: each request queued or running on a replica counts "
+                        "as T prompt tokens to compute there")
+
+
+def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: str | None):
+    """(Router, error message): the error is for the user, the router None then."""
+    from engine.router.app import Router
+    from engine.router.policy import Policy
+    from engine.router.replica import Replica, parse_replica
+
+    try:
+        parsed = [parse_replica(s) for s in specs]
+        pol = Policy(policy, load_cost_tokens)
+    except ValueError as e:
+        return None, str(e)
+    tokenizer = None
+    if model is not None:
+        from engine.model.errors import ModelLoadError
+        from engine.router.prompt_tokens import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(model)
+        except (ModelLoadError, OSError, ValueError) as e:
+            return None, f"cannot load the tokenizer of {model!r}: {e}"
+    replicas = [Replica(f"r{i}", url, ev, snap) for i, (url, ev, snap) in enumerate(parsed)]
+    return Router(replicas, pol, tokenizer), None
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+    import sys
+
+    from engine.server.daemon import bind_socket
+
+    router, err = build_router(args.replica, args.policy, args.load_cost_tokens, args.model)
+    if router is None:
+        print(f"kvscope route: {err}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"kvscope route: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    from engine.router.serve import serve_router
+
+    line = (f"kvscope route: ready on http://{host}:{port} ({len(router.replicas)} "
+            f"replicas, policy {args.policy})")
+    try:
+        asyncio.run(serve_router(router, sock, args.log_level, line))
+    finally:
+        sock.close()
+    print("kvscope route: stopped", file=sys.stderr, flush=True)
+    return 0

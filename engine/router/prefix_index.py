@@ -1,0 +1,93 @@
+"""PrefixIndex: which block hashes one replica's prefix cache holds, kept from its events.
+
+The meaning of each event stays in one place (``KVState.apply``): the index never
+interprets an event itself. After the subscriber has applied a batch to its mirror, the
+index re-reads from the mirror the hash of every block the batch's events name (their
+``blocks``/``src``/``dst`` lists, in every tier), so a ``store`` adds a hash, an
+``evict`` removes one, an ``offload`` adds a host copy, a ``host_hit`` a gpu copy, and a
+kind added later is covered as long as it names its blocks. A snapshot (join, restart,
+resync) or a ``tier_init`` rebuilds the index from the whole mirror.
+
+Invariant (the tests check it against the mirror after every run): ``count[h]`` is the
+number of blocks, over all tiers, whose mirror hash is ``h``; ``by_block[(tier, b)]`` is
+the hash the index believes block ``b`` holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from engine.cache.hashing import chain_hashes
+from engine.events import schema as S
+
+_BLOCK_LISTS = ("blocks", "src", "dst")
+
+
+class PrefixIndex:
+    """Hash -> number of cached copies, for one replica. Not thread-safe: the caller holds
+    the subscriber's lock (updates run under it; readers take it)."""
+
+    def __init__(self) -> None:
+        self.count: Counter[int] = Counter()
+        self.by_block: dict[tuple[str, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_block)
+
+    def rebuild(self, state: Any) -> None:
+        """Forget everything and read every cached block's hash from the mirror."""
+        self.count.clear()
+        self.by_block.clear()
+        for name, tier in state.tiers.items():
+            for b, h in tier.hashes.items():
+                self.by_block[(name, b)] = h
+                self.count[h] += 1
+
+    def on_batch(self, batch: dict[str, Any], state: Any) -> None:
+        """Re-read the blocks this (already applied) batch touched."""
+        events = batch.get("events")
+        if not isinstance(events, list):
+            self.rebuild(state)
+            return
+        for ev in events:
+            if not isinstance(ev, dict) or ev.get("kind") == S.TIER_INIT:
+                self.rebuild(state)
+                return
+            for key in _BLOCK_LISTS:
+                blocks = ev.get(key)
+                if isinstance(blocks, list) and blocks:
+                    for name, tier in state.tiers.items():
+                        for b in blocks:
+                            if isinstance(b, int) and 0 <= b < tier.num_blocks:
+                                self._sync(name, b, tier.hashes.get(b))
+
+    def _sync(self, tier: str, block: int, h: int | None) -> None:
+        key = (tier, block)
+        old = self.by_block.get(key)
+        if old == h:
+            return
+        if old is not None:
+            self.count[old] -= 1
+            if self.count[old] <= 0:
+                del self.count[old]
+            del self.by_block[key]
+        if h is not None:
+            self.by_block[key] = h
+            self.count[h] += 1
+
+    def matched_blocks(self, chain: list[int]) -> int:
+        """How many leading hashes of a prompt's block chain this replica holds."""
+        n = 0
+        for h in chain:
+            if h not in self.count:
+                break
+            n += 1
+        return n
+
+
+def prompt_chain(token_ids: list[int], block_size: int) -> list[int]:
+    """The block hashes the engine would look up for this prompt: every full block of all
+    but the last token (a full hit leaves the last token to compute, as in the engine's
+    ``match_prefix``), unsalted."""
+    return chain_hashes(token_ids[:max(len(token_ids) - 1, 0)], block_size)
