@@ -20,6 +20,8 @@ from typing import Any
 
 from engine.cache.hashing import chain_hashes
 from engine.events import schema as S
+from engine.events.schema import ProtocolError
+from engine.events.state import unpack_ids
 
 _BLOCK_LISTS = ("blocks", "src", "dst")
 
@@ -55,8 +57,14 @@ class PrefixIndex:
                 self.rebuild(state)
                 return
             for key in _BLOCK_LISTS:
-                blocks = ev.get(key)
-                if isinstance(blocks, list) and blocks:
+                if key not in ev:
+                    continue
+                try:  # a list (protocol 1) or packed int32 bytes (protocol 2)
+                    blocks = unpack_ids(ev[key])
+                except ProtocolError:
+                    self.rebuild(state)
+                    return
+                if blocks:
                     for name, tier in state.tiers.items():
                         for b in blocks:
                             if isinstance(b, int) and 0 <= b < tier.num_blocks:
