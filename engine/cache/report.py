@@ -18,6 +18,7 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
                 "format": p.kv_format,
                 "ref": list(p.ref),
                 "hash": [None if e is None else e[0] for e in p.entry],
+                "block_formats": _block_formats(p),
             }
             for name, p in sorted(m.pools.items())
         },
@@ -31,6 +32,14 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
             for sid, s in sorted(m._seqs.items())
         },
     }
+
+
+def _block_formats(pool) -> dict[int, str]:
+    """Blocks whose format differs from the tier's (demoted pages; engine.cache.mixed_pool)."""
+    fmt = getattr(pool, "fmt", None)
+    if fmt is None:
+        return {}
+    return {b: f for b, f in enumerate(fmt) if f != pool.kv_format}
 
 
 def metrics(m: KVCacheManager) -> dict[str, Any]:

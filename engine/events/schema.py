@@ -32,7 +32,10 @@ Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id 
     swap_in      seq, src, dst                           seq's table moves cpu src -> gpu dst
     offload      src, dst, hashes                        cached gpu blocks written to host dst
     host_hit     seq, src, dst, tokens                   host-cached src loaded into gpu dst
-    quantize     tier, blocks, format                    (reserved) per-block format change
+    quantize     tier, blocks, format                    demotion: the blocks' format changes
+                                                         in place (refs, hashes, tables kept);
+                                                         a block that becomes free reverts to
+                                                         the tier's format
 
 ``stats`` is a free-form map; known keys: gauges running, waiting, swapped,
 scheduled_tokens, prefill_tokens, decode_tokens, step_time_s and "tiers": {tier: {"total",

@@ -35,6 +35,8 @@ class TierState:
     format: str = "auto"
     ref: np.ndarray = field(default=None)  # int32 [num_blocks]
     hashes: dict[int, int] = field(default_factory=dict)  # block id -> hash (cached blocks)
+    # block id -> format, only for blocks whose format differs from the tier's (quantize)
+    formats: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.ref is None:
@@ -105,6 +107,7 @@ class KVState:
                     "format": t.format,
                     "ref": t.ref.tolist(),
                     "hash": [t.hashes.get(b) for b in range(t.num_blocks)],
+                    "block_formats": dict(sorted(t.formats.items())),
                 }
                 for name, t in sorted(self.tiers.items())
             },
@@ -135,6 +138,7 @@ class KVState:
                     "ref": t.ref.tolist(),
                     "hashed": list(t.hashes.keys()),
                     "hashes": list(t.hashes.values()),
+                    "block_formats": {str(b): f for b, f in t.formats.items()},
                 }
                 for name, t in self.tiers.items()
             },
@@ -169,6 +173,8 @@ class KVState:
                     raise ProtocolError(f"snapshot tier {name}: ref has {ref.shape} entries")
                 tier.ref = ref
                 tier.hashes = dict(zip(t["hashed"], t["hashes"], strict=True))
+                tier.formats = {int(b): str(f) for b, f in
+                                (t.get("block_formats") or {}).items()}
                 st.tiers[name] = tier
             for s in snap["seqs"]:
                 st.seqs[s["seq"]] = SeqState(
@@ -196,7 +202,8 @@ class KVState:
                 name: {"num_blocks": t["num_blocks"], "block_size": t["block_size"],
                        "format": t["format"], "ref": t["ref"],
                        "hashed": [b for b, h in enumerate(t["hash"]) if h is not None],
-                       "hashes": [h for h in t["hash"] if h is not None]}
+                       "hashes": [h for h in t["hash"] if h is not None],
+                       "block_formats": t.get("block_formats") or {}}
                 for name, t in canon["tiers"].items()
             },
             "seqs": [{"seq": sid, **s} for sid, s in canon["seqs"].items()],
@@ -208,7 +215,7 @@ class KVState:
         st = KVState()
         st.tiers = {
             n: TierState(t.name, t.num_blocks, t.block_size, t.format, t.ref.copy(),
-                         dict(t.hashes))
+                         dict(t.hashes), dict(t.formats))
             for n, t in self.tiers.items()
         }
         st.seqs = {sid: _copy_seq(s) for sid, s in self.seqs.items()}
@@ -397,6 +404,7 @@ class KVState:
         for b in blocks:
             self._save_hash(t, b)
             del t.hashes[b]
+        self._drop_formats(t, blocks)
 
     def _free(self, ev: dict[str, Any]) -> None:
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), list(ev["blocks"])
@@ -406,6 +414,7 @@ class KVState:
         _add(t.ref, blocks, -1)
         s.block_table = []
         s.num_tokens = 0
+        self._drop_formats(t, blocks)
 
     def _fork(self, ev: dict[str, Any]) -> None:
         t, s, parent = self._tier(ev["tier"]), self._seq(ev["seq"]), self._seq(ev["parent"])
@@ -482,6 +491,34 @@ class KVState:
         _add(a.ref, src, -1)
         _add(b.ref, dst, 1)
         s.tier, s.block_table = dst_tier, dst
+        self._drop_formats(a, src)
+
+    def _quantize(self, ev: dict[str, Any]) -> None:
+        """Demotion: the blocks' format changes in place; refs, hashes and tables do not.
+        Only blocks holding K/V (ref > 0 or cached) can be quantized; a block's format
+        reverts to the tier's when it becomes free (``_drop_formats``)."""
+        t, blocks, fmt = self._tier(ev["tier"]), list(ev["blocks"]), ev["format"]
+        t.check_ids(blocks)
+        if fmt not in S.KV_FORMATS:
+            raise ProtocolError(f"quantize: unknown format {fmt!r}")
+        for b in blocks:
+            if t.ref[b] == 0 and b not in t.hashes:
+                raise ProtocolError(f"quantize: {t.name} block {b} is free")
+        for b in blocks:
+            self._save_item(t.formats, b)
+            if fmt == t.format:
+                t.formats.pop(b, None)
+            else:
+                t.formats[b] = fmt
+
+    def _drop_formats(self, t: TierState, blocks: list[int]) -> None:
+        """Blocks that became free (ref 0, unhashed) lose their page, hence their format."""
+        if not t.formats:
+            return
+        for b in blocks:
+            if b in t.formats and t.ref[b] == 0 and b not in t.hashes:
+                self._save_item(t.formats, b)
+                del t.formats[b]
 
     def _swap_out(self, ev: dict[str, Any]) -> None:
         self._move(ev, "gpu", "cpu")
@@ -567,4 +604,5 @@ _HANDLERS = {
     S.SWAP_IN: KVState._swap_in,
     S.OFFLOAD: KVState._offload,
     S.HOST_HIT: KVState._host_hit,
+    S.QUANTIZE: KVState._quantize,
 }
