@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import mixed_kv
 from engine.cache import KVCacheManager
 from engine.cache.page_format import check_supported, page_format
 from engine.completion import CompletionState
@@ -66,6 +67,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
+        # --kv-demotion: an arena of frames (engine.mixed_kv); num_blocks then counts frames
+        self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
         num_blocks = self._num_kv_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
         self.events = self._open_events()
@@ -74,6 +77,8 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
+            demotion=mixed_kv.demotion_policy(self.mixed, config.kv_hot_window)
+            if self.mixed else None,
         )
         if self.events:
             # Re-seeds the stream's mirror if it ever drops a batch (called at a step boundary).
@@ -83,7 +88,8 @@ class LLMEngine:
                 self.cache.snapshot()).snapshot()
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
         self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size, self.device,
-                                  self.dtype, kv_cache_dtype=config.kv_cache_dtype)
+                                  self.dtype, kv_cache_dtype=config.kv_cache_dtype,
+                                  mixed=self.mixed)
         self.swapper = None  # the cpu tier's tensors (engine.swapper)
         if num_cpu_blocks:
             from engine.swapper import Swapper
@@ -103,6 +109,8 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         per_block = self.page_format.bytes_per_block  # scales included
+        if self.mixed is not None:
+            per_block = mixed_kv.bytes_per_frame(self.mixed, self.model_config.num_layers)
         if cfg.num_gpu_blocks is not None:
             return cfg.num_gpu_blocks
         if cfg.kv_cache_memory_bytes is not None:
@@ -265,15 +273,23 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.cache.demote_cold_blocks()  # no-op without --kv-demotion
         out = self.scheduler.schedule()
+        if self.mixed is not None:  # before copy-on-write and the forward pass
+            self.runner.demote(self.cache.take_demotion_orders())
         if self.swapper is not None:  # before copy-on-write (cache.take_swap_rounds)
             self.swapper.execute(self.cache.take_swap_rounds())
         touched: dict[str, _Request] = {}
         for seq in out.truncated:
             touched[seq.request_id] = self.requests[seq.request_id]
         if not out.is_empty:
-            self.runner.copy_blocks(self.cache.take_copy_orders())
+            orders = self.cache.take_copy_orders()
             tables = [self.cache.block_table(s.seq.seq_id) for s in out.scheduled]
+            if self.mixed is not None:  # the kernels read page codes
+                codes = self.cache.page_codes
+                orders = [(codes([a])[0], codes([b])[0]) for a, b in orders]
+                tables = [codes(t) for t in tables]
+            self.runner.copy_blocks(orders)
             batch = self.runner.prepare(out.scheduled, tables)
             logits = self.runner.execute(batch)
             self._process(out, logits, touched)
@@ -367,6 +383,7 @@ class LLMEngine:
             "query_tokens": m["prefix_query_tokens"],
             "evictions": m["evictions"],
             "cow_copies": m["cow_copies"],
+            "demoted_blocks": m["demoted_blocks"],
             "used_tokens": m["used_tokens"],
             "tiers": m["tiers"],
         }

@@ -252,15 +252,3 @@ def copy_frames(tensors: list[torch.Tensor], mapping: torch.Tensor) -> None:
     for t in tensors:
         t.index_copy_(0, dst, t.index_select(0, src))
 
-
-def write_tokens(layout: MixedLayout, key: torch.Tensor, value: torch.Tensor,
-                 k_arena: torch.Tensor, v_arena: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """New tokens go into full-precision pages only (hot pages are never quantized):
-    slot = frame * block_size + offset, as ``kernels.reshape_and_cache`` over the arena's
-    full view."""
-    from kernels import reshape_and_cache
-
-    full_k = k_arena.view(layout.dtype)
-    full_v = v_arena.view(layout.dtype)
-    reshape_and_cache(key, value, full_k, full_v, slot_mapping)

@@ -96,6 +96,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
         "stored_blocks": gpu.num_stored,
         "evictions": gpu.num_evictions,
         "cow_copies": m.num_cow_copies,
+        "demoted_blocks": getattr(gpu, "num_demoted", 0),
         "preemptions": m.num_preemptions,
         "num_seqs": len(m._seqs),
         "swapped": m.num_swapped,
