@@ -273,7 +273,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        self.cache.demote_cold_blocks()  # no-op without --kv-demotion
+        if self.mixed is not None:  # make room for the next admission by demoting first
+            self.cache.demote_cold_blocks(mixed_kv.admission_need(self.scheduler))
         out = self.scheduler.schedule()
         if self.mixed is not None:  # before copy-on-write and the forward pass
             self.runner.demote(self.cache.take_demotion_orders())

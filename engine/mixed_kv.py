@@ -35,6 +35,19 @@ def bytes_per_frame(layout: mp.MixedLayout, num_layers: int) -> int:
     return 2 * num_layers * layout.frame_bytes
 
 
+def admission_need(scheduler) -> int:
+    """Blocks the first waiting sequence's next chunk needs (0: none waiting): demotion
+    frees that many frames before the scheduler would evict cached prefixes or leave the
+    sequence waiting. Capped by the running-sequence limit: no room is made for a
+    sequence that could not run anyway."""
+    cfg = scheduler.config
+    if not scheduler.waiting or len(scheduler.running) >= cfg.max_num_seqs:
+        return 0
+    seq = scheduler.waiting[0]
+    n = min(seq.num_tokens_to_compute, cfg.max_num_batched_tokens)
+    return -(-n // cfg.block_size)
+
+
 def demotion_policy(layout: mp.MixedLayout, hot_window: int) -> DemotionPolicy:
     return DemotionPolicy(layout.formats, {f: layout.subs(f) for f in layout.formats},
                           hot_window)

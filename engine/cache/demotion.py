@@ -2,8 +2,10 @@
 
 ``plan_demotion`` runs between engine steps. When the gpu pool's *free frames* (not
 counting cached blocks that could be evicted: demoting those is what keeps them) fall
-under ``low`` x frames, it demotes the coldest full blocks until ``high`` x frames are
-free, in at most two batches, one ``quantize`` event each:
+under ``low`` x frames, or under the frames the first waiting request's next chunk needs
+(the engine passes it as ``reserve``), it demotes the coldest full blocks until ``high`` x
+frames (at least ``reserve``) are free, in at most two batches, one ``quantize`` event
+each:
 
 1. full-precision blocks -> ``formats[0]``;
 2. if still short and two formats are enabled: ``formats[0]`` blocks -> ``formats[1]``,
@@ -72,13 +74,14 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return tuple(f.strip() for f in text.split(","))
 
 
-def plan_demotion(m: KVCacheManager) -> list[tuple[int, int]]:
-    """Demote cold blocks of ``m``'s gpu pool if it is under the watermark; returns the
-    (old, new) page codes of every demoted block, in batch order."""
+def plan_demotion(m: KVCacheManager, reserve: int = 0) -> list[tuple[int, int]]:
+    """Demote cold blocks of ``m``'s gpu pool if it is under the watermark, or has fewer
+    free frames than ``reserve`` (what the next admission needs); returns the (old, new)
+    page codes of every demoted block, in batch order."""
     policy, pool = m.demotion, m.gpu
-    low = math.ceil(policy.low * pool.num_frames)
-    high = math.ceil(policy.high * pool.num_frames)
-    if len(pool.free_frames) >= max(low, 1) or high == 0:
+    low = max(math.ceil(policy.low * pool.num_frames), 1, reserve)
+    high = max(math.ceil(policy.high * pool.num_frames), reserve)
+    if len(pool.free_frames) >= low or high == 0:
         return []
     coldness = _coldness(m, policy.hot_window)
     orders: list[tuple[int, int]] = []

@@ -610,15 +610,16 @@ class KVCacheManager:
         copy-on-write orders and forward pass."""
         return plan_rounds(self.host.take_orders()) if self.host is not None else []
 
-    def demote_cold_blocks(self) -> int:
-        """With demotion on and free frames under the policy's watermark: demote the coldest
-        full blocks (engine.cache.demotion) and queue their (old, new) page codes for the
-        runner; returns how many. Call between steps (every block in a table then holds
+    def demote_cold_blocks(self, reserve: int = 0) -> int:
+        """With demotion on and free frames under the policy's watermark (or under
+        ``reserve``, the frames the next admission needs): demote the coldest full blocks
+        (engine.cache.demotion) and queue their (old, new) page codes for the runner;
+        returns how many. Call between steps (every block in a table then holds
         computed K/V), before ``schedule``; the runner executes the orders before the
         step's copy-on-write orders and forward pass."""
         if self.demotion is None:
             return 0
-        orders = plan_demotion(self)  # (old, new) per move, in order
+        orders = plan_demotion(self, reserve)  # (old, new) per move, in order
         self._demotion_orders += orders
         return len(orders)
 

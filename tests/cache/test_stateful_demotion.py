@@ -65,12 +65,13 @@ class DemotionMachine(CacheMachine):
 
     def _allocate(self, sid: str, n: int) -> None:
         super()._allocate(sid, n)
-        self.demote()  # the engine demotes between steps, i.e. after every step's writes
+        self.demote(0)  # the engine demotes between steps, i.e. after every step's writes
 
-    @rule()
-    def demote(self):
+    @rule(reserve=st.integers(0, 8))
+    def demote(self, reserve: int):
+        """``reserve``: frames the next admission needs (the engine's hint)."""
         before = self.m.gpu.num_demoted
-        n = self.m.demote_cold_blocks()
+        n = self.m.demote_cold_blocks(reserve)
         orders = self.m.take_demotion_orders()
         assert self.m.gpu.num_demoted - before == n >= len(orders)
         assert len({new for _, new in orders}) == len(orders)
