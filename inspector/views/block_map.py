@@ -59,13 +59,26 @@ _DIM[: P.DIM_OFFSET] += P.DIM_OFFSET
 _DIM[P.OWNER_BASE: P.OWNER_DIM_BASE] += P.OWNER_DIM_BASE - P.OWNER_BASE
 
 
+def mark_demoted(state: KVState, tier: str, codes: np.ndarray) -> np.ndarray:
+    """Used/shared blocks whose own format differs from the tier's (``quantize``) get the
+    demoted codes, in place; returns ``codes``."""
+    formats = state.tiers[tier].formats
+    if formats:
+        idx = np.fromiter(formats.keys(), dtype=np.int64, count=len(formats))
+        sub = codes[idx]
+        sub[sub == S.BLOCK_USED] = P.CODE_DEMOTED_USED
+        sub[sub == S.BLOCK_SHARED] = P.CODE_DEMOTED_SHARED
+        codes[idx] = sub
+    return codes
+
+
 def cell_codes(state: KVState, tier: str, *, by_owner: bool = False,
                highlight: list[int] | None = None, selected: int | None = None,
                codes: np.ndarray | None = None) -> np.ndarray:
     """The 1-D LUT codes of ``tier``'s cells (length num_blocks), as the map draws them.
 
     ``codes``: ``state.block_codes(tier)`` if the caller already has it (it is modified)."""
-    codes = state.block_codes(tier) if codes is None else codes
+    codes = mark_demoted(state, tier, state.block_codes(tier)) if codes is None else codes
     if by_owner:
         blocks, slots = owner_slots(state, tier)
         single = codes[blocks] == S.BLOCK_USED  # ref 1: exactly one owner
@@ -96,11 +109,11 @@ def describe_block(state: KVState, tier: str, block: int,
     if not owners and h is not None:
         filled = t.block_size  # only full blocks enter the prefix cache
     if code is None:
-        code = int(state.block_codes(tier)[block])
+        code = int(mark_demoted(state, tier, state.block_codes(tier))[block])
     return {
         "tier": tier, "block": block, "state": P.state_labels(tier, t.format)[code],
         "ref": int(t.ref[block]), "filled": filled, "block_size": t.block_size,
-        "hash": h, "format": t.format, "owners": owners,
+        "hash": h, "format": t.formats.get(block, t.format), "owners": owners,
     }
 
 
@@ -204,7 +217,8 @@ class BlockMapView(QWidget):
     # ------------------------------------------------------------- drawing
     def refresh(self) -> None:
         st = self.model.state
-        key = tuple((n, t.num_blocks, t.format) for n, t in sorted(st.tiers.items()))
+        key = tuple((n, t.num_blocks, t.format, bool(t.formats))
+                    for n, t in sorted(st.tiers.items()))
         if key != self._layout_key:
             self._rebuild(st)
             self._layout_key = key
@@ -213,9 +227,9 @@ class BlockMapView(QWidget):
         for name, panel in self.panels.items():
             t = st.tiers[name]
             panel.configure(t.num_blocks, t.block_size, t.format)
-            base = st.block_codes(name)
+            base = mark_demoted(st, name, st.block_codes(name))
             panel.base = base.copy()
-            counts[name] = np.bincount(base, minlength=4)
+            counts[name] = np.bincount(base, minlength=8)
             panel.draw(cell_codes(
                 st, name, by_owner=self.by_owner.isChecked(),
                 highlight=self.model.highlighted_blocks(name),
@@ -239,7 +253,8 @@ class BlockMapView(QWidget):
         seen: set[tuple[str, str]] = set()
         for name, t in st.tiers.items():
             colours, labels = P.state_colours(name, t.format), P.state_labels(name, t.format)
-            for code in (S.BLOCK_FREE, S.BLOCK_CACHED, S.BLOCK_USED, S.BLOCK_SHARED):
+            demoted = (P.CODE_DEMOTED_USED, P.CODE_DEMOTED_SHARED) if t.formats else ()
+            for code in (S.BLOCK_FREE, S.BLOCK_CACHED, S.BLOCK_USED, S.BLOCK_SHARED, *demoted):
                 if (colours[code], labels[code]) not in seen:
                     seen.add((colours[code], labels[code]))
                     self._legend_entries.append((colours[code], labels[code], name, code))
