@@ -219,15 +219,25 @@ def paged_attention(q: torch.Tensor, layout: MixedLayout, k_arena: torch.Tensor,
 def demote(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
            src_codes: torch.Tensor, dst_codes: torch.Tensor) -> None:
     """Re-encode pages ``src_codes[i]`` as ``dst_codes[i]`` (int8 or int4 sub-pages), in
-    place, for one arena (call once per layer for K and for V). Batched: every source is
-    read before any destination is written, so a destination may reuse a source's frame
-    only if the planner allows it (it does not: engine.cache.mixed_pool). Same
-    quantization as ``kernels.quant`` (what reshape_and_cache writes into int8/int4 pages).
-    """
+    place, for one arena (call once per layer for K and for V). Batched, in two phases:
+    every source is gathered (dequantized, fp32) before any destination is written, so a
+    destination may lie in a frame a source of the same batch leaves (the planner packs
+    demoted pages into their own emptied frames: engine.cache.mixed_pool). Phase 2 is one
+    Triton launch on CUDA (``triton_cache.demote_scatter``), torch index_put on CPU; both
+    write the codes and scales of ``kernels.quant`` (what reshape_and_cache writes)."""
     if src_codes.numel() == 0:
         return
     values = read_pages(layout, arena, scales, src_codes, torch.float32)
     fid, frame, sub = decode_codes(dst_codes, layout)
+    if bool((fid == FULL).any()):
+        raise ValueError("demotion targets must be int8 or int4 pages")
+    from kernels.backend import select_backend
+
+    if select_backend(arena.device) == "triton":  # one scatter launch for the batch
+        from kernels import triton_cache
+
+        triton_cache.demote_scatter(layout, arena, scales, values, dst_codes)
+        return
     views = layout.views(arena)
     for fmt in layout.formats:
         rows = (fid == FORMAT_IDS[fmt]).nonzero().flatten()
@@ -239,8 +249,6 @@ def demote(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
         p = quant.scale_params(fmt)
         cols = s[:, None] * p + torch.arange(p, device=s.device)
         scales[fr[:, None], :, :, cols] = sc.permute(0, 3, 1, 2)
-    if bool((fid == FULL).any()):
-        raise ValueError("demotion targets must be int8 or int4 pages")
 
 
 def copy_frames(tensors: list[torch.Tensor], mapping: torch.Tensor) -> None:
