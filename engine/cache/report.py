@@ -42,13 +42,21 @@ def _block_formats(pool) -> dict[int, str]:
     return {b: f for b, f in enumerate(fmt) if f != pool.kv_format}
 
 
+def _block_usage(pool) -> float:
+    if not hasattr(pool, "num_frames"):
+        return pool.num_used_blocks / pool.num_blocks
+    return (pool.num_frames - len(pool.free_frames) - pool.num_reclaimable) / pool.num_frames
+
+
 def metrics(m: KVCacheManager) -> dict[str, Any]:
     """Counters and gauges of the cache (gpu tier unless per tier):
 
     tiers               {tier: {"total", "used", "cached", "free"}} blocks: used = ref > 0,
                         cached = ref 0 but hashed (evictable), free = ref 0 unhashed; the
                         shape of the step stats' "tiers" map (schema docstring)
-    block_usage         used / total blocks
+    block_usage         used / total blocks (a mixed-precision pool, --kv-demotion: frames
+                        held by pages in use / frames; "tiers" stays in block ids, which
+                        is what the event mirror and the block map count)
     token_usage         used_tokens / (total blocks * block_size)
     used_tokens         token slots filled in used blocks (a shared block counts once):
                         differs from used blocks * block_size by the partial last blocks
@@ -56,6 +64,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
     prefix_hit_rate     hit / query tokens
     stored_blocks       blocks ever indexed; evictions: cached blocks ever evicted
     cow_copies          copy-on-write copies; preemptions; num_seqs (known sequences)
+    demoted_blocks      blocks ever demoted (a block demoted twice counts twice)
     cpu tier (zeros without one):
     swapped             sequences swapped out now; swap_outs, swap_ins: sequences moved
     swap_out_blocks     table entries moved to the host (a block shared on the host counts
@@ -87,7 +96,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
     h = m.host
     return {
         "tiers": tiers,
-        "block_usage": gpu.num_used_blocks / gpu.num_blocks,
+        "block_usage": _block_usage(gpu),
         "token_usage": used_tokens / (gpu.num_blocks * bs),
         "used_tokens": used_tokens,
         "prefix_query_tokens": m.num_query_tokens,
