@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
-    p.add_argument("--tokens", type=int, default=2048, help="teacher-forced tokens")
+    p.add_argument("--tokens", type=int, default=2048,
+                   help="teacher-forced tokens (0: skip the accuracy part)")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
@@ -81,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
                 rows[c]["greedy_same_as_full"] = round(same / max(1, len(base)), 3)
         rows["full"]["greedy_same_as_full"] = 1.0
         result[name] = rows
-    ids = loaded[1].encode(Path(args.text).read_text())[: args.tokens]
-    result["accuracy"] = teacher_forced(loaded, ids, args)
+    if args.tokens >= 2:
+        ids = loaded[1].encode(Path(args.text).read_text())[: args.tokens]
+        result["accuracy"] = teacher_forced(loaded, ids, args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         print(json.dumps(result))
