@@ -32,6 +32,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    # Mixed-precision pages: demote cold blocks in place ("int8", "int4", "int8,int4";
+    # "" = off) instead of evicting first; never within a sequence's last kv_hot_window
+    # tokens (engine.cache.demotion).
+    kv_demotion: str = ""
+    kv_hot_window: int = 256
     kv_layout: str = "paged"
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"
@@ -63,6 +68,16 @@ class EngineConfig:
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        demotion = [f.strip() for f in self.kv_demotion.split(",")] if self.kv_demotion else []
+        need(demotion in ([], ["int8"], ["int4"], ["int8", "int4"]),
+             f"kv_demotion must be int8, int4 or int8,int4, got {self.kv_demotion!r}")
+        need(not demotion or self.kv_cache_dtype == "auto",
+             "kv_demotion keeps hot pages at full precision: it needs kv_cache_dtype='auto', "
+             f"got {self.kv_cache_dtype!r}")
+        need(not demotion or (self.swap_space == 0 and self.kv_layout == "paged"),
+             "kv_demotion needs the paged layout and no swap space (swap_space=0)")
+        need(isinstance(self.kv_hot_window, int) and self.kv_hot_window >= 0,
+             f"kv_hot_window must be an int >= 0 tokens, got {self.kv_hot_window!r}")
         need(self.kv_layout in KV_LAYOUTS,
              f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         need(self.preemption_mode in PREEMPTION_MODES,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import mixed_kv
 from engine.cache import KVCacheManager
 from engine.cache.page_format import check_supported, page_format
 from engine.completion import CompletionState
@@ -91,6 +92,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
+        # --kv-demotion: an arena of frames (engine.mixed_kv); num_blocks then counts frames
+        self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
         num_blocks = self._num_kv_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
         # Held while the cache changes: the event stream's thread snapshots the cache (for
@@ -102,11 +105,16 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
+            demotion=mixed_kv.demotion_policy(self.mixed, config.kv_hot_window)
+            if self.mixed else None,
         )
         if self.events:  # snapshots and keyframes come from the cache, between steps
             self.events.snapshot_fn = self.cache.snapshot
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
         if config.tensor_parallel_size > 1:  # rank 0 of N (engine.distributed.tp)
+            if self.mixed is not None:
+                raise ValueError("--kv-demotion is not supported with "
+                                 "--tensor-parallel-size > 1")
             from engine.distributed.tp import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,
@@ -114,7 +122,7 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size,
                                       self.device, self.dtype,
-                                      kv_cache_dtype=config.kv_cache_dtype)
+                                      kv_cache_dtype=config.kv_cache_dtype, mixed=self.mixed)
         self.swapper = None  # the cpu tier's tensors (engine.swapper)
         if num_cpu_blocks:
             from engine.swapper import Swapper
@@ -136,6 +144,8 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         per_block = self.page_format.bytes_per_block  # scales included
+        if self.mixed is not None:
+            per_block = mixed_kv.bytes_per_frame(self.mixed, self.model_config.num_layers)
         if cfg.num_gpu_blocks is not None:
             return cfg.num_gpu_blocks
         if cfg.kv_cache_memory_bytes is not None:
@@ -326,15 +336,24 @@ class LLMEngine:
     @_holding_cache_lock
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.mixed is not None:  # make room for the next admission by demoting first
+            self.cache.demote_cold_blocks(mixed_kv.admission_need(self.scheduler))
         out = self.scheduler.schedule()
+        if self.mixed is not None:  # before copy-on-write and the forward pass
+            self.runner.demote(self.cache.take_demotion_orders())
         if self.swapper is not None:  # before copy-on-write (cache.take_swap_rounds)
             self.swapper.execute(self.cache.take_swap_rounds())
         touched: dict[str, _Request] = {}
         for seq in out.truncated:
             touched[seq.request_id] = self.requests[seq.request_id]
         if not out.is_empty:
-            self.runner.copy_blocks(self.cache.take_copy_orders())
+            orders = self.cache.take_copy_orders()
             tables = [self.cache.block_table(s.seq.seq_id) for s in out.scheduled]
+            if self.mixed is not None:  # the kernels read page codes
+                codes = self.cache.page_codes
+                orders = [(codes([a])[0], codes([b])[0]) for a, b in orders]
+                tables = [codes(t) for t in tables]
+            self.runner.copy_blocks(orders)
             batch = self.runner.prepare(out.scheduled, tables)
             plan = self._prompt_logprob_plan(out)
             logits, kept = self.runner.execute_keeping(
@@ -498,6 +517,7 @@ class LLMEngine:
             "query_tokens": m["prefix_query_tokens"],
             "evictions": m["evictions"],
             "cow_copies": m["cow_copies"],
+            "demoted_blocks": m["demoted_blocks"],
             "used_tokens": m["used_tokens"],
             "tiers": m["tiers"],
         }

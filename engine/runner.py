@@ -107,16 +107,23 @@ def keep_freed_memory() -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, *,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", mixed=None) -> None:
         self.model, self.cfg = model, model_config
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         if device.type == "cpu":
             keep_freed_memory()
         # kv_dtype: the model dtype, which "auto" pages use; others: engine.cache.page_format
+        # (a mixed arena replaces these pages: one block of each stays as a placeholder)
         self.kv = page_format(kv_cache_dtype, kv_dtype, model_config, block_size).allocate(
-            num_blocks, device)
+            num_blocks if mixed is None else 1, device)
         self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
         self.attn = PagedAttention(self.kv, model_config.head_dim ** -0.5)
+        self.mixed_kv = None  # mixed-precision arena (engine.mixed_kv), ``mixed`` = its layout
+        if mixed is not None:
+            from engine.mixed_kv import MixedKV, MixedPagedAttention
+
+            self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
+            self.attn = MixedPagedAttention(self.mixed_kv, model_config.head_dim ** -0.5)
 
     def prepare(self, scheduled: list[ScheduledSeq],
                 block_tables: list[list[int]]) -> StepBatch:
@@ -139,7 +146,12 @@ class ModelRunner:
         table = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
         for i, t in enumerate(block_tables):
             table[i, :len(t)] = t
-        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        pages = table[seq_of_token, positions // bs]
+        if self.mixed_kv is not None:  # tables hold page codes; tokens go to full pages
+            if total and bool((pages & 3).any()):
+                raise RuntimeError("a token was scheduled into a demoted (quantized) page")
+            pages = self.mixed_kv.frames_of(pages)
+        slots = pages * bs + positions % bs
         seq_lens = starts + lens_q
         sample_rows = [int(cu[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples]
         dev = self.device
@@ -179,10 +191,19 @@ class ModelRunner:
         """fp32 logits [N, vocab] of final hidden states [N, hidden]."""
         return self.model.compute_logits(hidden).float()
 
+    def demote(self, orders: list[tuple[int, int]]) -> None:
+        """Execute the cache manager's demotion orders (page codes), before copy-on-write."""
+        if orders:
+            self.mixed_kv.demote(orders)
+
     @torch.inference_mode()
     def copy_blocks(self, orders: list[tuple[int, int]]) -> None:
-        """Execute copy-on-write orders (src -> dst) before the step that needs them."""
-        if orders:
+        """Execute copy-on-write orders (src -> dst) before the step that needs them (mixed
+        arena: page codes of full-precision pages)."""
+        if orders and self.mixed_kv is not None:
+            frames = self.mixed_kv.frames_of(np.asarray(orders, dtype=np.int64))
+            self.mixed_kv.copy(frames.tolist())
+        elif orders:
             mapping = torch.tensor(orders, dtype=torch.int64, device=self.device)
             per_token = self.kv.format.scale_params > 0  # int8/int4 scales move with pages
             kernels.copy_blocks(self.k_caches, self.v_caches, mapping,

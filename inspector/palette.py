@@ -7,7 +7,8 @@ entries, Qt's Indexed8 fast path) draws every mode:
     0..3    block state (as KVState.block_codes gives it)
     4       padding cell (grid is wider than the tier)
     5       the selected block
-    8..11   the same states, dimmed (a selection is active and the block is not in it)
+    6, 7    used / shared blocks demoted to a quantized format (per-block ``quantize``)
+    8..15   codes 0..7 dimmed (a selection is active and the block is not in it)
     16..39  owner colours (colour-by-owner mode), 40..63 the same dimmed
 """
 
@@ -48,7 +49,7 @@ SELECTED = "#ffffff"
 SERIES = {
     "used": USED, "cached": CACHED, "free": "#3a4152", "hit": ACCENT, "running": USED,
     "waiting": WARN, "swapped": SWAPPED, "throughput": "#d9d27a", "preempt": ERROR,
-    "evict": "#e07f3c",
+    "evict": "#e07f3c", "demote": QUANT_USED,
 }
 
 # Distinct, not-too-saturated owner colours (colour-by-owner mode).
@@ -60,6 +61,8 @@ OWNER_COLOURS = (
 
 CODE_PAD = 4
 CODE_SELECTED = 5
+CODE_DEMOTED_USED = 6
+CODE_DEMOTED_SHARED = 7
 DIM_OFFSET = 8
 OWNER_BASE = 16
 OWNER_DIM_BASE = OWNER_BASE + len(OWNER_COLOURS)
@@ -104,7 +107,8 @@ def state_colours(tier: str, fmt: str) -> dict[int, str]:
     quant = fmt in QUANTIZED_FORMATS
     return {S.BLOCK_FREE: FREE, S.BLOCK_CACHED: CACHED,
             S.BLOCK_USED: QUANT_USED if quant else USED,
-            S.BLOCK_SHARED: QUANT_SHARED if quant else SHARED}
+            S.BLOCK_SHARED: QUANT_SHARED if quant else SHARED,
+            CODE_DEMOTED_USED: QUANT_USED, CODE_DEMOTED_SHARED: QUANT_SHARED}
 
 
 def state_labels(tier: str, fmt: str) -> dict[int, str]:
@@ -113,7 +117,8 @@ def state_labels(tier: str, fmt: str) -> dict[int, str]:
                 S.BLOCK_USED: "swapped out", S.BLOCK_SHARED: "swapped, shared"}
     q = f" ({fmt})" if fmt in QUANTIZED_FORMATS else ""
     return {S.BLOCK_FREE: "free", S.BLOCK_CACHED: "cached (evictable)",
-            S.BLOCK_USED: f"in use{q}", S.BLOCK_SHARED: f"shared{q}"}
+            S.BLOCK_USED: f"in use{q}", S.BLOCK_SHARED: f"shared{q}",
+            CODE_DEMOTED_USED: "in use (demoted)", CODE_DEMOTED_SHARED: "shared (demoted)"}
 
 
 def block_lut(tier: str, fmt: str) -> np.ndarray:

@@ -18,13 +18,13 @@ from engine.events import schema as S
 COLUMNS = (
     "step", "time", "gpu_used", "gpu_cached", "gpu_free", "cpu_used", "cpu_cached", "cpu_free",
     "running", "waiting", "swapped", "hit_tokens", "query_tokens", "scheduled_tokens",
-    "step_time_s", "preemptions", "evictions", "events",
+    "step_time_s", "preemptions", "evictions", "events", "demotions",
 )
 
 
 _IDX = {name: i for i, name in enumerate(COLUMNS)}
-_STEP, _TIME, _PREEMPT, _EVICT, _EVENTS = (
-    _IDX[k] for k in ("step", "time", "preemptions", "evictions", "events"))
+_STEP, _TIME, _PREEMPT, _EVICT, _EVENTS, _DEMOTE = (
+    _IDX[k] for k in ("step", "time", "preemptions", "evictions", "events", "demotions"))
 _STAT_COLS = tuple((_IDX[k], k) for k in (
     "running", "waiting", "swapped", "hit_tokens", "query_tokens", "scheduled_tokens",
     "step_time_s"))
@@ -58,13 +58,15 @@ class Timeline:
             self._data = grown
         stats = batch.get("stats") or {}
         events = batch.get("events") or ()
-        preempts = evicted = 0
+        preempts = evicted = demoted = 0
         for e in events:
             kind = e.get("kind")
             if kind == S.SEQ_PREEMPT:
                 preempts += 1
             elif kind == S.EVICT:
                 evicted += len(e.get("blocks", ()))
+            elif kind == S.QUANTIZE:  # blocks demoted this step
+                demoted += len(e.get("blocks", ()))
         col, n = self._data, self.n
         col[_STEP, n] = _num(batch.get("step", n))
         col[_TIME, n] = _num(batch.get("time", 0.0))
@@ -74,6 +76,7 @@ class Timeline:
         # cumulative totals, see engine.events.schema).
         col[_PREEMPT, n] = preempts
         col[_EVICT, n] = evicted
+        col[_DEMOTE, n] = demoted
         col[_EVENTS, n] = len(events)
         tiers = stats.get("tiers") or {}
         for tier, (iu, ic, i_f) in _TIER_COLS.items():

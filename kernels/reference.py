@@ -77,7 +77,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     validate.check_scales(k_cache, k_scale, v_scale)
     kv = _Pages(k_cache, v_cache, k_scale, v_scale)
-    num_blocks, block_size = k_cache.shape[:2]
+    return attend_pages(q, kv, block_tables, seq_lens, cu_seqlens_q, scale, out)
+
+
+def attend_pages(q: torch.Tensor, kv, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, scale: float,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """``paged_attention`` over any page store ``kv`` with ``num_blocks``, ``block_size``,
+    ``num_kv_heads``, ``compute_dtype(q)`` and ``gather(pages, dtype) -> K, V`` (``_Pages``
+    here, ``kernels.mixed_pages.MixedPages`` for pools of several formats)."""
+    num_blocks, block_size = kv.num_blocks, kv.block_size
     cu = cu_seqlens_q.long()
     lens = seq_lens.long()
     q_lens = cu[1:] - cu[:-1]
@@ -128,6 +137,10 @@ class _Pages:
         self.k_cache, self.v_cache, self.k_scale, self.v_scale = k_cache, v_cache, k_scale, v_scale
         self.format = quant.format_of(k_cache)
         self.per_token = quant.scale_params(self.format) > 0
+        self.num_blocks, self.block_size, self.num_kv_heads = k_cache.shape[:3]
+
+    def compute_dtype(self, q: torch.Tensor) -> torch.dtype:
+        return _compute_dtype(self.k_cache, q)
 
     def gather(self, pages: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +169,8 @@ def _decode(q: torch.Tensor, kv: _Pages, block_tables: torch.Tensor, lens: torch
     than explicit batched matmuls in fp32 and 3-4x in bf16 on 2 cores (docs/BENCHMARKS.md).
     """
     n, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads = kv.k_cache.shape[:3]
-    dtype = _compute_dtype(kv.k_cache, q)
+    num_blocks, block_size, num_kv_heads = kv.num_blocks, kv.block_size, kv.num_kv_heads
+    dtype = kv.compute_dtype(q)
     out = torch.empty(n, num_heads, head_dim, dtype=dtype, device=q.device)
     order = torch.argsort(lens)
     for lo in range(0, n, _DECODE_GROUP):
@@ -188,9 +201,9 @@ def _prefill_one(q: torch.Tensor, kv: _Pages, table: torch.Tensor, seq_len: int,
     batched matmuls on 2 CPU cores, 2,000-token prompt (docs/BENCHMARKS.md).
     """
     q_len = q.shape[0]
-    block_size = kv.k_cache.shape[1]
+    block_size = kv.block_size
     pages = table[: (seq_len + block_size - 1) // block_size].long()
-    dtype = _compute_dtype(kv.k_cache, q)
+    dtype = kv.compute_dtype(q)
     k, v = kv.gather(pages, dtype)
     k = k.flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     v = v.flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)

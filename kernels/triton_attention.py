@@ -47,9 +47,39 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 @triton.jit
 def _load_tile(ptr, scale_ptr, page, within, kv_head, valid, offs_d, d_mask,
                stride_b, stride_s, stride_h, stride_d,
-               stride_sb, stride_ss, stride_sh, stride_sp, FORMAT: tl.constexpr):
+               stride_sb, stride_ss, stride_sh, stride_sp, FORMAT: tl.constexpr,
+               i8_ptr, i4_ptr, HEAD_DIM: tl.constexpr, ELT: tl.constexpr,
+               KSUB: tl.constexpr):
     """K or V rows of BLOCK_N key positions, [BLOCK_N, BLOCK_D]: as stored (FORMAT 0),
-    else dequantized to fp32. Invalid rows read as 0 (and scale 0)."""
+    else dequantized to fp32. Invalid rows read as 0 (and scale 0).
+
+    FORMAT 4 (mixed arena, kernels.mixed_pages): ``page`` is a page code, read per key;
+    ``ptr``/``i8_ptr``/``i4_ptr`` are the arena as full / int8 / int4 elements and the
+    strides are the arena's, in bytes. Each key loads only its own format's lanes (the
+    others are masked off, costing no memory traffic) and the three partial tiles add up."""
+    if FORMAT == 4:
+        fid = page & 3
+        slot = page >> 2
+        frame = slot // KSUB
+        sub = slot % KSUB
+        row_b = frame * stride_b + within * stride_s + kv_head * stride_h
+        dcol = offs_d[None, :].to(tl.int64)
+        dm = d_mask[None, :]
+        is_full = valid & (fid == 0)
+        is_i8 = valid & (fid == 2)
+        is_i4 = valid & (fid == 3)
+        srow_m = scale_ptr + frame * stride_sb + within * stride_ss + kv_head * stride_sh
+        x = tl.load(ptr + (row_b // ELT)[:, None] + dcol, mask=is_full[:, None] & dm,
+                    other=0.0).to(tl.float32)
+        c8 = tl.load(i8_ptr + (row_b + sub * HEAD_DIM)[:, None] + dcol,
+                     mask=is_i8[:, None] & dm, other=0).to(tl.float32)
+        s8 = tl.load(srow_m + sub * stride_sp, mask=is_i8, other=0.0).to(tl.float32)
+        byte = tl.load(i4_ptr + (row_b + sub * (HEAD_DIM // 2))[:, None] + dcol // 2,
+                       mask=is_i4[:, None] & dm, other=0)
+        c4 = ((byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+        s4 = tl.load(srow_m + 2 * sub * stride_sp, mask=is_i4, other=0.0).to(tl.float32)
+        z4 = tl.load(srow_m + (2 * sub + 1) * stride_sp, mask=is_i4, other=0.0).to(tl.float32)
+        return x + c8 * s8[:, None] + (c4 * s4[:, None] + z4[:, None])
     row = page * stride_b + within * stride_s + kv_head * stride_h
     mask = valid[:, None] & d_mask[None, :]
     srow = scale_ptr + page * stride_sb + within * stride_ss + kv_head * stride_sh
@@ -84,7 +114,9 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
                  k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
                  stride_vsb, stride_vss, stride_vsh, stride_vsp,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST: tl.constexpr, CAUSAL: tl.constexpr, FORMAT: tl.constexpr):
+                 UPCAST: tl.constexpr, CAUSAL: tl.constexpr, FORMAT: tl.constexpr,
+                 k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT: tl.constexpr,
+                 KSUB: tl.constexpr):
     """One online-softmax step over key positions [start_n, start_n + BLOCK_N) < kv_end.
 
     ``visible_upto`` [rows]: a row sees key positions <= it (only used when CAUSAL).
@@ -100,10 +132,12 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
     d_mask = offs_d < HEAD_DIM
     k = _load_tile(k_ptr, k_scale_ptr, page, within, kv_head, valid, offs_d, d_mask,
                    stride_kb, stride_ks, stride_kh, stride_kd,
-                   stride_ksb, stride_kss, stride_ksh, stride_ksp, FORMAT)
+                   stride_ksb, stride_kss, stride_ksh, stride_ksp, FORMAT,
+                   k_i8_ptr, k_i4_ptr, HEAD_DIM, ELT, KSUB)
     v = _load_tile(v_ptr, v_scale_ptr, page, within, kv_head, valid, offs_d, d_mask,
                    stride_vb, stride_vs, stride_vh, stride_vd,
-                   stride_vsb, stride_vss, stride_vsh, stride_vsp, FORMAT)
+                   stride_vsb, stride_vss, stride_vsh, stride_vsp, FORMAT,
+                   v_i8_ptr, v_i4_ptr, HEAD_DIM, ELT, KSUB)
     if UPCAST:  # fp32 math: fp32 pages, or the interpreter (whose bf16 tl.dot is broken)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:  # q is in the page dtype, or (quantized pages) the dequantized tiles in q's
@@ -139,6 +173,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_B: tl.constexpr, UPCAST: tl.constexpr, FORMAT: tl.constexpr,
+    k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT: tl.constexpr, KSUB: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,7 +221,8 @@ def _prefill_kernel(
             visible_upto, scale_log2,
             k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
             stride_vsb, stride_vss, stride_vsh, stride_vsp,
-            HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, True, FORMAT)
+            HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, True, FORMAT,
+            k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT, KSUB)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_off = q_rows * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :].to(tl.int64) * stride_od,
@@ -207,6 +243,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FORMAT: tl.constexpr,
+    k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT: tl.constexpr, KSUB: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -245,7 +282,8 @@ def _decode_split_kernel(
             m_i, scale_log2,
             k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
             stride_vsb, stride_vss, stride_vsh, stride_vsp,
-            HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, False, FORMAT)
+            HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, False, FORMAT,
+            k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT, KSUB)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SINGLE_SPLIT:
         o_off = b.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -299,7 +337,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} on {q.device}")
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
-    num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
     upcast = _INTERPRET or k_cache.dtype == torch.float32 or q.dtype == torch.float32
     ks, ks_strides = scale_args(fmt, k_cache, k_scale)
@@ -320,13 +357,63 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HEAD_DIM=head_dim, GROUP=group,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         UPCAST=upcast,
+        k_i8_ptr=k_cache, k_i4_ptr=k_cache, v_i8_ptr=v_cache, v_i4_ptr=v_cache, ELT=1, KSUB=1,
     )
+    _launch(q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, common,
+            max_seq_len, num_splits)
+    return out
+
+
+def paged_attention_mixed(q: torch.Tensor, layout, k_arena: torch.Tensor,
+                          v_arena: torch.Tensor, k_scales: torch.Tensor,
+                          v_scales: torch.Tensor, code_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float, *,
+                          out: torch.Tensor | None = None,
+                          max_seq_len: int | None = None,
+                          num_splits: int | None = None) -> torch.Tensor:
+    """Paged attention over a mixed-precision arena (``kernels.mixed_pages``): the table
+    holds page codes and each key's format is read in the kernel (FORMAT 4)."""
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.device != q.device:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} on {q.device}")
+    views_k, views_v = layout.views(k_arena), layout.views(v_arena)
+    num_tokens, num_heads, head_dim = q.shape
+    num_frames, block_size, num_kv_heads = k_arena.shape[:3]
+    upcast = _INTERPRET or layout.dtype == torch.float32 or q.dtype == torch.float32
+    sk, sv = k_scales.stride(), v_scales.stride()
+    common = dict(
+        k_scale_ptr=k_scales, v_scale_ptr=v_scales,
+        stride_ksb=sk[0], stride_kss=sk[1], stride_ksh=sk[2], stride_ksp=sk[3],
+        stride_vsb=sv[0], stride_vss=sv[1], stride_vsh=sv[2], stride_vsp=sv[3], FORMAT=4,
+        scale_log2=scale * LOG2E, num_blocks=num_frames * layout.num_codes,
+        block_size=block_size,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
+        stride_kb=k_arena.stride(0), stride_ks=k_arena.stride(1),
+        stride_kh=k_arena.stride(2), stride_kd=1,
+        stride_vb=v_arena.stride(0), stride_vs=v_arena.stride(1),
+        stride_vh=v_arena.stride(2), stride_vd=1,
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
+        stride_bt_b=code_tables.stride(0), stride_bt_i=code_tables.stride(1),
+        HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        UPCAST=upcast,
+        k_i8_ptr=views_k["int8"], k_i4_ptr=views_k["int4"], v_i8_ptr=views_v["int8"],
+        v_i4_ptr=views_v["int4"], ELT=layout.element_size, KSUB=layout.max_subs,
+    )
+    _launch(q, views_k["full"], views_v["full"], out, code_tables, seq_lens, cu_seqlens_q,
+            common, max_seq_len, num_splits)
+    return out
+
+
+def _launch(q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, common,
+            max_seq_len, num_splits) -> None:
+    num_tokens, num_seqs = q.shape[0], block_tables.shape[0]
     if num_tokens == num_seqs:  # every q_len == 1 (each sequence has at least one query)
         _decode(q, k_cache, v_cache, out, block_tables, seq_lens, common,
                 max_seq_len, num_splits)
     else:
         _prefill(q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, common)
-    return out
 
 
 def _prefill(q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, common) -> None:

@@ -203,3 +203,48 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         grid = (mapping.shape[0], triton.cdiv(block_numel, chunk))
         _copy_blocks_kernel[grid](cache, mapping, cache.shape[0], cache.stride(0), block_numel,
                                   BLOCK=chunk)
+
+
+@triton.jit
+def _demote_scatter_kernel(values_ptr, dst_codes_ptr, i8_ptr, i4_ptr, scale_ptr,
+                           stride_vn, stride_vs, stride_vh, stride_vd,
+                           stride_b, stride_s, stride_h,
+                           stride_sb, stride_ss, stride_sh, stride_sp, num_kv_heads,
+                           KSUB: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """Program (page i, token t): quantize row t of ``values[i]`` (all KV heads) into the
+    int8/int4 sub-page its destination code names (kernels.mixed_pages), scales with it."""
+    i = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64)
+    code = tl.load(dst_codes_ptr + i).to(tl.int64)
+    fid = code & 3
+    slot = code >> 2
+    frame = slot // KSUB
+    sub = slot % KSUB
+    src = values_ptr + i * stride_vn
+    if fid == 2:
+        _write_token(src, t, stride_vs, stride_vh, stride_vd,
+                     i8_ptr + sub * HEAD_DIM, frame, t, stride_b, stride_s, stride_h, 1,
+                     scale_ptr + sub * stride_sp, stride_sb, stride_ss, stride_sh, stride_sp,
+                     num_kv_heads, HEAD_DIM, BLOCK_H, BLOCK_D, 2)
+    elif fid == 3:
+        _write_token(src, t, stride_vs, stride_vh, stride_vd,
+                     i4_ptr + sub * (HEAD_DIM // 2), frame, t, stride_b, stride_s, stride_h, 1,
+                     scale_ptr + 2 * sub * stride_sp, stride_sb, stride_ss, stride_sh,
+                     stride_sp, num_kv_heads, HEAD_DIM, BLOCK_H, BLOCK_D, 3)
+
+
+def demote_scatter(layout, arena: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
+                   dst_codes: torch.Tensor) -> None:
+    """Phase 2 of a batched demotion (kernels.mixed_pages.demote): quantize the gathered
+    pages ``values [N, bs, Hkv, D]`` (fp32) into their int8/int4 destinations, one launch
+    of N x block_size programs. Same codes and scales as the torch path."""
+    n, bs, hkv, d = values.shape
+    if n == 0:
+        return
+    views = layout.views(arena)
+    _demote_scatter_kernel[(n, bs)](
+        values, dst_codes.contiguous(), views["int8"], views["int4"], scales,
+        *values.stride(), arena.stride(0), arena.stride(1), arena.stride(2),
+        *scales.stride(), hkv, KSUB=layout.max_subs, HEAD_DIM=d,
+        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=max(2, triton.next_power_of_2(d)))

@@ -65,6 +65,11 @@ class BlockPool:
 
     # ---------------------------------------------------------------- counts
     @property
+    def capacity(self) -> int:
+        """What watermarks are shares of: blocks here, frames in a MixedBlockPool."""
+        return self.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: free plus cached free (evictable)."""
         return len(self.free_blocks) + len(self.evictable)

@@ -58,6 +58,8 @@ def check_invariants(m: KVCacheManager) -> None:
             e = entry[b]
             _require(e is not None and e[0] == h and len(e[2]) == bs,
                      f"{name}: index maps {h} to block {b}, which holds {e!r}")
+        if hasattr(pool, "check_frames"):  # mixed-precision pool: pages and frames agree
+            pool.check_frames()
     for sid, s in m._seqs.items():
         pool = m.pools.get(s.tier)
         _require(pool is not None, f"{sid}: table in missing tier {s.tier!r}")

@@ -78,10 +78,12 @@ from typing import Any
 
 from engine.cache import report
 from engine.cache.block_pool import BlockPool
+from engine.cache.demotion import DemotionPolicy, plan_demotion
 from engine.cache.errors import CacheError
 from engine.cache.eviction import make_policy
 from engine.cache.hashing import root_hash
 from engine.cache.host_tier import HostTier
+from engine.cache.mixed_pool import MixedBlockPool
 from engine.cache.sequence import CacheSeq
 from engine.cache.slots import slot_mapping
 from engine.cache.transfers import Round, plan_rounds
@@ -102,6 +104,7 @@ class KVCacheManager:
         eviction_policy: str = "lru",
         kv_format: str = "auto",
         sink: EventSink | None = None,
+        demotion: DemotionPolicy | None = None,
     ) -> None:
         if not is_int(block_size) or block_size < 1:
             raise CacheError(f"block_size must be a positive int, got {block_size!r}")
@@ -117,8 +120,16 @@ class KVCacheManager:
         self.sink: EventSink = sink if sink is not None else NullSink()
         self.pools: dict[str, BlockPool] = {}
         sizes = {"gpu": num_gpu_blocks, "cpu": num_cpu_blocks}
+        self.demotion = demotion
+        if demotion is not None:
+            if num_cpu_blocks:
+                raise CacheError("kv demotion and a cpu tier cannot be combined yet: swapped "
+                                 "and offloaded blocks would need per-block formats on the host")
+            self.pools["gpu"] = MixedBlockPool(
+                "gpu", num_gpu_blocks, demotion.subs, block_size, kv_format,
+                make_policy(eviction_policy), self.sink)
         for tier in S.TIERS:
-            if sizes[tier]:
+            if sizes[tier] and tier not in self.pools:
                 self.pools[tier] = BlockPool(
                     tier, sizes[tier], block_size, kv_format, make_policy(eviction_policy),
                     self.sink,
@@ -131,6 +142,7 @@ class KVCacheManager:
                                  write_back=self.enable_prefix_caching)
         self._seqs: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
+        self._demotion_orders: list[tuple[int, int]] = []
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_cow_copies = 0
@@ -298,7 +310,7 @@ class KVCacheManager:
         if num_new_tokens:  # after the swap-in its partial last block is private
             need += -(-(seq.num_tokens + num_new_tokens) // self.block_size) \
                 - len(seq.block_table)
-        return need <= self.gpu.num_free_blocks - int(watermark * self.gpu.num_blocks)
+        return need <= self.gpu.num_free_blocks - int(watermark * self.gpu.capacity)
 
     def swap_in(self, seq_id: str) -> bool:
         """Swapped -> running: the table moves back to gpu blocks (shared where the gpu
@@ -548,7 +560,7 @@ class KVCacheManager:
         if seq.tier != "gpu":
             raise CacheError(f"{seq_id!r} is swapped out: use can_swap_in")
         need = self._blocks_needed(seq, num_new_tokens)
-        reserve = int(watermark * self.gpu.num_blocks)
+        reserve = int(watermark * self.gpu.capacity)
         return need == 0 or need <= self.gpu.num_free_blocks - reserve
 
     def allocate_slots(self, seq_id: str, num_new_tokens: int) -> list[int] | None:
@@ -633,6 +645,35 @@ class KVCacheManager:
         them in order, each round's first list before its second, before the step's
         copy-on-write orders and forward pass."""
         return plan_rounds(self.host.take_orders()) if self.host is not None else []
+
+    def demote_cold_blocks(self, reserve: int = 0) -> int:
+        """With demotion on and free frames under the policy's watermark (or under
+        ``reserve``, the frames the next admission needs): demote the coldest full blocks
+        (engine.cache.demotion) and queue their (old, new) page codes for the runner;
+        returns how many. Call between steps (every block in a table then holds
+        computed K/V), before ``schedule``; the runner executes the orders before the
+        step's copy-on-write orders and forward pass."""
+        if self.demotion is None:
+            return 0
+        orders = plan_demotion(self, reserve)  # (old, new) per move, in order
+        self._demotion_orders += orders
+        return len(orders)
+
+    def take_demotion_orders(self) -> list[tuple[int, int]]:
+        """(source page code, destination page code) per block demoted since the last call,
+        for ONE batched gather-then-scatter: a block demoted twice (int8, then int4) is
+        one order from its full-precision page straight to its int4 page (better codes,
+        and no order reads a page another order of the batch writes first)."""
+        origin: dict[int, int] = {}  # destination -> where its data is now
+        for old, new in self._demotion_orders:
+            origin[new] = origin.pop(old, old)
+        self._demotion_orders = []
+        return [(src, dst) for dst, src in origin.items()]
+
+    def page_codes(self, table: list[int]) -> list[int]:
+        """The kernels' page codes of a block table (mixed pools only)."""
+        code = self.gpu.page_code
+        return [code(b) for b in table]
 
     def take_copy_orders(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued by copy-on-write since the last call. The

@@ -18,6 +18,7 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
                 "format": p.kv_format,
                 "ref": list(p.ref),
                 "hash": [None if e is None else e[0] for e in p.entry],
+                "block_formats": _block_formats(p),
             }
             for name, p in sorted(m.pools.items())
         },
@@ -33,13 +34,29 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
     }
 
 
+def _block_formats(pool) -> dict[int, str]:
+    """Blocks whose format differs from the tier's (demoted pages; engine.cache.mixed_pool)."""
+    fmt = getattr(pool, "fmt", None)
+    if fmt is None:
+        return {}
+    return {b: f for b, f in enumerate(fmt) if f != pool.kv_format}
+
+
+def _block_usage(pool) -> float:
+    if not hasattr(pool, "num_frames"):
+        return pool.num_used_blocks / pool.num_blocks
+    return (pool.num_frames - len(pool.free_frames) - pool.num_reclaimable) / pool.num_frames
+
+
 def metrics(m: KVCacheManager) -> dict[str, Any]:
     """Counters and gauges of the cache (gpu tier unless per tier):
 
     tiers               {tier: {"total", "used", "cached", "free"}} blocks: used = ref > 0,
                         cached = ref 0 but hashed (evictable), free = ref 0 unhashed; the
                         shape of the step stats' "tiers" map (schema docstring)
-    block_usage         used / total blocks
+    block_usage         used / total blocks (a mixed-precision pool, --kv-demotion: frames
+                        held by pages in use / frames; "tiers" stays in block ids, which
+                        is what the event mirror and the block map count)
     token_usage         used_tokens / (total blocks * block_size)
     used_tokens         token slots filled in used blocks (a shared block counts once):
                         differs from used blocks * block_size by the partial last blocks
@@ -47,6 +64,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
     prefix_hit_rate     hit / query tokens
     stored_blocks       blocks ever indexed; evictions: cached blocks ever evicted
     cow_copies          copy-on-write copies; preemptions; num_seqs (known sequences)
+    demoted_blocks      blocks ever demoted (a block demoted twice counts twice)
     cpu tier (zeros without one):
     swapped             sequences swapped out now; swap_outs, swap_ins: sequences moved
     swap_out_blocks     table entries moved to the host (a block shared on the host counts
@@ -78,7 +96,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
     h = m.host
     return {
         "tiers": tiers,
-        "block_usage": gpu.num_used_blocks / gpu.num_blocks,
+        "block_usage": _block_usage(gpu),
         "token_usage": used_tokens / (gpu.num_blocks * bs),
         "used_tokens": used_tokens,
         "prefix_query_tokens": m.num_query_tokens,
@@ -87,6 +105,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
         "stored_blocks": gpu.num_stored,
         "evictions": gpu.num_evictions,
         "cow_copies": m.num_cow_copies,
+        "demoted_blocks": getattr(gpu, "num_demoted", 0),
         "preemptions": m.num_preemptions,
         "num_seqs": len(m._seqs),
         "swapped": m.num_swapped,

@@ -64,6 +64,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8 | int4")
+    e.add_argument("--kv-demotion", default="",
+                   help="demote cold pages in place under memory pressure: int8 | int4 | "
+                        "int8,int4 (default off; needs --kv-cache-dtype auto)")
+    e.add_argument("--kv-hot-window", type=int, default=256,
+                   help="tokens at the end of each running sequence never demoted")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     e.add_argument("--eviction-policy", default="lru", help="lru | lfu | priority")
@@ -82,7 +87,7 @@ ENGINE_FLAGS = ("model", "device", "dtype", "seed", "block_size", "num_gpu_block
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "kv_demotion", "kv_hot_window")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -34,8 +34,10 @@ Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id 
     swap_in      seq, src, dst                           seq's table moves cpu src -> gpu dst
     offload      src, dst, hashes                        cached gpu blocks written to host dst
     host_hit     seq, src, dst, tokens                   host-cached src loaded into gpu dst
-    quantize     tier, blocks, format                    blocks change page format in place
-                                                         (refs, hashes, tables unchanged)
+    quantize     tier, blocks, format                    demotion: the blocks' format changes
+                                                         in place (refs, hashes, tables kept);
+                                                         a block that becomes free reverts to
+                                                         the tier's format
 
 Optional ``cause`` on ``seq_preempt`` and ``evict`` (engine.events.causes; older readers
 ignore it, and readers must accept its absence): ``{"needed_by": seq | None,

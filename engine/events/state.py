@@ -175,6 +175,11 @@ class TierState:
         """uint8 per block: index into ``format_names`` (0 = the tier's format)."""
         return self.fmt_c.np
 
+    @property
+    def formats(self) -> dict[int, str]:
+        """{block: format} of the blocks whose format differs from the tier's (demoted)."""
+        return self.block_formats()
+
     def block_formats(self) -> dict[int, str]:
         """{block: format} for blocks whose format differs from the tier's."""
         names = self.format_names
@@ -738,6 +743,19 @@ class KVState:
             own[idx[(left > 0) & (own[idx] == owner)]] = ORPHAN
             own[idx[left == 0]] = -1
             t.touched_c.np[idx] = step
+        self._drop_formats(t, ids)
+
+    def _drop_formats(self, t: TierState, ids: list[int]) -> None:
+        """Blocks that became free (ref 0, no hash) lose their page, hence a demoted
+        format: they revert to the tier's (format code 0)."""
+        if len(t.format_names) < 2:  # no block of this tier was ever quantized
+            return
+        ref, hashed, fc = t.ref_c.py, t.hashed_c.py, t.fmt_c.py
+        freed = [b for b in ids if fc[b] and not ref[b] and not hashed[b]]
+        if freed:
+            self._save(t.fmt_c, freed)
+            for b in freed:
+                fc[b] = 0
 
     def _set_hashes(self, t: TierState, ids: list[int], hashes: list[Any]) -> None:
         t.mark(ids)
@@ -859,12 +877,14 @@ class KVState:
             t.hashed_c.np[idx] = 0
             t.hash_c.np[idx] = 0
             t.touched_c.np[idx] = self._cur_step
+            self._drop_formats(t, blocks)
             return
         hv, tch, step = t.hash_c.py, t.touched_c.py, self._cur_step
         for b in blocks:
             hashed[b] = 0
             hv[b] = 0
             tch[b] = step
+        self._drop_formats(t, blocks)
 
     def _free(self, ev: dict[str, Any]) -> None:
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
@@ -985,12 +1005,17 @@ class KVState:
         s.hit_tokens += int(ev.get("tokens", 0))
 
     def _quantize(self, ev: dict[str, Any]) -> None:
-        """Blocks change their per-block page format in place (refs, hashes and block
-        tables are unchanged)."""
+        """Demotion: the blocks' page format changes in place (refs, hashes and block
+        tables are unchanged). Only blocks holding K/V (in use or cached) can change; a
+        block that becomes free reverts to the tier's format (``_drop_formats``)."""
         t, blocks, fmt = self._tier(ev["tier"]), unpack_ids(ev["blocks"]), ev["format"]
         if not isinstance(fmt, str) or not fmt:
             raise ProtocolError(f"quantize: format {fmt!r} is not a name")
         t.check_ids(blocks)
+        ref, hashed = t.ref_c.py, t.hashed_c.py
+        for b in blocks:  # only a page holding K/V (in use or cached) has a format
+            if not ref[b] and not hashed[b]:
+                raise ProtocolError(f"quantize: {t.name} block {b} is free")
         if fmt not in t.format_names:
             self._undo.append((_FORMATS, t, None, list(t.format_names)))
         code = _format_code(t, fmt)

@@ -305,7 +305,8 @@ class SyntheticCache:
             "tiers": {
                 name: {"num_blocks": t.num_blocks, "block_size": self.block_size,
                        "format": "auto", "ref": list(t.ref),
-                       "hash": [t.hashes.get(b) for b in range(t.num_blocks)]}
+                       "hash": [t.hashes.get(b) for b in range(t.num_blocks)],
+                       "block_formats": {}}
                 for name, t in sorted(self.tiers.items())
             },
             "seqs": {

@@ -62,6 +62,20 @@ _AGE_CODES = ((P.RAMP_BASE + P.RAMP_LEN - 1) - np.minimum(
     np.floor(np.log2(np.arange(_AGE_MAX + 1) + 1.0)), P.RAMP_LEN - 1)).astype(np.uint8)
 
 
+def state_codes(state: KVState, tier: str, idx: np.ndarray | None = None) -> np.ndarray:
+    """``KVState.block_codes`` with demoted blocks marked: used/shared blocks whose own
+    format differs from the tier's (``quantize``) read as ``P.CODE_DEMOTED_USED`` /
+    ``P.CODE_DEMOTED_SHARED`` (the state mode's codes; legend counts take 8 bins)."""
+    codes = state.block_codes(tier, idx)
+    t = state.tiers[tier]
+    if len(t.format_names) > 1:  # some block of this tier was quantized once
+        fmt = t.block_format_codes() if idx is None else t.block_format_codes()[idx]
+        demoted = fmt != 0
+        codes[demoted & (codes == S.BLOCK_USED)] = P.CODE_DEMOTED_USED
+        codes[demoted & (codes == S.BLOCK_SHARED)] = P.CODE_DEMOTED_SHARED
+    return codes
+
+
 def mode_codes(state: KVState, tier: str, mode: str,
                idx: np.ndarray | None = None) -> np.ndarray:
     """uint8 LUT codes, one per block of ``tier`` (or per block of ``idx``), for a colour
@@ -81,7 +95,7 @@ def mode_codes(state: KVState, tier: str, mode: str,
         return a if idx is None else a[idx]
 
     if mode == "state":
-        return state.block_codes(tier, idx)
+        return state_codes(state, tier, idx)
     if mode == "owner":
         state.resolve_owners(tier)
         codes = state.block_codes(tier, idx)
@@ -179,11 +193,12 @@ def describe_block(state: KVState, tier: str, block: int,
     if not owners and h is not None:
         filled = t.block_size  # only full blocks enter the prefix cache
     if code is None:
-        code = int(state.block_codes(tier)[block])
+        code = int(state_codes(state, tier, np.array([block]))[0])
     return {
         "tier": tier, "block": block, "state": P.state_labels(tier, t.format)[code],
         "ref": int(t.ref[block]), "filled": filled, "block_size": t.block_size,
-        "hash": h, "format": t.format, "owners": owners,
+        "hash": h, "format": t.format_names[t.block_format_codes()[block]],
+        "owners": owners,
     }
 
 
@@ -322,7 +337,8 @@ class BlockMapView(QWidget):
         (object and version), the mode, the selection or (age mode) the step changed, so
         an unchanged 4M-block host tier costs nothing per frame."""
         st = self.model.state
-        key = tuple((n, t.num_blocks, t.format) for n, t in sorted(st.tiers.items()))
+        key = tuple((n, t.num_blocks, t.format, len(t.format_names) > 1)
+                    for n, t in sorted(st.tiers.items()))
         if key != self._layout_key:
             self._rebuild(st)
             self._layout_key = key
@@ -345,9 +361,9 @@ class BlockMapView(QWidget):
                 moved = np.zeros(0, dtype=np.int64)
                 if prev[1] != t.version:
                     moved = np.unique(changed[1])
-                    new_base = st.block_codes(name, moved)
+                    new_base = state_codes(st, name, moved)
                     panel.counts = panel.counts - np.bincount(
-                        panel.base[moved], minlength=4) + np.bincount(new_base, minlength=4)
+                        panel.base[moved], minlength=8) + np.bincount(new_base, minlength=8)
                     panel.base[moved] = new_base
                     panel.age.add(moved, t.touched)
                 idx = np.concatenate([moved, panel.age.crossing(prev[3], st.step, t.touched)])
@@ -359,17 +375,17 @@ class BlockMapView(QWidget):
                     and changed[0] == panel.draw_key[1]):
                 # the same tier object, brought up to date in place: redraw what changed
                 idx = np.unique(changed[1])
-                new_base = st.block_codes(name, idx)
-                panel.counts = panel.counts - np.bincount(panel.base[idx], minlength=4) \
-                    + np.bincount(new_base, minlength=4)
+                new_base = state_codes(st, name, idx)
+                panel.counts = panel.counts - np.bincount(panel.base[idx], minlength=8) \
+                    + np.bincount(new_base, minlength=8)
                 panel.base[idx] = new_base
                 panel.draw_cells(idx, new_base if mode == "state"
                                  else mode_codes(st, name, mode, idx))
                 panel.draw_key = draw_key
             elif draw_key != panel.draw_key:
-                base = st.block_codes(name)
+                base = state_codes(st, name)
                 panel.base = base
-                panel.counts = np.bincount(base, minlength=4)
+                panel.counts = np.bincount(base, minlength=8)
                 codes = base.copy() if mode == "state" else mode_codes(st, name, mode)
                 panel.age = AgeIndex(t.touched) if mode == "age" else None
                 panel.draw(cell_codes(
@@ -396,7 +412,9 @@ class BlockMapView(QWidget):
         seen: set[tuple[str, str]] = set()
         for name, t in st.tiers.items():
             colours, labels = P.state_colours(name, t.format), P.state_labels(name, t.format)
-            for code in (S.BLOCK_FREE, S.BLOCK_CACHED, S.BLOCK_USED, S.BLOCK_SHARED):
+            demoted = ((P.CODE_DEMOTED_USED, P.CODE_DEMOTED_SHARED)
+                       if len(t.format_names) > 1 else ())
+            for code in (S.BLOCK_FREE, S.BLOCK_CACHED, S.BLOCK_USED, S.BLOCK_SHARED, *demoted):
                 if (colours[code], labels[code]) not in seen:
                     seen.add((colours[code], labels[code]))
                     self._legend_entries.append((colours[code], labels[code], name, code))

@@ -81,6 +81,9 @@ class TimelinesView(QWidget):
             self.curves[f"{tier}_evict"] = p.plot(
                 pen=None, symbol="o", symbolSize=6, symbolBrush=P.SERIES["evict"],
                 symbolPen=None)
+            self.curves[f"{tier}_demote"] = p.plot(
+                pen=None, symbol="d", symbolSize=7, symbolBrush=P.SERIES["demote"],
+                symbolPen=None)
         p = plot("hit", "hit rate", 2)
         p.setYRange(0, 1, padding=0.05)
         self.curves["hit"] = p.plot(pen=_pen(P.SERIES["hit"], 2), antialias=False)
@@ -99,10 +102,12 @@ class TimelinesView(QWidget):
             f"<span style='color:{c}'>■</span> {n}" for n, c in (
                 ("used", P.USED), ("cached", P.CACHED), ("free", P.SERIES["free"]),
                 ("swapped", P.SWAPPED), ("▲ preemption", P.SERIES["preempt"]),
-                ("● eviction", P.SERIES["evict"]), ("hit rate", P.SERIES["hit"]),
+                ("● eviction", P.SERIES["evict"]), ("◆ demotion", P.SERIES["demote"]),
+                ("hit rate", P.SERIES["hit"]),
                 ("running", P.SERIES["running"]), ("waiting", P.SERIES["waiting"]),
                 ("tokens/s", P.SERIES["throughput"])))
-            .replace("■</span> ▲", "▲</span>").replace("■</span> ●", "●</span>"))
+            .replace("■</span> ▲", "▲</span>").replace("■</span> ●", "●</span>")
+            .replace("■</span> ◆", "◆</span>"))
         top = QHBoxLayout()
         top.addWidget(legend)
         top.addStretch(1)
@@ -132,6 +137,8 @@ class TimelinesView(QWidget):
             ev = tl.col("evictions") > 0
             self.curves[f"{tier}_preempt"].setData(x[pre], total[pre] * 0.97)
             self.curves[f"{tier}_evict"].setData(x[ev], total[ev] * 0.8)
+            de = tl.col("demotions") > 0
+            self.curves[f"{tier}_demote"].setData(x[de], total[de] * 0.65)
         self.curves["hit"].setData(x, np.nan_to_num(tl.hit_rate(), nan=0.0))
         for k in ("running", "waiting", "swapped"):
             self.curves[k].setData(x, tl.col(k))

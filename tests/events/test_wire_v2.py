@@ -114,10 +114,10 @@ def test_quantize_changes_only_the_per_block_format():
         {"kind": "store", "tier": "gpu", "blocks": [2], "hashes": [77]}]})
     refs = st.tiers["gpu"].ref.tolist()
     st.apply({"v": 2, "step": 1, "events": [
-        {"kind": "quantize", "tier": "gpu", "blocks": pack_ids([2, 5]), "format": "int8"},
-        {"kind": "quantize", "tier": "gpu", "blocks": [5], "format": "fp16"}]})
+        {"kind": "quantize", "tier": "gpu", "blocks": pack_ids([2, 3]), "format": "int8"},
+        {"kind": "quantize", "tier": "gpu", "blocks": [3], "format": "fp16"}]})
     canon = st.canonical()
-    assert canon["tiers"]["gpu"]["block_formats"] == {2: "int8"}  # 5 is back to fp16
+    assert canon["tiers"]["gpu"]["block_formats"] == {2: "int8"}  # 3 is back to fp16
     assert canon["tiers"]["gpu"]["ref"] == refs and canon["tiers"]["gpu"]["hash"][2] == 77
     assert canon["seqs"]["a"]["block_table"] == [2, 3]
     assert KVState.from_snapshot(st.snapshot()).canonical() == canon
@@ -127,6 +127,26 @@ def test_quantize_changes_only_the_per_block_format():
             {"kind": "quantize", "tier": "gpu", "blocks": [3], "format": "int4"},
             {"kind": "quantize", "tier": "gpu", "blocks": [99], "format": "int4"}]})
     assert st.canonical() == canon and st.tiers["gpu"].format_names == ["fp16", "int8"]
+    with pytest.raises(ProtocolError):  # a free block holds no page, hence no format
+        st.apply({"v": 2, "step": 2, "events": [
+            {"kind": "quantize", "tier": "gpu", "blocks": [5], "format": "int8"}]})
+
+
+def test_a_freed_block_reverts_to_the_tier_format():
+    st = KVState()
+    st.apply({"v": 2, "step": 0, "events": [
+        {"kind": "tier_init", "tier": "gpu", "num_blocks": 8, "block_size": 4,
+         "format": "fp16"},
+        {"kind": "seq_add", "seq": "a"},
+        {"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [2, 3]},
+        {"kind": "store", "tier": "gpu", "blocks": [2], "hashes": [77]},
+        {"kind": "quantize", "tier": "gpu", "blocks": [2, 3], "format": "int8"}]})
+    st.apply({"v": 2, "step": 1, "events": [
+        {"kind": "free", "tier": "gpu", "seq": "a", "blocks": [2, 3]}]})
+    assert st.canonical()["tiers"]["gpu"]["block_formats"] == {2: "int8"}  # 2 is cached
+    st.apply({"v": 2, "step": 2, "events": [
+        {"kind": "evict", "tier": "gpu", "blocks": [2]}]})
+    assert st.canonical()["tiers"]["gpu"]["block_formats"] == {}
 
 
 def test_canonical_tolerates_a_producer_without_block_formats_honestly():
@@ -137,7 +157,9 @@ def test_canonical_tolerates_a_producer_without_block_formats_honestly():
                                "ref": [0] * 4, "hash": [None] * 4}}, "seqs": {}}
     assert st.canonical() == plain and plain == st.canonical()  # absent means "none"
     st.apply({"v": 2, "step": 1, "events": [
+        {"kind": "store", "tier": "gpu", "blocks": [1], "hashes": [5]},
         {"kind": "quantize", "tier": "gpu", "blocks": [1], "format": "int8"}]})
+    plain["tiers"]["gpu"]["hash"] = [None, 5, None, None]
     assert st.canonical() != plain and plain != st.canonical()  # a real difference
     plain["tiers"]["gpu"]["block_formats"] = {1: "int8"}
     assert st.canonical() == plain

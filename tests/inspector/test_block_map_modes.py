@@ -39,7 +39,8 @@ def small_state() -> KVState:
 def test_every_mode_reads_the_columns():
     st = small_state()
     b_slot = P.OWNER_BASE + P.owner_index("b")
-    assert mode_codes(st, "gpu", "state").tolist() == [0, 2, 2, 2, 0, 1, 0, 0]
+    # state mode: block 3, demoted to int8, reads as "in use (demoted)"
+    assert mode_codes(st, "gpu", "state").tolist() == [0, 2, 2, P.CODE_DEMOTED_USED, 0, 1, 0, 0]
     assert mode_codes(st, "gpu", "owner").tolist() == [0, b_slot, b_slot, b_slot, 0, 1, 0, 0]
     assert mode_codes(st, "gpu", "ref count").tolist() == [
         0, P.RAMP_BASE, P.RAMP_BASE, P.RAMP_BASE, 0, S.BLOCK_CACHED, 0, 0]

@@ -1,0 +1,87 @@
+"""Mixed-precision arenas on the torch reference: layout arithmetic, demotion writes the
+codes kernels.quant would write, and attention over every mix of page formats equals
+dequantize-then-attend."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import mixed_pages as mp
+from kernels import reference
+from tests.mixed.arena import filled_arena
+
+BS, HKV, HQ, D = 4, 2, 4, 16
+MIXES = [m for r in (1, 2, 3) for m in itertools.combinations(("full", "int8", "int4"), r)]
+
+
+def test_layout_counts_pages_per_frame_and_bytes():
+    bf16 = mp.MixedLayout(torch.bfloat16, 16, 3, 64)
+    assert (bf16.subs("full"), bf16.subs("int8"), bf16.subs("int4")) == (1, 2, 4)
+    assert bf16.scale_params == 8 and bf16.frame_bytes == 16 * 3 * (128 + 16)
+    fp32 = mp.MixedLayout(torch.float32, 16, 3, 64, ("int8",))
+    assert (fp32.subs("int8"), fp32.max_subs, fp32.scale_params) == (4, 4, 4)
+    views = fp32.views(fp32.allocate(3, "cpu")[0])
+    assert views["full"].shape == (3, 16, 3, 64) and views["int8"].shape == (3, 16, 3, 4, 64)
+    with pytest.raises(ValueError, match="int8 and/or int4"):
+        mp.MixedLayout(torch.float32, 16, 3, 64, ("fp8",))
+
+
+def _pattern(mix: tuple[str, ...], n: int) -> list[str]:
+    return [mix[i % len(mix)] for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mix", MIXES, ids=["+".join(m) for m in MIXES])
+def test_attention_over_every_mix_equals_dequantize_then_attend(mix, dtype):
+    fa = filled_arena(_pattern(mix, 9), dtype, BS, HKV, D, seed=len(mix))
+    tables = torch.tensor([[5, 0, 7, 2], [3, 6, 8, 1], [4, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([13, 16, 3], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(7)
+    for q_lens in ([13, 4, 1], [1, 1, 1]):
+        cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        q = torch.randn(int(cu[-1]), HQ, D, generator=gen).to(dtype)
+        want = reference.paged_attention(q.float(), fa.k_want, fa.v_want, tables, lens, cu,
+                                         0.25)
+        got = mp.paged_attention(q, fa.layout, fa.k, fa.v, fa.ks, fa.vs,
+                                 fa.code_tables(tables), lens, cu, 0.25)
+        tol = 2e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_an_undemoted_arena_computes_exactly_what_a_plain_pool_computes():
+    fa = filled_arena(["full"] * 6, torch.float32, BS, HKV, D, seed=3)
+    tables = torch.tensor([[5, 0, 2], [3, 1, 4]], dtype=torch.int32)
+    lens = torch.tensor([11, 9], dtype=torch.int32)
+    cu = torch.tensor([0, 11, 12], dtype=torch.int32)
+    q = torch.randn(12, HQ, D)
+    want = reference.paged_attention(q, fa.k_want, fa.v_want, tables, lens, cu, 0.25)
+    got = mp.paged_attention(q, fa.layout, fa.k, fa.v, fa.ks, fa.vs, fa.code_tables(tables),
+                             lens, cu, 0.25)
+    assert torch.equal(got, want)
+
+
+def test_demotion_from_int8_to_int4_requantizes_the_dequantized_page():
+    fa = filled_arena(["int8", "full"], torch.float32, BS, HKV, D, seed=5)
+    lay = fa.layout
+    src = torch.tensor([fa.codes[0]])
+    dst = torch.tensor([lay.code(4, 3, "int4")])
+    before = mp.read_pages(lay, fa.k, fa.ks, src, torch.float32)
+    mp.demote(lay, fa.k, fa.ks, src, dst)
+    after = mp.read_pages(lay, fa.k, fa.ks, dst, torch.float32)
+    from kernels import quant
+    c, s = quant.quantize(before[0], "int4")
+    torch.testing.assert_close(after[0], quant.dequantize(c, s, "int4"))
+
+
+def test_bad_page_codes_are_rejected_before_reading():
+    fa = filled_arena(["full", "int8"], torch.float32, BS, HKV, D, enabled=("int8",))
+    lens = torch.tensor([8], dtype=torch.int32)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    q = torch.randn(1, HQ, D)
+    for bad in (fa.layout.code(1, 0, "int4"), fa.layout.code(99, 0, "full"), 1):
+        table = torch.tensor([[fa.codes[0], bad]], dtype=torch.int32)
+        with pytest.raises(ValueError, match="name no page"):
+            mp.paged_attention(q, fa.layout, fa.k, fa.v, fa.ks, fa.vs, table, lens, cu, 0.25)
