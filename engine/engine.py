@@ -250,6 +250,10 @@ class LLMEngine:
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, "
                                  f"got {getattr(params, name)}")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            # the kept prompt rows' logits would need a vocab-parallel gather on every rank
+            raise ValueError("prompt_logprobs (and echo with logprobs) is not supported "
+                             "with tensor_parallel_size > 1")
         now = time.monotonic() if arrival_time is None else arrival_time
         seed = int(self._seeds.integers(2**62))
         req = _Request(request_id, text, ids, params, now,

@@ -74,10 +74,17 @@ class TensorParallelRunner(ModelRunner):
         except RuntimeError as e:
             raise TensorParallelError(f"tensor-parallel broadcast failed: {e}") from e
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute_keeping(self, batch: StepBatch, rows: list[int] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank runs the step (``ModelRunner.execute`` comes here too). Kept rows
+        (prompt logprobs) are refused at ``add_request`` with TP > 1: their logits would
+        need a vocab-parallel gather on every rank."""
+        if rows:
+            raise TensorParallelError("prompt logprobs are not supported with tensor "
+                                      "parallelism")
         self._send({"op": OP_STEP, "batch": {k: v.cpu() for k, v in vars(batch).items()}})
         try:
-            return super().execute(batch)
+            return super().execute_keeping(batch, None)
         except RuntimeError as e:  # a collective failed or timed out
             self._check_alive()
             raise TensorParallelError(f"tensor-parallel step failed: {e}") from e

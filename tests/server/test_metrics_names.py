@@ -20,7 +20,7 @@ LIST = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-metrics.j
 def _fake_engine(busy: bool) -> SimpleNamespace:
     cache = SimpleNamespace(metrics=lambda: {
         "tiers": {"gpu": {"total": 100, "used": 25}}, "prefix_query_tokens": 40,
-        "prefix_hit_tokens": 16, "evictions": 3})
+        "prefix_hit_tokens": 16, "evictions": 3, "used_tokens": 350}, block_size=16)
     return SimpleNamespace(stats={"running": 2, "waiting": 1, "decode_tokens": 2,
                                   "preemptions": 1}, cache=cache,
                            has_unfinished_requests=lambda: busy)
