@@ -63,7 +63,16 @@ def test_tp2_matches_tp1_on_a_tiny_model(tiny_dir: Path) -> None:
                list(range(30, 70))]
     kw = dict(model=str(tiny_dir), num_gpu_blocks=48, block_size=4)
     ref = _run(EngineConfig(**kw), prompts, 10)
-    assert _run(EngineConfig(tensor_parallel_size=2, **kw), prompts, 10) == ref
+    engine = LLMEngine(EngineConfig(tensor_parallel_size=2, **kw))
+    try:
+        assert _greedy(engine, prompts, 10) == ref
+        # prompt logprobs would need a vocab-parallel gather on every rank: refused at the
+        # door, and the engine goes on serving
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            engine.add_request("lp", prompts[0], SamplingParams(prompt_logprobs=1))
+        assert _greedy(engine, prompts[:1], 10) == ref[:1]
+    finally:
+        engine.close()
 
 
 def test_a_dead_rank_fails_the_engine_loudly(tiny_dir: Path) -> None:
