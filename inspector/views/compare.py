@@ -88,7 +88,8 @@ class CodeGrid(QWidget):
         else:  # many blocks: one image, scaled
             padded = np.full(rows * w, 4, dtype=np.uint8)
             padded[:n] = self.codes
-            img = QImage(padded.tobytes(), w, rows, w, QImage.Format.Format_Indexed8)
+            data = padded.tobytes()  # QImage borrows this buffer: keep it alive while drawing
+            img = QImage(data, w, rows, w, QImage.Format.Format_Indexed8)
             img.setColorTable(self._lut)
             p.drawImage(QRectF(2, 20, w * cell, rows * cell), img)
         pen = QPen(QColor(P.SELECTED))
