@@ -252,7 +252,10 @@ def worker_main(args: argparse.Namespace) -> int:
                         "threads": torch.get_num_threads()})
             elif op["op"] == "tpot":
                 _, one = gen([op["prompt_ids"]], 1)
-                _, many = gen([op["prompt_ids"]], 1 + op["tokens"])
+                outs, many = gen([op["prompt_ids"]], 1 + op["tokens"])
+                if len(outs[0]) != 1 + op["tokens"]:
+                    raise RuntimeError(f"tpot: asked {1 + op['tokens']} tokens, "
+                                       f"got {len(outs[0])}")
                 _reply({"tpot_ms": (many - one) / op["tokens"] * 1e3,
                         "threads": torch.get_num_threads()})
             else:
@@ -313,6 +316,14 @@ def tokenize(hf_dir: str, texts: list[str]) -> list[list[int]]:
 
     tok = Tokenizer.from_file(str(Path(hf_dir) / "tokenizer.json"))
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def load_average() -> str:
@@ -376,7 +387,8 @@ async def drive(url: str, prompts: list[list[int]], max_tokens: int,
                 async for line in r.aiter_lines():
                     if not line.startswith("data:") or line.strip() == "data: [DONE]":
                         continue
-                    if not json.loads(line[5:])["choices"][0].get("text"):
+                    choices = json.loads(line[5:]).get("choices")
+                    if not choices or not choices[0].get("text"):
                         continue
                     now = time.perf_counter()
                     (ttft if first else itl).append((now - (t0 if first else last)) * 1e3)
@@ -391,23 +403,22 @@ async def drive(url: str, prompts: list[list[int]], max_tokens: int,
             "itl_p99_ms": percentile(itl, 99)}
 
 
-def served_pass(engine: str, python: str, model: str, dtype: str, threads: int,
-                prompts: list[list[int]], log: Path) -> dict[str, float]:
-    """One server alone: start, warm up, measure, kill."""
+@contextlib.contextmanager
+def start_server(engine: str, python: str, model: str, dtype: str, threads: int,
+                 log: Path) -> Iterator[tuple[str, float]]:
+    """One engine's OpenAI server, warmed up; yields (url, seconds to healthy)."""
     import asyncio
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = served_cmd(engine, python, model, dtype, threads, port)
     env = engine_env(engine, threads)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server keeps its own layout
-    with process_group(cmd, log, env, stdout=subprocess.DEVNULL,
+    with process_group(served_cmd(engine, python, model, dtype, threads, port), log, env,
+                       stdout=subprocess.DEVNULL,
                        cwd=Path(__file__).resolve().parents[1]) as proc:
         start_s = wait_healthy(url, proc, LOAD_TIMEOUT_S)
-        asyncio.run(drive(url, prompts[:2], 4, 2))  # warm-up
-        out = asyncio.run(drive(url, prompts, SERVED["max_tokens"], SERVED["concurrency"]))
-    out["start_s"] = start_s
-    return out
+        asyncio.run(drive(url, [[1, 2, 3, 4]] * 2, 4, 2))  # warm-up
+        yield url, start_s
 
 
 # ---------------------------------------------------------------- parent
@@ -423,9 +434,8 @@ def run(args: argparse.Namespace) -> int:
     hf_dir = ensure_hf_dir(args.hf_dir, workdir)
     engines = {"vllm": (vllm_py, hf_dir), "kvscope": (sys.executable, "smollm2")}
     result: dict[str, Any] = {
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
-                   f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                    time.gmtime()),
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "passes": args.passes, "threads": args.threads, "hf_dir": hf_dir,
         "vllm_python": vllm_py, "load_average": [load_average()], "rows": [], "info": {}}
     rows: list[dict[str, Any]] = result["rows"]
@@ -434,20 +444,7 @@ def run(args: argparse.Namespace) -> int:
         if offline:
             _offline(dtype, offline, engines, args, workdir, result)
         if "served" in workloads:
-            prompts = _served_prompts(hf_dir, args.seed)
-            per: dict[str, list[dict[str, float]]] = {"vllm": [], "kvscope": []}
-            for p in range(args.passes):
-                for name, (py, model) in engines.items():
-                    per[name].append(served_pass(name, py, model, dtype, args.threads,
-                                                 prompts, workdir / f"{name}-serve.log"))
-                    print(f"{dtype} served pass {p + 1} {name}: {per[name][-1]}", flush=True)
-                result["load_average"].append(load_average())
-            for metric in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                           "itl_p99_ms"):
-                rows.append({"dtype": dtype, "workload": "served c4", "metric": metric,
-                             **{n: [x[metric] for x in v] for n, v in per.items()}})
-            result["info"][f"{dtype} served start_s"] = {
-                n: [round(x["start_s"], 1) for x in v] for n, v in per.items()}
+            _served(dtype, engines, args, workdir, result)
     table = format_table(rows)
     print(table)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
@@ -498,6 +495,34 @@ def _offline(dtype: str, workloads: list[str], engines: dict[str, tuple[str, str
             a, b = outputs[(wl, "vllm")], outputs[(wl, "kvscope")]
             same = sum(x == y for x, y in zip(a, b, strict=True))
             result["info"][f"{dtype} {wl} token-identical prompts"] = f"{same}/{len(a)}"
+
+
+def _served(dtype: str, engines: dict[str, tuple[str, str]], args: argparse.Namespace,
+            workdir: Path, result: dict[str, Any]) -> None:
+    """Both servers up (an idle one costs nothing); the client drives one at a time,
+    alternating pass by pass."""
+    import asyncio
+
+    prompts = _served_prompts(result["hf_dir"], args.seed)
+    per: dict[str, list[dict[str, float]]] = {"vllm": [], "kvscope": []}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, (py, model) in engines.items():
+            print(f"starting {name} server {dtype} ...", flush=True)
+            urls[name], start_s = stack.enter_context(start_server(
+                name, py, model, dtype, args.threads, workdir / f"{name}-serve.log"))
+            result["info"][f"{dtype} {name} server start_s"] = round(start_s, 1)
+        for p in range(args.passes):
+            for name, url in urls.items():
+                per[name].append(asyncio.run(drive(url, prompts, SERVED["max_tokens"],
+                                                   SERVED["concurrency"])))
+                print(f"{dtype} served pass {p + 1}/{args.passes} {name}: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in per[name][-1].items())
+                      + f" (load {load_average()})", flush=True)
+            result["load_average"].append(load_average())
+    for metric in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+        result["rows"].append({"dtype": dtype, "workload": "served c4", "metric": metric,
+                               **{n: [x[metric] for x in v] for n, v in per.items()}})
 
 
 def _served_prompts(hf_dir: str, seed: int) -> list[list[int]]:
