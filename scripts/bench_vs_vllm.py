@@ -503,7 +503,6 @@ def _served(dtype: str, engines: dict[str, tuple[str, str]], args: argparse.Name
     alternating pass by pass."""
     import asyncio
 
-    prompts = _served_prompts(result["hf_dir"], args.seed)
     per: dict[str, list[dict[str, float]]] = {"vllm": [], "kvscope": []}
     with contextlib.ExitStack() as stack:
         urls = {}
@@ -513,6 +512,8 @@ def _served(dtype: str, engines: dict[str, tuple[str, str]], args: argparse.Name
                 name, py, model, dtype, args.threads, workdir / f"{name}-serve.log"))
             result["info"][f"{dtype} {name} server start_s"] = round(start_s, 1)
         for p in range(args.passes):
+            # new prompts each pass (the same for both): no hits on the last pass's prefixes
+            prompts = _served_prompts(result["hf_dir"], args.seed + 1000 * (p + 1))
             for name, url in urls.items():
                 per[name].append(asyncio.run(drive(url, prompts, SERVED["max_tokens"],
                                                    SERVED["concurrency"])))
@@ -558,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.mode == "worker":
         return worker_main(args)
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so every process group started is killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return run(args)
     except ThreadMismatch as e:
