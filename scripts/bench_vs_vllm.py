@@ -104,13 +104,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         unit, higher = METRICS[r["metric"]]
         v, k = best(r["vllm"], higher), best(r["kvscope"], higher)
         ratio = (k / v if higher else v / k) if v and k else float("nan")
-        out.append(f"| {r['dtype']} | {r['workload']} | {r['metric']} ({unit}) | {v:.1f} "
-                   f"| {k:.1f} | {ratio:.2f}x | {_fmt(r['vllm'])} | {_fmt(r['kvscope'])} |")
+        out.append(f"| {r['dtype']} | {r['workload']} | {r['metric']} ({unit}) | {_num(v)} "
+                   f"| {_num(k)} | {ratio:.2f}x | {_fmt(r['vllm'])} | {_fmt(r['kvscope'])} |")
     return "\n".join(out)
 
 
+def _num(x: float) -> str:
+    """Three significant figures at least: 0.48 req/s, 232.6 tok/s."""
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
+
+
 def _fmt(values: list[float]) -> str:
-    return " ".join(f"{x:.1f}" for x in values)
+    return " ".join(map(_num, values))
 
 
 def make_prompts(n: int, seed: int) -> list[str]:
@@ -529,7 +534,8 @@ def _served(dtype: str, engines: dict[str, tuple[str, str]], args: argparse.Name
 def _served_prompts(hf_dir: str, seed: int) -> list[list[int]]:
     """SERVED['requests'] prompts, each cut to SERVED['prompt_tokens'] tokens."""
     n, want = SERVED["requests"], SERVED["prompt_tokens"]
-    texts = [" ".join(p.split() * 4) for p in make_prompts(n, seed + 2)]  # long enough
+    # 8-word passages x 40 repeats is > 286 tokens, so every prompt is cut to exactly 286
+    texts = [" ".join(p.split() * 40) for p in make_prompts(n, seed + 2)]
     return [ids[:want] for ids in tokenize(hf_dir, texts)]
 
 

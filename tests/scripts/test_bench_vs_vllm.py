@@ -63,3 +63,9 @@ def test_unknown_workload_is_a_clear_error_before_anything_starts(tmp_path):
                         "--workloads", "offline-32x64,nope"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "unknown workloads ['nope']" in r.stderr
+
+
+def test_small_values_keep_two_decimals():
+    rows = [{"dtype": "float32", "workload": "served c4", "metric": "req_per_s",
+             "vllm": [0.98, 0.75], "kvscope": [0.49, 0.5]}]
+    assert "| 0.98 | 0.50 | 0.51x | 0.98 0.75 | 0.49 0.50 |" in bench.format_table(rows)
