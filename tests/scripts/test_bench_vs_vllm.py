@@ -1,0 +1,71 @@
+"""The pure parts of scripts/bench_vs_vllm.py (no vLLM here: the script itself is run by
+hand and its numbers go to docs/BENCHMARKS.md)."""
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_vs_vllm.py"
+_spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_equal_threads_give_the_one_count():
+    assert bench.check_threads({"vllm": 2, "kvscope": 2}) == 2
+
+
+def test_different_threads_refuse_to_compare():
+    with pytest.raises(bench.ThreadMismatch, match="kvscope=2, vllm=1"):
+        bench.check_threads({"vllm": 1, "kvscope": 2})
+
+
+def test_table_ratio_says_kvscope_better_above_one_for_both_kinds_of_metric():
+    rows = [{"dtype": "float32", "workload": "offline-32x64", "metric": "tok_per_s",
+             "vllm": [200.0, 232.6], "kvscope": [165.5, 150.0]},
+            {"dtype": "float32", "workload": "tpot", "metric": "tpot_ms",
+             "vllm": [40.0, 36.0], "kvscope": [30.0, 45.0]}]
+    lines = bench.format_table(rows).splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| dtype |")
+    # throughput: best is the highest; 165.5 / 232.6
+    assert "| 232.6 | 165.5 | 0.71x |" in lines[2]
+    # latency: best is the lowest; kvscope 30 ms vs vLLM 36 ms is 1.20x better
+    assert "| 36.0 | 30.0 | 1.20x |" in lines[3]
+    assert "200.0 232.6" in lines[2] and "30.0 45.0" in lines[3]
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(x) for x in range(1, 101)]
+    assert bench.percentile(values, 50) == 50.0
+    assert bench.percentile(values, 99) == 99.0
+    assert bench.percentile([7.0], 99) == 7.0
+    assert not math.isnan(bench.percentile([3.0, 1.0], 50))
+
+
+def test_prompts_are_seeded_and_mixed_length():
+    a, b = bench.make_prompts(32, 0), bench.make_prompts(32, 0)
+    assert a == b and len(a) == 32
+    lengths = [len(p.split()) for p in a]
+    assert min(lengths) >= 8 and max(lengths) <= 300 and max(lengths) - min(lengths) > 100
+
+
+def test_unknown_workload_is_a_clear_error_before_anything_starts(tmp_path):
+    # --vllm-python and --hf-dir point at existing things, so nothing is built or started
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", sys.executable,
+                        "--hf-dir", str(hf), "--workdir", str(tmp_path),
+                        "--workloads", "offline-32x64,nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "unknown workloads ['nope']" in r.stderr
+
+
+def test_small_values_keep_two_decimals():
+    rows = [{"dtype": "float32", "workload": "served c4", "metric": "req_per_s",
+             "vllm": [0.98, 0.75], "kvscope": [0.49, 0.5]}]
+    assert "| 0.98 | 0.50 | 0.51x | 0.98 0.75 | 0.49 0.50 |" in bench.format_table(rows)
