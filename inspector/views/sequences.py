@@ -75,6 +75,8 @@ class SeqTableModel(QAbstractTableModel):
             return f"{v:,}" if isinstance(v, int) else str(v)
         if role == Qt.ItemDataRole.UserRole:  # sort key: numbers sort as numbers
             return v
+        if role == Qt.ItemDataRole.ToolTipRole and index.column() == 0:
+            return str(v)  # the whole id (the cell elides it in the middle)
         if role == Qt.ItemDataRole.ForegroundRole and index.column() == 1:
             return QColor(STATUS_COLOURS.get(v, P.TEXT))
         if role == Qt.ItemDataRole.TextAlignmentRole and isinstance(v, int):
@@ -111,6 +113,8 @@ class SequencesView(QWidget):
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setAlternatingRowColors(True)
+        # ids such as chatcmpl-<32 hex>-0 differ at both ends: keep both visible
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.table.setStyleSheet("font-size: 9pt;")

@@ -119,6 +119,9 @@ def test_selecting_a_sequence_highlights_its_blocks(replay_window, batches, arti
     row = [r[0] for r in win.sequences.visible_rows()].index(sid)
     win.sequences.table.selectRow(row)
     assert win.model.selected_seq == sid
+    # a long id elides in the middle in its cell; the tooltip gives it whole
+    assert win.sequences.table.textElideMode() == Qt.TextElideMode.ElideMiddle
+    assert win.sequences.proxy.index(row, 0).data(Qt.ItemDataRole.ToolTipRole) == sid
     table = truth.seqs[sid].block_table
     cells = win.block_map.cells("gpu")
     assert all(cells[b] < P.DIM_OFFSET for b in table)
