@@ -137,7 +137,7 @@ class LlamaModel:
         together; the backend knows which is which). Returns the final-normed hidden [T, hidden]."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
-        hidden = self.embed[input_ids]
+        hidden = self._embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, hidden.dtype)
         for idx, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
@@ -147,13 +147,22 @@ class LlamaModel:
             k = RotaryEmbedding.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             out = attn(idx, q, k, v)
-            hidden = hidden + F.linear(out.reshape(num_tokens, cfg.q_size), layer.o_proj)
+            hidden = hidden + self._reduce(
+                F.linear(out.reshape(num_tokens, cfg.q_size), layer.o_proj))
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            hidden = hidden + self._reduce(F.linear(F.silu(gate) * up, layer.down))
         return rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
 
     __call__ = forward
+
+    # The two places a tensor-parallel shard differs (engine.model.parallel.ShardedLlama):
+    # a vocab-parallel embedding, and summing row-parallel partial outputs over the ranks.
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[input_ids]
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionBackend
 from engine.model.config import ModelConfig
-from engine.model.llama import LayerWeights, LlamaModel, rms_norm
-from engine.model.rope import RotaryEmbedding
+from engine.model.llama import LayerWeights, LlamaModel
 
 
 def check_divisible(config: ModelConfig, world: int) -> None:
@@ -111,37 +109,21 @@ class ShardedLlama(LlamaModel):
         self.full_config, self.world, self.rank, self.group = full_config, world, rank, group
         self.vocab_lo, self.vocab_hi = _vocab_rows(full_config.vocab_size, world, rank)
 
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.group)
-        return x
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Row-parallel outputs are partial sums: add them up over the ranks."""
+        dist.all_reduce(partial, group=self.group)
+        return partial
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
-        cfg = self.config  # this rank's heads and MLP slice
-        num_tokens = input_ids.shape[0]
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding: each rank looks up the ids in its row range (zeros
+        elsewhere) and the all-reduce assembles the full rows."""
         mine = (input_ids >= self.vocab_lo) & (input_ids < self.vocab_hi)
         local = torch.where(mine, input_ids - self.vocab_lo, torch.zeros_like(input_ids))
-        hidden = self._all_reduce(self.embed[local] * mine.unsqueeze(-1).to(self.embed.dtype))
-        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
-        for idx, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = RotaryEmbedding.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = RotaryEmbedding.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            out = attn(idx, q, k, v)
-            hidden = hidden + self._all_reduce(
-                F.linear(out.reshape(num_tokens, cfg.q_size), layer.o_proj))
-            x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + self._all_reduce(F.linear(F.silu(gate) * up, layer.down))
-        return rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
+        return self._reduce(self.embed[local] * mine.unsqueeze(-1).to(self.embed.dtype))
 
+    forward = LlamaModel.forward  # the same layers; the hooks above differ
     __call__ = forward
 
-    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         part = F.linear(hidden, self.lm_head).contiguous()
         parts = [torch.empty_like(part) for _ in range(self.world)]
