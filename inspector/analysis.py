@@ -35,6 +35,7 @@ from engine.events.lifecycle import PHASES, LifecycleIndex
 from inspector import palette as P
 from inspector.thresholds import Thresholds
 from inspector.views.compare import CompareView
+from inspector.views.legend import Legend
 from inspector.views.lifecycle import PHASE_COLOURS, LifecycleView
 from inspector.views.prefix_tree import PrefixTreeView
 from inspector.views.range_summary import RangeSummaryView
@@ -70,13 +71,14 @@ class AnalysisPanel(QWidget):
         self.search.setClearButtonEnabled(True)
         self.search.textChanged.connect(self.lifecycle.set_filter)
         self.search.returnPressed.connect(lambda: self.lifecycle.find(self.search.text()))
-        legend = QLabel("  ".join(f"<span style='color:{PHASE_COLOURS[k]}'>■</span> {k}"
-                                  for k in PHASES)
-                        + "  <span>▲</span> preemption · light strip: blocks held")
-        legend.setWordWrap(False)
+        legend = Legend()  # flows onto a second line when narrow, never over the rows
+        legend.set_entries([(PHASE_COLOURS[k], "■", k, "") for k in PHASES]
+                           + [(P.TEXT, "▲", "preemption", ""),
+                              (P.TEXT_DIM, "▬", "light strip: blocks held", "")])
+        self.phase_legend = legend
         head = QHBoxLayout()
         head.addWidget(self.search, 1)
-        head.addWidget(legend)
+        head.addWidget(legend, 1)
         life = QWidget()
         lay = QVBoxLayout(life)
         lay.setContentsMargins(0, 0, 0, 0)

@@ -21,10 +21,6 @@ def _rect(w) -> QRect:  # noqa: ANN001
     return QRect(w.mapTo(w.window(), w.rect().topLeft()), w.size())
 
 
-def _legend_labels(win) -> list:  # noqa: ANN001
-    return [*win.block_map.legend.labels, *win.timelines.legend.labels]
-
-
 @pytest.mark.parametrize("width", [700, 1000, 1300, 1600, 2400])
 def test_legends_never_overlap(replay_window, qapp, width):  # noqa: ANN001
     win = replay_window
@@ -32,19 +28,20 @@ def test_legends_never_overlap(replay_window, qapp, width):  # noqa: ANN001
     win.replay.seek_step(150)
     for _ in range(3):
         qapp.processEvents()
-    for view in (win.block_map, win.timelines):
-        labels = view.legend.labels
+    for legend_w, below in ((win.block_map.legend, win.block_map.canvas),
+                            (win.timelines.legend, win.timelines.canvas),
+                            (win.analysis.phase_legend, win.analysis.lifecycle)):
+        labels = legend_w.labels
         assert len(labels) >= 4
         rects = [_rect(lab) for lab in labels]
         for i, a in enumerate(rects):
             assert a.width() >= lab_min(labels[i]), "an entry was squeezed"
             for b in rects[i + 1:]:
                 assert not a.intersects(b), f"legend entries overlap at {width}px"
-        legend = _rect(view.legend)
+        legend = _rect(legend_w)
         assert all(legend.contains(r) for r in rects), "an entry spills out of its legend"
         # nothing below the legend is covered by it
-        canvas = _rect(view.canvas)
-        assert legend.bottom() < canvas.top()
+        assert legend.bottom() < _rect(below).top()
     if width <= 1000:  # a narrow window: the entries took more than one line
         assert len({_rect(lab).top() for lab in win.timelines.legend.labels}) > 1
 
