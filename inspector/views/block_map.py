@@ -310,7 +310,7 @@ class BlockMapView(QWidget):
 
         top = QHBoxLayout()
         top.addWidget(self.legend, 1)
-        top.addWidget(QLabel("colour by"))
+        top.addWidget(QLabel("colour by"), 0, Qt.AlignmentFlag.AlignTop)
         top.addWidget(self.colour_by, 0, Qt.AlignmentFlag.AlignTop)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)

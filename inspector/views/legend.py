@@ -109,6 +109,18 @@ class Legend(QWidget):
             if lab.text() != html:
                 lab.setText(html)
         self.flow.invalidate()
+        self._fit_height()
+
+    def resizeEvent(self, event) -> None:  # noqa: ANN001, N802 - Qt's name
+        super().resizeEvent(event)
+        self._fit_height()
+
+    def _fit_height(self) -> None:
+        """Ask for the height the entries need at this width, as a minimum: splitters and
+        box layouts then shrink the view below the legend, never the legend into it."""
+        need = self.flow.heightForWidth(max(1, self.width()))
+        if need != self.minimumHeight():
+            self.setMinimumHeight(need)
 
     def text(self) -> str:
         """The entries' rich text, one after another (what the legend says)."""

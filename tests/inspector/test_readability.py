@@ -169,3 +169,50 @@ def qapp_focus():  # noqa: ANN201
     from PySide6.QtWidgets import QApplication
 
     return QApplication.focusWidget()
+
+
+def test_costs_and_alerts_on_the_main_window(replay_window, qapp):  # noqa: ANN001
+    from engine.events.costs import cost_series
+
+    win = replay_window
+    panel = win.analysis
+    want = cost_series(panel.index)
+    for key in ("recompute_share", "fragmentation", "prefix_saved"):
+        x, y = win.timelines.curves[key].getData()
+        assert np.array_equal(x, want["step"])
+        assert np.allclose(y, want[key] * 100, equal_nan=True)
+    x, y = win.timelines.curves["decode_ms"].getData()
+    has = np.isfinite(want["decode_ms"])
+    assert len(x) == int(has.sum()) > 0 and np.allclose(y, want["decode_ms"][has])
+
+    # alerts: off by default; switched on in the Alerts tab, the banner shows in the main
+    # window (above the block map, outside the dock) and the thresholds show as lines
+    win.replay.seek_step(150)
+    assert not panel.alerts.isVisibleTo(win)
+    assert not win.timelines.threshold_lines["gpu"].isVisible()
+    panel.alert_controls["max_utilization"].setValue(1)
+    panel.alert_controls["enabled"].setChecked(True)
+    qapp.processEvents()
+    assert panel.alerts.isVisibleTo(win) and "utilization" in panel.alerts.text()
+    assert panel.alerts.parentWidget() is win.centralWidget()
+    assert _rect(panel.alerts).bottom() < _rect(win.block_map).top()
+    assert win.timelines.threshold_lines["gpu"].isVisible()
+    assert win.timelines.threshold_lines["hit"].value() == pytest.approx(50.0)
+    panel.alert_controls["enabled"].setChecked(False)
+    assert not panel.alerts.isVisibleTo(win)
+    assert not win.timelines.threshold_lines["gpu"].isVisible()
+
+
+def test_legend_keeps_its_lines_when_the_window_shrinks(replay_window, qapp):  # noqa: ANN001
+    """A wide window made narrow (the splitters keep their old split): the legends ask
+    for the height of their lines, so the views shrink below them instead."""
+    win = replay_window
+    win.replay.seek_step(150)
+    for size in ((2400, 1300), (1000, 900), (760, 700)):
+        win.resize(*size)
+        for _ in range(3):
+            qapp.processEvents()
+        for view in (win.block_map, win.timelines):
+            rects = [_rect(lab) for lab in view.legend.labels if lab.isVisible()]
+            assert len(rects) == len(view.legend.labels)
+            assert max(r.bottom() for r in rects) < _rect(view.canvas).top(), size
