@@ -91,7 +91,8 @@ class Legend(QWidget):
     def set_entries(self, entries: list[tuple[str, str, str, str]]) -> None:
         """``entries``: (colour, glyph, text, count text or ""). Reuses the labels when the
         number of entries is unchanged (counts update every frame)."""
-        if len(entries) != len(self.labels):
+        changed = len(entries) != len(self.labels)
+        if changed:
             for lab in self.labels:
                 self.flow.removeWidget(lab)
                 lab.deleteLater()
@@ -107,9 +108,10 @@ class Legend(QWidget):
                     + (f"&nbsp;<span style='color:{P.TEXT_DIM}'>{count}</span>" if count
                        else ""))
             if lab.text() != html:
-                lab.setText(html)
-        self.flow.invalidate()
-        self._fit_height()
+                lab.setText(html)  # a wider text re-lays the flow (updateGeometry)
+                changed = True
+        if changed:
+            self._fit_height()
 
     def resizeEvent(self, event) -> None:  # noqa: ANN001, N802 - Qt's name
         super().resizeEvent(event)

@@ -55,7 +55,9 @@ class SparseAxis(pg.AxisItem):
             return []
         want = dif * self.MIN_TICK_PX / size  # the smallest spacing that keeps labels apart
         p10 = 10.0 ** math.floor(math.log10(want))
-        step = next(m * p10 for m in (1, 2, 2.5, 5, 10) if m * p10 >= want)
+        # 2.5 steps only where they stay whole numbers (25, 250, ...): "2.5" would print "2"
+        steps = (1, 2, 2.5, 5, 10) if p10 >= 10 else (1, 2, 5, 10)
+        step = next(m * p10 for m in steps if m * p10 >= want)
         return [(step, 0)]
 
 
@@ -135,8 +137,9 @@ class TimelinesView(QWidget):
         p = plot("tput", "tokens/s", 3)
         self.curves["tput"] = p.plot(pen=_pen(P.SERIES["throughput"], 1.5), antialias=False)
         p = plot("hit", "% hit · saved · recompute · fragmentation", 4)
-        p.setYRange(0, 100, padding=0.05)
+        p.setYRange(-10, 110, padding=0)  # room for the 0% and 100% labels when tall
         p.getAxis("left").setTicks([[(v, f"{v}%") for v in (0, 50, 100)]])
+        p.setMouseEnabled(y=False)  # a share: 0..100 always
         self.curves["hit"] = p.plot(pen=_pen(COST_COLOURS["hit"], 2), antialias=False)
         for k in ("prefix_saved", "recompute_share", "fragmentation"):
             self.curves[k] = p.plot(pen=_pen(COST_COLOURS[k], 1.5), antialias=False)

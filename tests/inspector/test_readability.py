@@ -104,11 +104,14 @@ def test_small_pool_draws_borders_and_ids(qtbot, qapp):  # noqa: ANN001
     assert view.panels["gpu"].grid is not None and view.panels["gpu"].grid.num_blocks == 100
 
 
-def test_timeline_axes_keep_labels_apart() -> None:
+def test_timeline_axes_keep_labels_apart(qapp) -> None:  # noqa: ANN001 - items need a QApplication
     ax = SparseAxis("left")
-    for lo, hi, px in ((0, 80, 44), (-65, 574, 44), (0, 1e6, 30), (0, 1, 300), (3, 3.5, 60)):
+    for lo, hi, px in ((0, 80, 44), (-65, 574, 44), (0, 1e6, 30), (0, 1, 300), (3, 3.5, 60),
+                       (-1, 9, 44), (-1, 9, 200)):
         (step, _), = ax.tickSpacing(lo, hi, px)
         assert step * px / (hi - lo) >= SparseAxis.MIN_TICK_PX  # pixels between labels
+        if hi - lo >= 5:  # counts: whole-number ticks (2.5 would print as "2")
+            assert float(step).is_integer(), (lo, hi, px, step)
         ticks = np.arange(np.ceil(lo / step) * step, hi, step)
         assert len(ticks) >= 1
 
