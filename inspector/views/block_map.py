@@ -321,7 +321,12 @@ class BlockMapView(QWidget):
         self.canvas.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.canvas.scene().sigMouseClicked.connect(self._on_mouse_clicked)
         model.state_changed.connect(self.refresh)
-        model.selection_changed.connect(self.refresh)
+        self._selection_version = 0  # bumps on every selection/highlight change
+        model.selection_changed.connect(self._on_selection)
+
+    def _on_selection(self) -> None:
+        self._selection_version += 1
+        self.refresh()
 
     @property
     def mode(self) -> str:
@@ -345,13 +350,14 @@ class BlockMapView(QWidget):
             self._rebuild(st)
             self._layout_key = key
         sel, mode = self.model.selected_block, self.mode
-        selecting = self.model.selected_seq is not None or sel is not None
+        selecting = (self.model.selected_seq is not None or sel is not None
+                     or self.model.highlight is not None)
         counts: dict[str, np.ndarray] = {}
         for name, panel in self.panels.items():
             t = st.tiers[name]
             panel.configure(t.num_blocks, t.block_size, t.format)
             draw_key = (id(t), t.version, mode, st.step if mode == "age" else None,
-                        (id(st), self.model.selected_seq, sel) if selecting else None)
+                        (id(st), self._selection_version) if selecting else None)
             changed = t.changed_since
             prev = panel.draw_key
             if (mode == "age" and not selecting and prev is not None and prev[2] == "age"

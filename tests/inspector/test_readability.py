@@ -219,3 +219,22 @@ def test_legend_keeps_its_lines_when_the_window_shrinks(replay_window, qapp):  #
             rects = [_rect(lab) for lab in view.legend.labels if lab.isVisible()]
             assert len(rects) == len(view.legend.labels)
             assert max(r.bottom() for r in rects) < _rect(view.canvas).top(), size
+
+
+def test_highlight_over_a_selection_redraws_the_map(qtbot, qapp):  # noqa: ANN001
+    """A prefix-tree highlight set while a sequence is selected lights the highlighted
+    blocks, not the sequence's (the map must not keep the selection's frame)."""
+    from inspector import palette as P
+
+    model = InspectorModel()
+    view = BlockMapView(model)
+    qtbot.addWidget(view)
+    model.set_state(_pool(64))
+    model.select_seq("a")
+    cells = view.cells("gpu")
+    assert cells[0] < P.DIM_OFFSET and cells[5] >= P.DIM_OFFSET  # a's block bright
+    model.set_highlight({"gpu": [5]})
+    cells = view.cells("gpu")
+    assert cells[5] < P.DIM_OFFSET and cells[0] >= P.DIM_OFFSET
+    model.set_highlight(None)
+    assert view.cells("gpu")[0] < P.DIM_OFFSET
