@@ -73,7 +73,10 @@ def _brush(colour: str, alpha: int = 150) -> Any:
 class TimelinesView(QWidget):
     seek_requested = Signal(int)
 
-    def __init__(self, model: InspectorModel, parent: QWidget | None = None) -> None:
+    def __init__(self, model: InspectorModel, parent: QWidget | None = None,
+                 costs: bool = True) -> None:
+        """``costs``: also draw the rows fed by a lifecycle index (``set_costs``); a view
+        without one (a fleet replica) shows the hit rate alone in the % row."""
         super().__init__(parent)
         self.model = model
         self.canvas = pg.GraphicsLayoutWidget()
@@ -136,12 +139,13 @@ class TimelinesView(QWidget):
             self.curves[k] = p.plot(pen=_pen(P.SERIES[k], 1.5), stepMode=None, antialias=False)
         p = plot("tput", "tokens/s", 3)
         self.curves["tput"] = p.plot(pen=_pen(P.SERIES["throughput"], 1.5), antialias=False)
-        p = plot("hit", "% hit · saved · recompute · fragmentation", 4)
+        p = plot("hit", "% hit · saved · recompute · fragmentation" if costs
+                 else "prefix hit rate", 4)
         p.setYRange(-10, 110, padding=0)  # room for the 0% and 100% labels when tall
         p.getAxis("left").setTicks([[(v, f"{v}%") for v in (0, 50, 100)]])
         p.setMouseEnabled(y=False)  # a share: 0..100 always
         self.curves["hit"] = p.plot(pen=_pen(COST_COLOURS["hit"], 2), antialias=False)
-        for k in ("prefix_saved", "recompute_share", "fragmentation"):
+        for k in ("prefix_saved", "recompute_share", "fragmentation") if costs else ():
             self.curves[k] = p.plot(pen=_pen(COST_COLOURS[k], 1.5), antialias=False)
         self.threshold_lines = {
             "gpu": pg.InfiniteLine(angle=0, pen=pg.mkPen(P.WARN, width=1,
@@ -151,32 +155,36 @@ class TimelinesView(QWidget):
         for key, line in self.threshold_lines.items():
             self.plots[key].addItem(line, ignoreBounds=True)
             line.hide()
-        p = plot("decode", "decode ms/step · mean context (right)", 5)
-        self.curves["decode_ms"] = p.plot(pen=None, symbol="o", symbolSize=3,
-                                          symbolPen=None, symbolBrush=COST_COLOURS["decode_ms"])
-        self.context_view = self._right_axis(p, "tokens")
-        self.curves["decode_context"] = pg.PlotDataItem(
-            pen=_pen(COST_COLOURS["decode_context"], 1.5), antialias=False)
-        self.context_view.addItem(self.curves["decode_context"])
+        if costs:
+            p = plot("decode", "decode ms/step · mean context (right)", 5)
+            self.curves["decode_ms"] = p.plot(pen=None, symbol="o", symbolSize=3,
+                                              symbolPen=None,
+                                              symbolBrush=COST_COLOURS["decode_ms"])
+            self.context_view = self._right_axis(p, "tokens")
+            self.curves["decode_context"] = pg.PlotDataItem(
+                pen=_pen(COST_COLOURS["decode_context"], 1.5), antialias=False)
+            self.context_view.addItem(self.curves["decode_context"])
         p.getAxis("bottom").setStyle(showValues=True, tickFont=self._tick_font)
         p.setLabel("bottom", f"<span style='color:{P.TEXT_DIM}; font-size:8pt'>engine step</span>")
-        for row, stretch in enumerate((3, 2, 2, 1, 2, 2)):
+        for row, stretch in enumerate((3, 2, 2, 1, 2, 2)[: 6 if costs else 5]):
             self.canvas.ci.layout.setRowStretchFactor(row, stretch)
         self._cpu_shown = True
 
         self.legend = Legend()
+        cost_entries = (
+            ("■", "prefix saved", COST_COLOURS["prefix_saved"]),
+            ("■", "recompute share", COST_COLOURS["recompute_share"]),
+            ("■", "fragmentation", COST_COLOURS["fragmentation"]),
+            ("●", "decode ms", COST_COLOURS["decode_ms"]),
+            ("■", "mean context", COST_COLOURS["decode_context"]),
+            ("┅", "alert threshold", P.WARN)) if costs else ()
         self.legend.set_entries([(c, g, n, "") for g, n, c in (
             ("■", "used", P.USED), ("■", "cached", P.CACHED), ("■", "free", P.SERIES["free"]),
             ("■", "swapped", P.SWAPPED), ("▲", "preemption", P.SERIES["preempt"]),
             ("●", "eviction", P.SERIES["evict"]), ("◆", "demotion", P.SERIES["demote"]),
             ("■", "running", P.SERIES["running"]), ("■", "waiting", P.SERIES["waiting"]),
             ("■", "tokens/s", P.SERIES["throughput"]), ("■", "hit rate", COST_COLOURS["hit"]),
-            ("■", "prefix saved", COST_COLOURS["prefix_saved"]),
-            ("■", "recompute share", COST_COLOURS["recompute_share"]),
-            ("■", "fragmentation", COST_COLOURS["fragmentation"]),
-            ("●", "decode ms", COST_COLOURS["decode_ms"]),
-            ("■", "mean context", COST_COLOURS["decode_context"]),
-            ("┅", "alert threshold", P.WARN))])
+            *cost_entries)])
         top = QHBoxLayout()
         top.addWidget(self.legend, 1)
         top.addWidget(self.follow, 0, Qt.AlignmentFlag.AlignTop)
