@@ -8,7 +8,7 @@ narrow window moves whole entries onto the next line and the layout grows by tha
 
 from __future__ import annotations
 
-from PySide6.QtCore import QMargins, QPoint, QRect, QSize, Qt
+from PySide6.QtCore import QMargins, QPoint, QRect, QSize, Qt, QTimer
 from PySide6.QtWidgets import QLabel, QLayout, QLayoutItem, QSizePolicy, QWidget
 
 from inspector import palette as P
@@ -87,6 +87,7 @@ class Legend(QWidget):
         sp.setHeightForWidth(True)
         self.setSizePolicy(sp)
         self.labels: list[QLabel] = []
+        self._fit_pending = False
 
     def set_entries(self, entries: list[tuple[str, str, str, str]]) -> None:
         """``entries``: (colour, glyph, text, count text or ""). Reuses the labels when the
@@ -110,8 +111,9 @@ class Legend(QWidget):
             if lab.text() != html:
                 lab.setText(html)  # a wider text re-lays the flow (updateGeometry)
                 changed = True
-        if changed:
-            self._fit_height()
+        if changed and not self._fit_pending:  # measured once, when the event loop lays out
+            self._fit_pending = True
+            QTimer.singleShot(0, self, self._fit_height)  # dropped if the legend is gone
 
     def resizeEvent(self, event) -> None:  # noqa: ANN001, N802 - Qt's name
         super().resizeEvent(event)
@@ -120,6 +122,7 @@ class Legend(QWidget):
     def _fit_height(self) -> None:
         """Ask for the height the entries need at this width, as a minimum: splitters and
         box layouts then shrink the view below the legend, never the legend into it."""
+        self._fit_pending = False
         need = self.flow.heightForWidth(max(1, self.width()))
         if need != self.minimumHeight():
             self.setMinimumHeight(need)

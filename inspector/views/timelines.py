@@ -157,9 +157,9 @@ class TimelinesView(QWidget):
             line.hide()
         if costs:
             p = plot("decode", "decode ms/step · mean context (right)", 5)
-            self.curves["decode_ms"] = p.plot(pen=None, symbol="o", symbolSize=3,
-                                              symbolPen=None,
-                                              symbolBrush=COST_COLOURS["decode_ms"])
+            # a line, not dots: tens of thousands of symbols cost a seek's redraw dearly
+            self.curves["decode_ms"] = p.plot(pen=_pen(COST_COLOURS["decode_ms"], 1),
+                                              antialias=False)
             self.context_view = self._right_axis(p, "tokens")
             self.curves["decode_context"] = pg.PlotDataItem(
                 pen=_pen(COST_COLOURS["decode_context"], 1.5), antialias=False)
@@ -175,7 +175,7 @@ class TimelinesView(QWidget):
             ("■", "prefix saved", COST_COLOURS["prefix_saved"]),
             ("■", "recompute share", COST_COLOURS["recompute_share"]),
             ("■", "fragmentation", COST_COLOURS["fragmentation"]),
-            ("●", "decode ms", COST_COLOURS["decode_ms"]),
+            ("■", "decode ms", COST_COLOURS["decode_ms"]),
             ("■", "mean context", COST_COLOURS["decode_context"]),
             ("┅", "alert threshold", P.WARN)) if costs else ()
         self.legend.set_entries([(c, g, n, "") for g, n, c in (
