@@ -76,10 +76,13 @@ def main() -> int:
         panel._row_clicked(sel)
     panel.show_tab(analysis.TAB_LIFECYCLE)
     save(win, "window")
+    win.model.select_seq(None)  # the map's own colours, nothing dimmed
     save(win.block_map, "blockmap")
+    if sel:
+        win.model.select_seq(sel)
     save(win.timelines, "timelines")
-    save(panel.lifecycle, "lifecycle")
     win.resizeDocks([dock], [560], Qt.Orientation.Vertical)  # room for the tall pages
+    save(panel.lifecycle, "lifecycle")
 
     n = len(st["step"])
     a, b = int(st["step"][n // 3]), int(st["step"][2 * n // 3])

@@ -38,7 +38,7 @@ AXIS_W = 52  # px: the same left-axis width on every plot keeps their x aligned
 _AXIS_STYLE = {"maxTickLevel": 0, "textFillLimits": [(0, 0.4)], "autoExpandTextSpace": False}
 COST_COLOURS = {"hit": P.SERIES["hit"], "prefix_saved": "#7fd67f",
                 "recompute_share": P.SERIES["preempt"], "fragmentation": "#c08cf0",
-                "decode_ms": "#e8e8e8", "decode_context": "#7a8599"}
+                "decode_ms": "#e8e8e8", "decode_context": "#e0a060"}
 
 
 class SparseAxis(pg.AxisItem):
