@@ -525,6 +525,10 @@ class LLMEngine:
             "used_tokens": m["used_tokens"],
             "tiers": m["tiers"],
         }
+        # context length (positions attended) of each token decoded this step: the
+        # /metrics decode-time-by-context histogram reads it (not published in stats)
+        self.decode_contexts = [s.seq.num_computed_tokens for s in out.scheduled
+                                if s.num_new_tokens == 1] if out else []
         self.stats["prefill_computed_tokens"] = self.num_prefill_computed_tokens
         self.stats["recomputed_tokens"] = self.num_recomputed_tokens
         if self.swapper is not None:

@@ -35,6 +35,7 @@ from engine.events.lifecycle import PHASES, LifecycleIndex
 from inspector import palette as P
 from inspector.thresholds import Thresholds
 from inspector.views.compare import CompareView
+from inspector.views.legend import Legend
 from inspector.views.lifecycle import PHASE_COLOURS, LifecycleView
 from inspector.views.prefix_tree import PrefixTreeView
 from inspector.views.range_summary import RangeSummaryView
@@ -70,13 +71,14 @@ class AnalysisPanel(QWidget):
         self.search.setClearButtonEnabled(True)
         self.search.textChanged.connect(self.lifecycle.set_filter)
         self.search.returnPressed.connect(lambda: self.lifecycle.find(self.search.text()))
-        legend = QLabel("  ".join(f"<span style='color:{PHASE_COLOURS[k]}'>■</span> {k}"
-                                  for k in PHASES)
-                        + "  <span>▲</span> preemption · light strip: blocks held")
-        legend.setWordWrap(False)
+        legend = Legend()  # flows onto a second line when narrow, never over the rows
+        legend.set_entries([(PHASE_COLOURS[k], "■", k, "") for k in PHASES]
+                           + [(P.TEXT, "▲", "preemption", ""),
+                              (P.TEXT_DIM, "▬", "light strip: blocks held", "")])
+        self.phase_legend = legend
         head = QHBoxLayout()
         head.addWidget(self.search, 1)
-        head.addWidget(legend)
+        head.addWidget(legend, 1)
         life = QWidget()
         lay = QVBoxLayout(life)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -92,8 +94,12 @@ class AnalysisPanel(QWidget):
         self.tabs.addTab(_scrolling(self._threshold_panel()), "Alerts")
         outer = QVBoxLayout(self)
         outer.setContentsMargins(2, 2, 2, 2)
-        outer.addWidget(self.alerts)
         outer.addWidget(self.tabs, 1)
+        central = getattr(window, "_central", None)  # the alert banner: above the block map
+        if central is not None:
+            central.insertWidget(1, self.alerts)
+        else:
+            outer.insertWidget(0, self.alerts)
 
         self.lifecycle.canvas.row_clicked.connect(self._row_clicked)
         self.lifecycle.canvas.range_selected.connect(self._range_selected)
@@ -111,6 +117,13 @@ class AnalysisPanel(QWidget):
         self.lifecycle.set_index(index)
         self.range.set_index(index)
         self.prefix.set_index(index)
+        self._draw_costs()
+
+    def _draw_costs(self) -> None:
+        """The index's cost series on the main window's timelines."""
+        timelines = getattr(self.window, "timelines", None)
+        if timelines is not None and self.index is not None:
+            timelines.set_costs(self.index)
 
     def show_tab(self, tab: int) -> None:
         """Bring one of the TAB_* pages to the front."""
@@ -159,6 +172,7 @@ class AnalysisPanel(QWidget):
         if self.model.lifecycle is not self.index:  # a restarted engine: a fresh index
             self.set_index(self.model.lifecycle)
         self.lifecycle.refresh()
+        self._draw_costs()
         if self.tabs.currentIndex() == TAB_PREFIXES:
             self.prefix.refresh()
 
@@ -199,9 +213,14 @@ class AnalysisPanel(QWidget):
                                   for t, v in canon.items()})
 
     def _on_cursor(self, step: int) -> None:
+        t = self.thresholds
+        timelines = getattr(self.window, "timelines", None)
+        if timelines is not None:
+            timelines.set_thresholds(t.max_utilization if t.enabled else None,
+                                     t.min_hit_rate if t.enabled else None)
         if self.index is None:
             return
-        alerts = self.thresholds.check(self.index, step)
+        alerts = t.check(self.index, step)
         self.alerts.setText("⚠  " + " · ".join(alerts) if alerts else "")
         self.alerts.setVisible(bool(alerts))
 
@@ -306,7 +325,7 @@ def install(window: Any) -> AnalysisPanel:
     # (several stacked plots whose axis titles collide when short) the larger part.
     split = getattr(window, "timelines", None) and window.timelines.parentWidget()
     if isinstance(split, QSplitter) and split.count() == 2:
-        split.setSizes([430, 470])
+        split.setSizes([320, 580])
     _marker_tooltips(window, panel)
 
     def key(seq: Any, fn: Any) -> None:

@@ -77,7 +77,7 @@ class ReplicaPanel(QWidget):
         self.header.setTextFormat(Qt.TextFormat.RichText)
         self.router_line = QLabel("")
         self.block_map = BlockMapView(self.model)
-        self.timelines = TimelinesView(self.model)
+        self.timelines = TimelinesView(self.model, costs=False)  # no lifecycle index here
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(self.block_map)
         split.addWidget(self.timelines)

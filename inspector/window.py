@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 from inspector import analysis
 from inspector.model import InspectorModel
 from inspector.sources.replay import ReplayController
-from inspector.views.block_map import BlockMapView
+from inspector.views.block_map import MODES, BlockMapView
 from inspector.views.event_log import EventLogView
 from inspector.views.replay_bar import ReplayBar
 from inspector.views.sequences import SequencesView
@@ -156,10 +156,14 @@ class MainWindow(QMainWindow):
         action(file_menu, "Export timelines as CSV…", self._ask_csv)
         file_menu.addSeparator()
         action(file_menu, "Quit", self.close, "Ctrl+Q")
-        a = action(view_menu, "Colour blocks by owner", lambda on: self.block_map.by_owner
-                   .setChecked(on), "O")
-        a.setCheckable(True)
-        self.block_map.by_owner.toggled.connect(a.setChecked)
+        colour_menu = view_menu.addMenu("Colour blocks by")  # mirrors the map's combo
+        for i, mode in enumerate(MODES):
+            a = action(colour_menu, mode, lambda _=False, m=mode: self.block_map.set_mode(m),
+                       f"Alt+{i + 1}")
+            a.setCheckable(True)
+            a.setChecked(mode == self.block_map.mode)
+            self.block_map.colour_by.currentTextChanged.connect(
+                lambda cur, a=a, m=mode: a.setChecked(cur == m))
         play = QAction("Play / pause", self)
         play.setShortcut(QKeySequence(Qt.Key.Key_Space))
         play.triggered.connect(lambda: self.replay.toggle() if self.replay else None)

@@ -4,9 +4,11 @@ images: docs/img/analysis-*.png).
     .venv/bin/python scripts/analysis_screenshots.py demo-out/demo.kvtrace [--out docs/img]
 
 Opens the recording in the inspector window and saves: the whole window with the
-analysis dock (lifecycle tab, a sequence selected), the lifecycle Gantt, the range
+analysis dock (lifecycle tab, a sequence selected), the block map (a small pool: borders
+and block ids), the timelines with their cost rows, the lifecycle Gantt, the range
 summary of the busiest third of the run, the two-moment compare (quietest vs busiest
-step), the prefix tree with its top node selected, and an alert banner.
+step), the prefix tree with its top node selected, the whole window with alert banners
+and threshold lines on, and a narrow window (legends flowing onto more lines).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def main() -> int:
     from PySide6.QtWidgets import QDockWidget
 
     dock = win.findChild(QDockWidget, "analysis")
-    win.resizeDocks([dock], [560], Qt.Orientation.Vertical)  # room for the tall pages
+    win.resizeDocks([dock], [380], Qt.Orientation.Vertical)
     panel = win.analysis
     idx = panel.index
     st = idx.steps
@@ -74,6 +76,12 @@ def main() -> int:
         panel._row_clicked(sel)
     panel.show_tab(analysis.TAB_LIFECYCLE)
     save(win, "window")
+    win.model.select_seq(None)  # the map's own colours, nothing dimmed
+    save(win.block_map, "blockmap")
+    if sel:
+        win.model.select_seq(sel)
+    save(win.timelines, "timelines")
+    win.resizeDocks([dock], [560], Qt.Orientation.Vertical)  # room for the tall pages
     save(panel.lifecycle, "lifecycle")
 
     n = len(st["step"])
@@ -102,8 +110,14 @@ def main() -> int:
     panel.alert_controls["enabled"].setChecked(True)
     panel.alert_controls["max_utilization"].setValue(80)
     panel.show_tab(analysis.TAB_ALERTS)
+    win.resizeDocks([dock], [300], Qt.Orientation.Vertical)
     win.replay.seek_step(busiest)
-    save(panel, "alerts")
+    save(win, "alerts")
+    panel.alert_controls["enabled"].setChecked(False)
+
+    panel.show_tab(analysis.TAB_LIFECYCLE)
+    win.resize(1000, 900)
+    save(win, "narrow")
     QApplication.instance().processEvents()
     win.close()
     return 0

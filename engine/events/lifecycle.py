@@ -53,6 +53,7 @@ STEP_COLUMNS = (
     "hit_tokens", "query_tokens",  # cumulative (engine counters; -1 when not recorded)
     "finished", "preemptions", "evicted_blocks", "swap_out_blocks", "swap_in_blocks",
     "occupied_tokens", "occupied_slots",  # token- vs block-level occupancy (gpu)
+    "decode_context_tokens",  # sum of the context lengths of this step's decoded tokens
 )
 
 
@@ -279,7 +280,8 @@ class LifecycleIndex:
             "gpu_total": int(gpu.get("total", -1)), "cpu_total": int(cpu.get("total", -1)),
             "hit_tokens": int(stats.get("hit_tokens", -1)),
             "query_tokens": int(stats.get("query_tokens", -1)),
-            "occupied_tokens": toks, "occupied_slots": slots, **r,
+            "occupied_tokens": toks, "occupied_slots": slots,
+            "decode_context_tokens": sum(self._decode_ctx), **r,
         }
         for c in STEP_COLUMNS:
             self._cols[c].append(row[c])

@@ -33,13 +33,42 @@ SERVER_COUNTERS = {
 }
 
 
+DECODE_BY_CONTEXT = "kvscope:time_per_output_token_by_context_seconds"
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """{sample name: value summed over label sets} of a Prometheus text exposition."""
+    """{sample name: value summed over label sets} of a Prometheus text exposition, plus
+    the per-context-length sum and count of the decode-time histogram under
+    ``"<name>_sum|<context range>"`` and ``"<name>_count|<context range>"``."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
+            ctx = s.labels.get("context_tokens")
+            if ctx is not None and s.name in (DECODE_BY_CONTEXT + "_sum",
+                                              DECODE_BY_CONTEXT + "_count"):
+                key = f"{s.name}|{ctx}"
+                out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def decode_by_context(before: dict[str, float], after: dict[str, float]
+                      ) -> list[dict[str, Any]]:
+    """[{context_tokens, tokens, tpot_ms}] over the run (two scrapes), by context range in
+    increasing order: the server's mean step time per decoded token at each context
+    length (latency creep)."""
+    head = DECODE_BY_CONTEXT + "_count|"
+    ranges = sorted((k[len(head):] for k in after if k.startswith(head)),
+                    key=lambda r: int(r.split("-")[0].rstrip("+")))
+    rows = []
+    for ctx in ranges:
+        n = after.get(f"{DECODE_BY_CONTEXT}_count|{ctx}", 0.0) - before.get(
+            f"{DECODE_BY_CONTEXT}_count|{ctx}", 0.0)
+        total = after.get(f"{DECODE_BY_CONTEXT}_sum|{ctx}", 0.0) - before.get(
+            f"{DECODE_BY_CONTEXT}_sum|{ctx}", 0.0)
+        if n > 0:
+            rows.append({"context_tokens": ctx, "tokens": int(n), "tpot_ms": total / n * 1e3})
+    return rows
 
 
 def scrape(base_url: str, api_key: str | None = None) -> dict[str, float]:
@@ -90,6 +119,7 @@ def summarize(records: list[RequestRecord], elapsed_s: float, before: dict[str, 
         "throughput": {"requests_per_s": len(ok) / elapsed_s if elapsed_s else 0.0,
                        "output_tokens_per_s": completion / elapsed_s if elapsed_s else 0.0},
         "client_cached_fraction": cached / prompt if prompt else 0.0,
+        "decode_by_context": decode_by_context(before, after),
         "server": {**{k: int(v) for k, v in server.items()},
                    "prefix_hit_rate": (server["prefix_hits"] / server["prefix_queries"]
                                        if server["prefix_queries"] else 0.0)},
@@ -126,6 +156,11 @@ def table(s: dict[str, Any]) -> str:
         ("recompute", f"{sv.get('recomputed_tokens', 0)} of {sv.get('prefill_tokens', 0)} "
                       "prefill tokens computed again after preemption"),
     ]
+    creep = s.get("decode_by_context") or []
+    if creep:
+        rows.append(("decode by context", " · ".join(
+            f"{r['context_tokens']}: {r['tpot_ms']:,.1f} ms ({r['tokens']} tok)"
+            for r in creep)))
     if s["errors"]:
         rows.append(("errors", "; ".join(s["errors"])))
     width = max(len(k) for k, _ in rows)

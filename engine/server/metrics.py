@@ -29,10 +29,18 @@ Two kinds of source:
 
 Units as vLLM: ``kv_cache_usage_perc`` is a fraction in [0, 1]; prefix cache queries and
 hits count tokens.
+
+Latency creep: ``kvscope:time_per_output_token_by_context_seconds`` (histogram, always
+``kvscope:``; vLLM has no such series) observes, for every token decoded in an engine
+step, that step's duration, labelled ``context_tokens`` with the range of the decoding
+sequence's context length (``CONTEXT_RANGES``: "0-127", "128-255", ... "32768+"). Its
+``_sum / _count`` per label is the mean decode time per token at that context length; the
+same figure the inspector's lifecycle index computes from the events.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
@@ -57,6 +65,18 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# context_tokens label: [lower, upper) ranges of the decoding sequence's context length
+CONTEXT_BOUNDS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+CONTEXT_RANGES = tuple(f"{lo}-{hi - 1}" for lo, hi in zip((0, *CONTEXT_BOUNDS[:-1]),
+                                                           CONTEXT_BOUNDS, strict=True)) \
+    + (f"{CONTEXT_BOUNDS[-1]}+",)
+
+
+def context_range(tokens: int) -> str:
+    """The ``context_tokens`` label of a context of ``tokens`` positions."""
+    return CONTEXT_RANGES[bisect.bisect_right(CONTEXT_BOUNDS, tokens)]
+
+
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0)
 
@@ -153,6 +173,10 @@ class ServerMetrics:
                 self._success.labels(**self._labels, finished_reason=reason)
         self.aborted = Counter(P + "request_aborted", "aborted requests by reason",
                                ["reason"], registry=r)
+        self.decode_by_context = Histogram(
+            P + "time_per_output_token_by_context_seconds",
+            "engine step time per decoded token, by the sequence's context length "
+            "(latency creep)", [*ln, "context_tokens"], buckets=ITL_BUCKETS, registry=r)
         self._last_step_end: float | None = None
 
     def _name(self, short: str) -> str:
@@ -171,6 +195,11 @@ class ServerMetrics:
                 for _ in range(decoded):
                     self.itl.observe(gap)
             self._last_step_end = now if engine.has_unfinished_requests() else None
+        step_time = st.get("step_time_s")
+        if isinstance(step_time, (int, float)):
+            for ctx in getattr(engine, "decode_contexts", ()):
+                self.decode_by_context.labels(
+                    **self._labels, context_tokens=context_range(ctx)).observe(step_time)
         m = engine.cache.metrics()
         gpu = m["tiers"].get("gpu", {"total": 0, "used": 0})
         cpu = m["tiers"].get("cpu")

@@ -16,7 +16,6 @@ import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtGui import QCursor
 from PySide6.QtWidgets import (
-    QCheckBox,
     QComboBox,
     QHBoxLayout,
     QLabel,
@@ -29,6 +28,8 @@ from engine.events import KVState
 from engine.events import schema as S
 from inspector import palette as P
 from inspector.model import InspectorModel
+from inspector.views.cell_grid import GRID_MAX_BLOCKS, CellGrid
+from inspector.views.legend import Legend
 
 MAX_SIDE = 32767
 
@@ -156,16 +157,14 @@ class AgeIndex:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def cell_codes(state: KVState, tier: str, *, by_owner: bool = False, mode: str = "state",
+def cell_codes(state: KVState, tier: str, *, mode: str = "state",
                highlight: list[int] | None = None, selected: int | None = None,
                codes: np.ndarray | None = None) -> np.ndarray:
     """The 1-D LUT codes of ``tier``'s cells (length num_blocks), as the map draws them.
 
-    ``mode``: one of ``MODES`` (``by_owner`` is the older spelling of mode "owner").
+    ``mode``: one of ``MODES``.
     ``codes``: ``mode_codes(state, tier, mode)`` if the caller already has it (it is
     modified)."""
-    if by_owner:
-        mode = "owner"
     codes = mode_codes(state, tier, mode) if codes is None else codes
     if highlight is not None:
         keep = np.asarray(highlight, dtype=np.int64)
@@ -226,6 +225,7 @@ class _TierPanel:
         self.image = pg.ImageItem(axisOrder="row-major")
         self.image.setAutoDownsample(False)
         self.view.addItem(self.image)
+        self.grid: CellGrid | None = None  # small pools only: borders and block ids
         self.width = 1
         self.num_blocks = -1
         self.fmt = ""
@@ -243,7 +243,16 @@ class _TierPanel:
         self.width = grid_width(num_blocks)
         rows = max(1, math.ceil(num_blocks / self.width))
         self.cells = np.full((rows, self.width), P.CODE_PAD, dtype=np.uint8)
-        self.image.setLookupTable(P.block_lut(self.tier, fmt))
+        lut = P.block_lut(self.tier, fmt)
+        self.image.setLookupTable(lut)
+        if num_blocks <= GRID_MAX_BLOCKS:
+            if self.grid is None:
+                self.grid = CellGrid(self.image)
+            self.grid.configure(num_blocks, self.width, np.asarray(lut))
+            self.grid.codes = self.cells.reshape(-1)
+        elif self.grid is not None:
+            self.grid.setParentItem(None)
+            self.grid = None
         name = {"gpu": "GPU (device)", "cpu": "CPU (host)"}.get(self.tier, self.tier)
         self.title.setText(f"<b>{name}</b> · {num_blocks:,} blocks × {block_size} tok · {fmt}")
         self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
@@ -255,12 +264,16 @@ class _TierPanel:
         self.cells.reshape(-1)[blocks] = codes
         self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
                             autoDownsample=False)
+        if self.grid is not None:
+            self.grid.update()
 
     def draw(self, codes: np.ndarray) -> None:
         flat = self.cells.reshape(-1)
         flat[: codes.size] = codes
         self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
                             autoDownsample=False)
+        if self.grid is not None:
+            self.grid.update()
 
     def block_at(self, x: float, y: float) -> int | None:
         """Block under view coordinates (x = column, y = row), or None off the grid."""
@@ -289,21 +302,16 @@ class BlockMapView(QWidget):
         self.colour_by = QComboBox()
         self.colour_by.addItems(MODES)
         self.colour_by.setToolTip("what a cell's colour shows")
-        self.colour_by.currentTextChanged.connect(self._on_mode)
-        self.by_owner = QCheckBox("colour by owner")  # the owner mode, one click away
-        self.by_owner.toggled.connect(self._on_by_owner)
-        self.legend = QLabel()
-        self.legend.setTextFormat(Qt.TextFormat.RichText)
-        self.legend.setWordWrap(True)
+        self.colour_by.currentTextChanged.connect(lambda _mode: self.refresh())
+        self.legend = Legend()  # flows onto more lines when narrow, never over the map
         self.info = QLabel("hover a block")
         self.info.setStyleSheet(f"color: {P.TEXT_DIM}; font-family: monospace;")
         self.info.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         top = QHBoxLayout()
         top.addWidget(self.legend, 1)
-        top.addWidget(QLabel("colour by"))
-        top.addWidget(self.colour_by)
-        top.addWidget(self.by_owner)
+        top.addWidget(QLabel("colour by"), 0, Qt.AlignmentFlag.AlignTop)
+        top.addWidget(self.colour_by, 0, Qt.AlignmentFlag.AlignTop)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(top)
@@ -313,23 +321,22 @@ class BlockMapView(QWidget):
         self.canvas.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.canvas.scene().sigMouseClicked.connect(self._on_mouse_clicked)
         model.state_changed.connect(self.refresh)
-        model.selection_changed.connect(self.refresh)
+        self._selection_version = 0  # bumps on every selection/highlight change
+        model.selection_changed.connect(self._on_selection)
+
+    def _on_selection(self) -> None:
+        self._selection_version += 1
+        self.refresh()
 
     @property
     def mode(self) -> str:
         return self.colour_by.currentText()
 
-    def _on_mode(self, mode: str) -> None:
-        self.by_owner.blockSignals(True)
-        self.by_owner.setChecked(mode == "owner")
-        self.by_owner.blockSignals(False)
-        self.refresh()
-
-    def _on_by_owner(self, on: bool) -> None:
-        if on:
-            self.colour_by.setCurrentText("owner")
-        elif self.mode == "owner":
-            self.colour_by.setCurrentText("state")
+    def set_mode(self, mode: str) -> None:
+        """Colour cells by ``mode`` (one of ``MODES``)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown colour mode {mode!r}; known: {', '.join(MODES)}")
+        self.colour_by.setCurrentText(mode)
 
     # ------------------------------------------------------------- drawing
     def refresh(self) -> None:
@@ -343,13 +350,14 @@ class BlockMapView(QWidget):
             self._rebuild(st)
             self._layout_key = key
         sel, mode = self.model.selected_block, self.mode
-        selecting = self.model.selected_seq is not None or sel is not None
+        selecting = (self.model.selected_seq is not None or sel is not None
+                     or self.model.highlight is not None)
         counts: dict[str, np.ndarray] = {}
         for name, panel in self.panels.items():
             t = st.tiers[name]
             panel.configure(t.num_blocks, t.block_size, t.format)
             draw_key = (id(t), t.version, mode, st.step if mode == "age" else None,
-                        (id(st), self.model.selected_seq, sel) if selecting else None)
+                        (id(st), self._selection_version) if selecting else None)
             changed = t.changed_since
             prev = panel.draw_key
             if (mode == "age" and not selecting and prev is not None and prev[2] == "age"
@@ -420,12 +428,11 @@ class BlockMapView(QWidget):
                     self._legend_entries.append((colours[code], labels[code], name, code))
 
     def _update_legend_counts(self, counts: dict[str, np.ndarray]) -> None:
-        parts = []
+        entries = []
         for colour, label, name, code in getattr(self, "_legend_entries", []):
             n = int(counts[name][code]) if name in counts else 0
-            parts.append(f"<span style='color:{colour}; font-size:12pt'>■</span>&nbsp;{label}"
-                         f"&nbsp;<span style='color:{P.TEXT_DIM}'>{n:,}</span>")
-        self.legend.setText(" &nbsp; ".join(parts))
+            entries.append((colour, "■", label, f"{n:,}"))
+        self.legend.set_entries(entries)
 
     def cells(self, tier: str) -> np.ndarray:
         """The tier's drawn codes, flattened to one per block (for tests and export)."""

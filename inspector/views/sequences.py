@@ -128,6 +128,7 @@ class SequencesView(QWidget):
 
         self.detail_title = QLabel("select a sequence to see its block table")
         self.detail_title.setStyleSheet(f"color: {P.TEXT_DIM};")
+        self.detail_title.setWordWrap(True)  # a long id wraps; it must not widen the panel
         self.block_table = QTableWidget(0, 4)
         self.block_table.setHorizontalHeaderLabels(["logical", "physical", "ref", "mark"])
         self.block_table.verticalHeader().hide()

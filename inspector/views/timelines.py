@@ -1,22 +1,64 @@
-"""Memory timelines: stacked used/cached/free blocks per tier, prefix hit rate,
-running/waiting/swapped counts and throughput over steps, with preemption and eviction
-markers. X is the engine step; plots share it (zoom/pan one, all follow). A click asks the
-replay to seek there (``seek_requested``); "follow live" keeps the newest steps in view."""
+"""Memory timelines: stacked used/cached/free blocks per tier, running/waiting/swapped
+counts, throughput, the costs (prefix hit rate, prefix savings, recompute share,
+internal fragmentation, in %) and decode step time beside the mean decoded context
+(latency creep), with preemption and eviction markers. X is the engine step; plots share
+it (zoom/pan one, all follow). A click asks the replay to seek there (``seek_requested``);
+"follow live" keeps the newest steps in view.
+
+Each plot's title sits inside its top-left corner (rotated axis titles collide on short
+plots), and its y axis shows major ticks only, at a fixed width, so labels never crowd.
+The cost rows come from the lifecycle index (``set_costs``), the rest from the timeline's
+step stats."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
-from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QGraphicsSimpleTextItem,
+    QHBoxLayout,
+    QVBoxLayout,
+    QWidget,
+)
 
+from engine.events.costs import cost_series
 from inspector import palette as P
 from inspector.model import InspectorModel
+from inspector.views.legend import Legend
 
 FOLLOW_WINDOW = 600  # steps kept in view while following live
+AXIS_W = 52  # px: the same left-axis width on every plot keeps their x aligned
+# Major ticks only; at most ~40% of a short axis covered by tick text.
+_AXIS_STYLE = {"maxTickLevel": 0, "textFillLimits": [(0, 0.4)], "autoExpandTextSpace": False}
+COST_COLOURS = {"hit": P.SERIES["hit"], "prefix_saved": "#7fd67f",
+                "recompute_share": P.SERIES["preempt"], "fragmentation": "#c08cf0",
+                "decode_ms": "#e8e8e8", "decode_context": "#e0a060"}
+
+
+class SparseAxis(pg.AxisItem):
+    """An axis whose major ticks are at least ``MIN_TICK_PX`` apart (1-2-2.5-5 steps), so a
+    short plot shows one or two labels instead of three crowded ones."""
+
+    MIN_TICK_PX = 15.0
+
+    def tickSpacing(self, minVal: float, maxVal: float, size: float):  # noqa: N802, N803
+        if self._tickSpacing is not None:
+            return self._tickSpacing
+        dif = abs(maxVal - minVal)
+        if dif == 0 or size <= 0:
+            return []
+        want = dif * self.MIN_TICK_PX / size  # the smallest spacing that keeps labels apart
+        p10 = 10.0 ** math.floor(math.log10(want))
+        # 2.5 steps only where they stay whole numbers (25, 250, ...): "2.5" would print "2"
+        steps = (1, 2, 2.5, 5, 10) if p10 >= 10 else (1, 2, 5, 10)
+        step = next(m * p10 for m in steps if m * p10 >= want)
+        return [(step, 0)]
 
 
 def _pen(colour: str, width: float = 1.5) -> Any:
@@ -31,7 +73,10 @@ def _brush(colour: str, alpha: int = 150) -> Any:
 class TimelinesView(QWidget):
     seek_requested = Signal(int)
 
-    def __init__(self, model: InspectorModel, parent: QWidget | None = None) -> None:
+    def __init__(self, model: InspectorModel, parent: QWidget | None = None,
+                 costs: bool = True) -> None:
+        """``costs``: also draw the rows fed by a lifecycle index (``set_costs``); a view
+        without one (a fleet replica) shows the hit rate alone in the % row."""
         super().__init__(parent)
         self.model = model
         self.canvas = pg.GraphicsLayoutWidget()
@@ -44,18 +89,23 @@ class TimelinesView(QWidget):
         self._tick_font = QFont("DejaVu Sans", 8)
 
         def plot(key: str, title: str, row: int) -> pg.PlotItem:
-            p = self.canvas.addPlot(row=row, col=0)
-            p.setLabel("left", f"<span style='color:{P.TEXT_DIM}; font-size:8pt'>{title}</span>")
+            p = self.canvas.addPlot(row=row, col=0, axisItems={
+                "left": SparseAxis("left"), "right": SparseAxis("right")})
+            self._title(p, title)
             p.showGrid(x=True, y=True, alpha=0.15)
             p.getAxis("bottom").setStyle(showValues=False)
-            p.getAxis("left").setStyle(tickFont=self._tick_font)
+            p.getAxis("left").setStyle(tickFont=self._tick_font, **_AXIS_STYLE)
             p.setMenuEnabled(False)
             p.setClipToView(True)
             p.setDownsampling(auto=True, mode="peak")
             for ax in ("left", "bottom"):
                 p.getAxis(ax).setTextPen(P.TEXT_DIM)
                 p.getAxis(ax).setPen(P.GRID)
-            p.getAxis("left").setWidth(64)
+            p.getAxis("left").setWidth(AXIS_W)
+            p.showAxis("right")  # on every plot, so all data areas share their x extent
+            p.getAxis("right").setStyle(showValues=False)
+            p.getAxis("right").setPen(P.GRID)
+            p.getAxis("right").setWidth(AXIS_W)
             if self.plots:
                 p.setXLink(next(iter(self.plots.values())))
             cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(P.TEXT, width=1,
@@ -84,34 +134,60 @@ class TimelinesView(QWidget):
             self.curves[f"{tier}_demote"] = p.plot(
                 pen=None, symbol="d", symbolSize=7, symbolBrush=P.SERIES["demote"],
                 symbolPen=None)
-        p = plot("hit", "hit rate", 2)
-        p.setYRange(0, 1, padding=0.05)
-        self.curves["hit"] = p.plot(pen=_pen(P.SERIES["hit"], 2), antialias=False)
-        p = plot("seqs", "sequences", 3)
+        p = plot("seqs", "sequences", 2)
         for k in ("running", "waiting", "swapped"):
             self.curves[k] = p.plot(pen=_pen(P.SERIES[k], 1.5), stepMode=None, antialias=False)
-        p = plot("tput", "tokens/s", 4)
+        p = plot("tput", "tokens/s", 3)
         self.curves["tput"] = p.plot(pen=_pen(P.SERIES["throughput"], 1.5), antialias=False)
+        p = plot("hit", "% hit · saved · recompute · fragmentation" if costs
+                 else "prefix hit rate", 4)
+        p.setYRange(-10, 110, padding=0)  # room for the 0% and 100% labels when tall
+        p.getAxis("left").setTicks([[(v, f"{v}%") for v in (0, 50, 100)]])
+        p.setMouseEnabled(y=False)  # a share: 0..100 always
+        self.curves["hit"] = p.plot(pen=_pen(COST_COLOURS["hit"], 2), antialias=False)
+        for k in ("prefix_saved", "recompute_share", "fragmentation") if costs else ():
+            self.curves[k] = p.plot(pen=_pen(COST_COLOURS[k], 1.5), antialias=False)
+        self.threshold_lines = {
+            "gpu": pg.InfiniteLine(angle=0, pen=pg.mkPen(P.WARN, width=1,
+                                                         style=Qt.PenStyle.DashLine)),
+            "hit": pg.InfiniteLine(angle=0, pen=pg.mkPen(P.WARN, width=1,
+                                                         style=Qt.PenStyle.DashLine))}
+        for key, line in self.threshold_lines.items():
+            self.plots[key].addItem(line, ignoreBounds=True)
+            line.hide()
+        if costs:
+            p = plot("decode", "decode ms/step · mean context (right)", 5)
+            # a line, not dots: tens of thousands of symbols cost a seek's redraw dearly
+            self.curves["decode_ms"] = p.plot(pen=_pen(COST_COLOURS["decode_ms"], 1),
+                                              antialias=False)
+            self.context_view = self._right_axis(p, "tokens")
+            self.curves["decode_context"] = pg.PlotDataItem(
+                pen=_pen(COST_COLOURS["decode_context"], 1.5), antialias=False)
+            self.context_view.addItem(self.curves["decode_context"])
         p.getAxis("bottom").setStyle(showValues=True, tickFont=self._tick_font)
         p.setLabel("bottom", f"<span style='color:{P.TEXT_DIM}; font-size:8pt'>engine step</span>")
-        for row, stretch in enumerate((3, 2, 1, 2, 1)):
+        for row, stretch in enumerate((3, 2, 2, 1, 2, 2)[: 6 if costs else 5]):
             self.canvas.ci.layout.setRowStretchFactor(row, stretch)
         self._cpu_shown = True
 
-        legend = QLabel(" ".join(
-            f"<span style='color:{c}'>■</span> {n}" for n, c in (
-                ("used", P.USED), ("cached", P.CACHED), ("free", P.SERIES["free"]),
-                ("swapped", P.SWAPPED), ("▲ preemption", P.SERIES["preempt"]),
-                ("● eviction", P.SERIES["evict"]), ("◆ demotion", P.SERIES["demote"]),
-                ("hit rate", P.SERIES["hit"]),
-                ("running", P.SERIES["running"]), ("waiting", P.SERIES["waiting"]),
-                ("tokens/s", P.SERIES["throughput"])))
-            .replace("■</span> ▲", "▲</span>").replace("■</span> ●", "●</span>")
-            .replace("■</span> ◆", "◆</span>"))
+        self.legend = Legend()
+        cost_entries = (
+            ("■", "prefix saved", COST_COLOURS["prefix_saved"]),
+            ("■", "recompute share", COST_COLOURS["recompute_share"]),
+            ("■", "fragmentation", COST_COLOURS["fragmentation"]),
+            ("■", "decode ms", COST_COLOURS["decode_ms"]),
+            ("■", "mean context", COST_COLOURS["decode_context"]),
+            ("┅", "alert threshold", P.WARN)) if costs else ()
+        self.legend.set_entries([(c, g, n, "") for g, n, c in (
+            ("■", "used", P.USED), ("■", "cached", P.CACHED), ("■", "free", P.SERIES["free"]),
+            ("■", "swapped", P.SWAPPED), ("▲", "preemption", P.SERIES["preempt"]),
+            ("●", "eviction", P.SERIES["evict"]), ("◆", "demotion", P.SERIES["demote"]),
+            ("■", "running", P.SERIES["running"]), ("■", "waiting", P.SERIES["waiting"]),
+            ("■", "tokens/s", P.SERIES["throughput"]), ("■", "hit rate", COST_COLOURS["hit"]),
+            *cost_entries)])
         top = QHBoxLayout()
-        top.addWidget(legend)
-        top.addStretch(1)
-        top.addWidget(self.follow)
+        top.addWidget(self.legend, 1)
+        top.addWidget(self.follow, 0, Qt.AlignmentFlag.AlignTop)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(top)
@@ -139,11 +215,66 @@ class TimelinesView(QWidget):
             self.curves[f"{tier}_evict"].setData(x[ev], total[ev] * 0.8)
             de = tl.col("demotions") > 0
             self.curves[f"{tier}_demote"].setData(x[de], total[de] * 0.65)
-        self.curves["hit"].setData(x, np.nan_to_num(tl.hit_rate(), nan=0.0))
+        self.curves["hit"].setData(x, np.nan_to_num(tl.hit_rate(), nan=0.0) * 100)
         for k in ("running", "waiting", "swapped"):
             self.curves[k].setData(x, tl.col(k))
         self.curves["tput"].setData(x, np.nan_to_num(tl.throughput(), nan=0.0))
         self._apply_follow()
+
+    def set_costs(self, index: object) -> None:
+        """Draw the cost rows from a LifecycleIndex (its per-step columns)."""
+        c = cost_series(index)  # type: ignore[arg-type]
+        x = c["step"]
+        for k in ("prefix_saved", "recompute_share", "fragmentation"):
+            self.curves[k].setData(x, c[k] * 100, connect="finite")
+        has = np.isfinite(c["decode_ms"])
+        self.curves["decode_ms"].setData(x[has], c["decode_ms"][has])
+        self.curves["decode_context"].setData(x[has], c["decode_context"][has])
+
+    def set_thresholds(self, utilization: float | None, hit_rate: float | None) -> None:
+        """Dashed lines at the alert thresholds (None hides one): utilization as a fraction
+        of the GPU tier's blocks, hit rate as a fraction."""
+        tl = self.model.timeline
+        total = float((tl.col("gpu_used") + tl.col("gpu_cached") + tl.col("gpu_free"))[-1]) \
+            if tl.n else 0.0
+        for key, value in (("gpu", None if utilization is None or not total
+                            else utilization * total),
+                           ("hit", None if hit_rate is None else hit_rate * 100)):
+            line = self.threshold_lines[key]
+            line.setVisible(value is not None)
+            if value is not None:
+                line.setValue(value)
+
+    @staticmethod
+    def _title(p: pg.PlotItem, title: str) -> None:
+        """The plot's name in its top-left corner, in screen pixels (a child of the view
+        box, not of its data), above the curves."""
+        label = QGraphicsSimpleTextItem(title, p.vb)
+        label.setBrush(pg.mkBrush(P.TEXT_DIM))
+        label.setFont(QFont("DejaVu Sans", 8))
+        label.setPos(4, 1)
+        label.setZValue(100)
+
+    def _right_axis(self, p: pg.PlotItem, unit: str) -> pg.ViewBox:
+        """A second y axis on the right of ``p``, with its own view box sharing x."""
+        vb = pg.ViewBox()
+        vb.setMenuEnabled(False)
+        p.showAxis("right")
+        ax = p.getAxis("right")
+        ax.setStyle(showValues=True, tickFont=self._tick_font, **_AXIS_STYLE)
+        ax.setTextPen(P.TEXT_DIM)
+        ax.setPen(P.GRID)
+        ax.setWidth(AXIS_W)
+        p.scene().addItem(vb)
+        ax.linkToView(vb)
+        vb.setXLink(p)
+
+        def follow() -> None:
+            vb.setGeometry(p.vb.sceneBoundingRect())
+            vb.linkedViewChanged(p.vb, vb.XAxis)
+
+        p.vb.sigResized.connect(follow)
+        return vb
 
     def _show_cpu(self, on: bool) -> None:
         """Take the host plot out of the layout when no host tier reports (no empty band)."""

@@ -21,13 +21,18 @@ from engine.sampling import SamplingParams
 from tests.engine.test_events_fidelity import workload
 from tests.swap.test_swap_engine import swap_gib
 
+# path of a recording -> the ServerMetrics that watched its run (on_step after each step)
+SERVER_METRICS: dict = {}
 
-def run_recorded(eng) -> dict:
+
+def run_recorded(eng, on_step=None) -> dict:  # noqa: ANN001
     """Step until idle; per request the engine's own step of its first token and of its
     finish, and its final metrics."""
     seen: dict[str, dict] = {}
     while eng.has_unfinished_requests():
         outs = eng.step()
+        if on_step is not None:
+            on_step(eng)
         for out in outs:
             r = seen.setdefault(out.request_id, {"first": None, "finish": None})
             if r["first"] is None and out.metrics.first_token_time is not None:
@@ -48,7 +53,10 @@ def recorded(loaded, tmp_path_factory):
     eng = LLMEngine(EngineConfig(block_size=4, num_gpu_blocks=14, watermark=0.0,
                                  record_path=str(path)), loaded=loaded)
     workload(eng)
-    seen = run_recorded(eng)
+    from engine.server.metrics import ServerMetrics
+
+    SERVER_METRICS[path] = metrics = ServerMetrics("smollm2")
+    seen = run_recorded(eng, metrics.on_step)
     assert eng.scheduler.num_preemptions > 0 and eng.cache.metrics()["evictions"] > 0
     return path, seen, eng
 
@@ -251,3 +259,43 @@ def test_metrics_expose_the_costs(recorded):
     assert got["kvscope:recomputed_prefill_tokens_total"] == eng.num_recomputed_tokens > 0
     assert got["kvscope:prefill_computed_tokens_total"] == eng.num_prefill_computed_tokens
     assert 0.0 <= got["kvscope:kv_cache_fragmentation_perc"] < 1.0
+
+
+def test_decode_time_by_context_equals_events(recorded):
+    """/metrics' latency-creep histogram (the engine's decoded contexts and step times)
+    equals the lifecycle index's decode bins (the recording's events), per context range;
+    the load summary reads the same figures; the timelines' cost series agree."""
+    from engine.events.costs import cost_series
+    from engine.load.summary import DECODE_BY_CONTEXT, decode_by_context, parse_metrics
+    from engine.server.metrics import context_range
+
+    path, _, eng = recorded
+    got = parse_metrics(SERVER_METRICS[path].render().decode())
+    with Recording(path) as rec:
+        idx = LifecycleIndex.for_recording(rec)
+    want: dict[str, list] = {}
+    for lo, _hi, mean, n in idx.decode_time_by_context():
+        acc = want.setdefault(context_range(lo), [0.0, 0])  # 64-token bins nest in ranges
+        acc[0] += mean * n
+        acc[1] += n
+    head = DECODE_BY_CONTEXT + "_count|"
+    have = {k[len(head):]: int(v) for k, v in got.items() if k.startswith(head)}
+    assert have == {r: n for r, (_, n) in want.items()} and sum(have.values()) > 0
+    assert sum(have.values()) == int(idx.steps["decode_tokens"].sum())
+    rows = decode_by_context({}, got)
+    assert [r["context_tokens"] for r in rows] == sorted(
+        want, key=lambda r: int(r.split("-")[0].rstrip("+")))
+    for r in rows:
+        total, n = want[r["context_tokens"]]
+        assert r["tokens"] == n
+        assert r["tpot_ms"] == pytest.approx(total / n * 1e3, rel=1e-6)
+
+    c = cost_series(idx)
+    assert len(c["step"]) == len(idx.steps["step"])
+    assert c["recompute_share"][-1] == pytest.approx(
+        eng.num_recomputed_tokens / eng.num_prefill_computed_tokens)
+    decoded = idx.steps["decode_tokens"] > 0
+    assert np.array_equal(np.isfinite(c["decode_ms"]), decoded)
+    assert np.all(c["decode_context"][decoded] >= 1)
+    frag = c["fragmentation"][np.isfinite(c["fragmentation"])]
+    assert frag.size and np.all((frag >= 0) & (frag < 1))

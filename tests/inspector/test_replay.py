@@ -144,7 +144,7 @@ def test_colour_by_owner_and_filter(replay_window, batches, artifacts):  # noqa:
     win = replay_window
     win.replay.seek_step(299)
     truth = expected_state(batches, 299)
-    win.block_map.by_owner.setChecked(True)
+    win.block_map.set_mode("owner")
     cells = win.block_map.cells("gpu")
     for s in truth.seqs.values():
         if s.tier != "gpu":
@@ -155,7 +155,7 @@ def test_colour_by_owner_and_filter(replay_window, batches, artifacts):  # noqa:
             else:
                 assert cells[b] == S.BLOCK_SHARED
     win.export_png(artifacts / "inspector_replay_by_owner.png")
-    win.block_map.by_owner.setChecked(False)
+    win.block_map.set_mode("state")
     statuses = [s.status for s in truth.seqs.values()]
     rare = min(set(statuses), key=statuses.count)
     win.sequences.filter.setText(rare.upper())  # case-insensitive, any column

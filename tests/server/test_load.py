@@ -39,6 +39,11 @@ def test_workload_summary_agrees_with_metrics(daemon: Daemon, workload: str) -> 
     # ...and the client's own counts (from each response's usage) agree with them.
     assert s["prompt_tokens"] == server["prompt_tokens"] == delta("kvscope:prompt_tokens_total")
     assert s["completion_tokens"] == server["generation_tokens"] == 2 * 3
+    # latency creep: decoded tokens by context length, as the server's histogram counted
+    creep = s["decode_by_context"]
+    assert creep and all(r["tpot_ms"] > 0 for r in creep)
+    assert sum(r["tokens"] for r in creep) == delta(
+        "kvscope:time_per_output_token_by_context_seconds_count") > 0
     if server["preemptions"] == 0:  # one prefix lookup per request
         assert s["cached_tokens"] == server["prefix_hits"]
         assert s["prompt_tokens"] == server["prefix_queries"]
@@ -53,7 +58,7 @@ def test_table_output_and_bad_arguments(daemon: Daemon) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     for row in ("TTFT p50 / p99", "TPOT p50 / p99", "throughput", "prefix hit rate",
-                "preemptions", "swaps"):
+                "preemptions", "swaps", "decode by context"):
         assert row in run.stdout
     bad = subprocess.run([sys.executable, "-m", "engine.cli", "load", "--workload", "nope"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
