@@ -420,12 +420,19 @@ class KVState:
                 hashed = unpack_ids(t["hashed"])
                 tier.check_ids(hashed)
                 hashes = t["hashes"]
-                hashes = (np.frombuffer(hashes, dtype="<i8").tolist()
-                          if isinstance(hashes, bytes) else [int(h) for h in hashes])
-                if len(hashes) != len(hashed):
-                    raise ProtocolError(f"snapshot tier {name}: hashed and hashes differ")
-                for b, h in zip(hashed, hashes, strict=True):
-                    tier.set_hash(b, h)
+                if isinstance(hashes, bytes):  # packed int64: one numpy pass (seeks)
+                    hv = np.frombuffer(hashes, dtype="<i8")
+                    if len(hv) != len(hashed) or len(hashes) % 8:
+                        raise ProtocolError(f"snapshot tier {name}: hashed and hashes differ")
+                    idx = np.asarray(hashed, dtype=np.int64)
+                    tier.hash_c.np[idx] = hv
+                    tier.hashed_c.np[idx] = 1
+                else:
+                    hashes = [int(h) for h in hashes]
+                    if len(hashes) != len(hashed):
+                        raise ProtocolError(f"snapshot tier {name}: hashed and hashes differ")
+                    for b, h in zip(hashed, hashes, strict=True):
+                        tier.set_hash(b, h)
                 formatted = unpack_ids(t.get("formatted", []))
                 tier.check_ids(formatted)
                 for b, f in zip(formatted, t.get("formats", []), strict=True):
