@@ -32,6 +32,7 @@ a snapshot assigns each held block to the first sequence whose table points at i
 
 from __future__ import annotations
 
+import struct
 import sys
 import zlib
 from array import array
@@ -49,6 +50,8 @@ ORPHAN = -2  # owner column: held, but not by the sequence that took it (see doc
 NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages are huge)
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
+# little-endian int32 x k, for unpacking the short id lists of most events
+_SMALL_UNPACK = tuple(struct.Struct(f"<{k}i") for k in range(33))
 
 
 def seq_owner_id(seq_id: str) -> int:
@@ -69,6 +72,10 @@ def unpack_ids(value: Any) -> list[int]:
     """A wire id list (v1: list of ints; v2: packed little-endian int32 bytes) -> list.
 
     Raises ProtocolError for anything else (bools, floats, strings, ragged bytes)."""
+    if type(value) is bytes:  # the common case, short: one precompiled struct unpack
+        n = len(value)
+        if n < 4 * len(_SMALL_UNPACK) and not n & 3:
+            return list(_SMALL_UNPACK[n >> 2].unpack(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
         if len(value) % 4:
             raise ProtocolError(f"packed id list of {len(value)} bytes is not int32s")
