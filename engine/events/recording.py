@@ -59,7 +59,7 @@ _TRAILER = struct.Struct(">8sQ")
 KEYFRAME, DELTAS, INDEX = b"K", b"D", b"I"
 # No single frame of a sane recording comes near this; a corrupt length field does.
 MAX_FRAME_BYTES = 1 << 30
-RECENT_DELTA_FRAMES = 8  # decoded delta frames a Recording keeps (see _read_deltas)
+RECENT_DELTA_FRAMES = 4  # decoded delta frames (<= 64 steps each) a Recording keeps
 
 
 class RecordingError(ProtocolError):
