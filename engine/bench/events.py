@@ -10,6 +10,8 @@ the previous release's per-event path as the baseline row, side by side in one r
    ``BASELINE_COMMIT`` (exported with ``git archive``; its publisher keeps a per-event
    mirror and speaks protocol 1), alternating. events/s at the subscriber, lost events,
    seq gaps.
+   Then the subscriber's side alone, in process (CPU time): decode and apply per event,
+   this tree vs the old per-event mirror on its protocol-1 wire.
 2. latency: emit -> apply at a paced 50 steps/s, p50/p99.
 3. recording: bytes per 1k steps, and seek time (``state_at``) in a one-hour recording.
 4. overhead: the real KVCacheManager plus a 10 ms GIL-releasing stand-in for a GPU step
@@ -385,6 +387,55 @@ def bench_throughput(num_steps: int, rounds: int = 2) -> dict[str, Any]:
     return out
 
 
+def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
+    """Where the end-to-end time goes on the subscriber: decode (msgpack + validation)
+    and ``KVState.apply`` per event, in process, CPU time (``time.process_time``: other
+    processes on a shared box are not counted), best of ``rounds`` alternating passes.
+    Rows: this tree (protocol-2 wire, this mirror) and the old per-event path (protocol-1
+    wire, release ``BASELINE_COMMIT``'s mirror), on both mixes."""
+    from engine.bench._events_baseline_state import KVState as BaselineKVState
+    from engine.events import codec as C
+    from engine.events.state import KVState
+
+    out: dict[str, Any] = {}
+    mixes = {"realistic": realistic_batches(num_steps),
+             "bulk-heavy": bulk_batches(max(50, num_steps // 20))}
+    codec = C.Codec()
+    for mix, batches in mixes.items():
+        n = sum(len(ev) for ev, _ in batches)
+        wires = {}
+        for name, pack, v in (("this tree", True, 2), ("baseline", False, 1)):
+            frames = []
+            for i, (ev, st) in enumerate(batches):
+                evs = [dict(e) for e in ev]
+                if pack:
+                    C.pack_events(evs)
+                b = C.make_batch("bench", i + 1, i, 0.0, evs, st)
+                b["v"] = v
+                frames.append(codec.encode(b))
+            wires[name] = frames
+        best: dict[str, list[float]] = {k: [1e9, 1e9] for k in wires}
+        for _ in range(rounds):
+            for name, frames in wires.items():
+                t0 = time.process_time()
+                msgs = [codec.decode(f) for f in frames]
+                t1 = time.process_time()
+                st = KVState() if name == "this tree" else BaselineKVState()
+                for m in msgs:
+                    st.apply(m)
+                t2 = time.process_time()
+                best[name] = [min(best[name][0], t1 - t0), min(best[name][1], t2 - t1)]
+                del msgs, st
+        for name, (dec, app) in best.items():
+            label = name if name == "this tree" else (
+                f"baseline {BASELINE_COMMIT} (per-event mirror, protocol 1)")
+            out[f"{mix} | {label}"] = {
+                "events": n, "decode_us_per_event": round(dec / n * 1e6, 2),
+                "apply_us_per_event": round(app / n * 1e6, 2),
+                "decode_plus_apply_events_per_s": round(n / (dec + app))}
+    return out
+
+
 def bench_latency(num_steps: int) -> dict[str, Any]:
     batches = make_batches(num_steps, seed=1)
     r = _publish(batches, True, pace_s=0.02)
@@ -511,6 +562,7 @@ def run(args: argparse.Namespace) -> int:
     quick = args.quick
     result = {
         "throughput": bench_throughput(2000 if quick else 20_000, 1 if quick else 2),
+        "subscriber_side": bench_subscriber_side(1000 if quick else 5000),
         "latency": bench_latency(100 if quick else 500),
         "recording": bench_recording(2000 if quick else 72_000, 20 if quick else 100),
         "overhead": bench_overhead(5 if quick else 60),

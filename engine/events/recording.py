@@ -33,6 +33,7 @@ are lost with it.
 from __future__ import annotations
 
 import bisect
+import collections
 import os
 import struct
 import time
@@ -58,6 +59,7 @@ _TRAILER = struct.Struct(">8sQ")
 KEYFRAME, DELTAS, INDEX = b"K", b"D", b"I"
 # No single frame of a sane recording comes near this; a corrupt length field does.
 MAX_FRAME_BYTES = 1 << 30
+RECENT_DELTA_FRAMES = 4  # decoded delta frames (<= 64 steps each) a Recording keeps
 
 
 class RecordingError(ProtocolError):
@@ -209,6 +211,10 @@ class Recording:
         except OSError as e:
             raise RecordingError(f"{self.path}: cannot open recording ({e.strerror})") from e
         self._dctx = zstandard.ZstdDecompressor()
+        # the last few decoded delta frames, by offset: a seek reads its keyframe's
+        # deltas and then (the replay's event-log context) most of the same frames again
+        self._recent: collections.OrderedDict[int, list[dict[str, Any]]] = (
+            collections.OrderedDict())
         self.truncated = False
         try:
             self.size = os.fstat(self._file.fileno()).st_size
@@ -383,6 +389,19 @@ class Recording:
         return body
 
     def _read_deltas(self, offset: int) -> list[dict[str, Any]]:
+        """The frame's batches (shared with the small cache of recent frames: readers
+        must not mutate them)."""
+        cached = self._recent.get(offset)
+        if cached is not None:
+            self._recent.move_to_end(offset)
+            return cached
+        batches = self._decode_deltas(offset)
+        self._recent[offset] = batches
+        if len(self._recent) > RECENT_DELTA_FRAMES:
+            self._recent.popitem(last=False)
+        return batches
+
+    def _decode_deltas(self, offset: int) -> list[dict[str, Any]]:
         frame = self._read_frame(offset)
         if frame is None or frame[0] != DELTAS:
             raise self._error(f"delta frame at byte {offset} is unreadable")

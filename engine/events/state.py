@@ -32,6 +32,7 @@ a snapshot assigns each held block to the first sequence whose table points at i
 
 from __future__ import annotations
 
+import struct
 import sys
 import zlib
 from array import array
@@ -49,6 +50,8 @@ ORPHAN = -2  # owner column: held, but not by the sequence that took it (see doc
 NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages are huge)
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
+# little-endian int32 x k, for unpacking the short id lists of most events
+_SMALL_UNPACK = tuple(struct.Struct(f"<{k}i") for k in range(33))
 
 
 def seq_owner_id(seq_id: str) -> int:
@@ -69,6 +72,10 @@ def unpack_ids(value: Any) -> list[int]:
     """A wire id list (v1: list of ints; v2: packed little-endian int32 bytes) -> list.
 
     Raises ProtocolError for anything else (bools, floats, strings, ragged bytes)."""
+    if type(value) is bytes:  # the common case, short: one precompiled struct unpack
+        n = len(value)
+        if n < 4 * len(_SMALL_UNPACK) and not n & 3:
+            return list(_SMALL_UNPACK[n >> 2].unpack(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
         if len(value) % 4:
             raise ProtocolError(f"packed id list of {len(value)} bytes is not int32s")
@@ -420,12 +427,19 @@ class KVState:
                 hashed = unpack_ids(t["hashed"])
                 tier.check_ids(hashed)
                 hashes = t["hashes"]
-                hashes = (np.frombuffer(hashes, dtype="<i8").tolist()
-                          if isinstance(hashes, bytes) else [int(h) for h in hashes])
-                if len(hashes) != len(hashed):
-                    raise ProtocolError(f"snapshot tier {name}: hashed and hashes differ")
-                for b, h in zip(hashed, hashes, strict=True):
-                    tier.set_hash(b, h)
+                if isinstance(hashes, bytes):  # packed int64: one numpy pass (seeks)
+                    hv = np.frombuffer(hashes, dtype="<i8")
+                    if len(hv) != len(hashed) or len(hashes) % 8:
+                        raise ProtocolError(f"snapshot tier {name}: hashed and hashes differ")
+                    idx = np.asarray(hashed, dtype=np.int64)
+                    tier.hash_c.np[idx] = hv
+                    tier.hashed_c.np[idx] = 1
+                else:
+                    hashes = [int(h) for h in hashes]
+                    if len(hashes) != len(hashed):
+                        raise ProtocolError(f"snapshot tier {name}: hashed and hashes differ")
+                    for b, h in zip(hashed, hashes, strict=True):
+                        tier.set_hash(b, h)
                 formatted = unpack_ids(t.get("formatted", []))
                 tier.check_ids(formatted)
                 for b, f in zip(formatted, t.get("formats", []), strict=True):

@@ -98,6 +98,7 @@ class EventLogView(QWidget):
         super().__init__(parent)
         self.model = model
         self.pending = 0  # events that arrived while paused
+        self._stale = False  # rebuild deferred while the tab is hidden (see rebuild)
         self.kind = QComboBox()
         self.kind.addItems(["all kinds", *S.EVENT_KINDS])
         self.seq = QLineEdit()
@@ -148,13 +149,26 @@ class EventLogView(QWidget):
         return not want or want in row[2].split(",")
 
     def rebuild(self) -> None:
+        if not self.isVisible() and self.window().isVisible():
+            # a hidden tab of a shown window (a seek resets the log each time): rebuild
+            # when the tab is shown, not on every seek
+            self._stale = True
+            return
+        self._stale = False
         rows = [event_row(step, ev) for step, ev in self.model.events]
         self.log_model.reset([r for r in rows if self._match(r)])
         self.pending = 0
         self.status.setText("")
         self.table.scrollToBottom()
 
+    def showEvent(self, event: Any) -> None:  # noqa: N802 (Qt)
+        super().showEvent(event)
+        if self._stale:
+            self.rebuild()
+
     def _on_events(self, new: list[tuple[int, dict[str, Any]]]) -> None:
+        if self._stale:
+            return  # the rebuild when the tab is shown includes these
         if self.paused:
             self.pending += len(new)
             self.status.setText(f"paused · {self.pending:,} new")

@@ -21,6 +21,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
     QCheckBox,
+    QGraphicsItem,
     QGraphicsSimpleTextItem,
     QHBoxLayout,
     QVBoxLayout,
@@ -196,6 +197,13 @@ class TimelinesView(QWidget):
         self.canvas.scene().sigMouseClicked.connect(self._on_click)
         model.timeline_changed.connect(self.refresh)
         model.cursor_changed.connect(self.set_cursor)
+        # A seek moves the cursor lines only: keep each curve's and axis's (with its grid)
+        # rendering as a pixmap so those repaints blit it instead of redrawing 10^4-10^5
+        # points per curve (re-drawn only when its data or the view's range changes).
+        cached = [item for c in self.curves.values() for item in (c.curve, c.scatter)]
+        cached += [p.getAxis(ax) for p in self.plots.values() for ax in ("left", "bottom")]
+        for item in cached:
+            item.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
 
     def refresh(self) -> None:
         tl = self.model.timeline

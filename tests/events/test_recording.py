@@ -68,6 +68,21 @@ def test_state_at_random_steps(recorded):
             100, 101, 102, 103, 104]
 
 
+def test_a_seeks_log_context_reuses_the_frames_state_at_decoded(recorded, monkeypatch):
+    path, truth = recorded
+    with Recording(path) as rec:
+        decoded = []
+        real = rec._decode_deltas
+        monkeypatch.setattr(rec, "_decode_deltas", lambda off: decoded.append(off) or real(off))
+        assert rec.state_at(190).canonical() == truth[190]
+        n = len(decoded)
+        assert n > 0
+        context = list(rec.batches(start_step=160, end_step=190))  # the replay's log
+        assert len(decoded) == n  # no frame decoded twice
+        assert [b["step"] for b in context] == list(range(160, 191))
+        assert rec.state_at(190).canonical() == truth[190]  # cached frames are not mutated
+
+
 def test_killed_writer_leaves_a_readable_file(tmp_path):
     """No close(): no index. The reader rebuilds it by scanning and warns."""
     gen, sink, st = SyntheticCache(seed=5), ListSink(), KVState()

@@ -197,3 +197,17 @@ def test_batch_consumers_see_every_batch_in_order(tmp_path):
         assert s.stats["consumer_errors"] == 20
     assert [q for q, _ in seen] == list(range(1, 21))
     assert all(kind is list for _, kind in seen)  # consumers get plain id lists
+
+
+def test_unpack_ids_short_and_long_forms_agree() -> None:
+    """Short packed lists take a struct fast path, long ones array.array: same ids, and
+    the same errors for anything that is not whole int32s."""
+    for n in (0, 1, 2, 7, 24, 32, 33, 40, 1000):
+        ids = [((i * 7919) % 5000) - (2 ** 31 if i % 5 == 0 else 0) for i in range(n)]
+        packed = pack_ids(ids)
+        assert unpack_ids(packed) == ids
+        assert unpack_ids(bytearray(packed)) == ids
+        assert unpack_ids(memoryview(packed)) == ids
+    for bad in (b"\x01", b"\x01\x02\x03\x04\x05", bytes(131)):
+        with pytest.raises(ProtocolError):
+            unpack_ids(bad)

@@ -184,8 +184,9 @@ def test_timeline_click_seeks(replay_window, qtbot):  # noqa: ANN001
 
 def test_event_log_filters_and_pauses(replay_window, batches, qtbot):  # noqa: ANN001
     win = replay_window
-    win.replay.seek_step(100)
     log = win.event_log
+    win.right_tabs.setCurrentWidget(log)  # a hidden tab rebuilds when shown (below)
+    win.replay.seek_step(100)
     lo = max(0, 100 - 50)
     want = [(b["step"], e) for b in batches if lo <= b["step"] <= 100 for e in b["events"]]
     assert len(log.log_model.rows) == min(len(want), 5000)
@@ -206,6 +207,24 @@ def test_event_log_filters_and_pauses(replay_window, batches, qtbot):  # noqa: A
     assert len(log.log_model.rows) == n and log.pending > 0 and "paused" in log.status.text()
     sb.setValue(sb.maximum())
     assert log.pending == 0 and len(log.log_model.rows) > n
+
+
+def test_hidden_event_log_catches_up_when_shown(replay_window, batches):  # noqa: ANN001
+    win = replay_window
+    log = win.event_log
+    win.right_tabs.setCurrentWidget(win.sequences)
+    win.replay.seek_step(100)
+    win.replay.seek_step(200)  # seeks while the log's tab is hidden: no rebuild yet
+    win.replay.step_forward()
+    assert log._stale  # deferred, not rebuilt per seek
+    win.right_tabs.setCurrentWidget(log)
+    assert not log._stale
+    step = win.replay.step  # the log: the seek's 50 steps of context, then the step
+    want = [(b["step"], e) for b in batches if 200 - 50 <= b["step"] <= step
+            for e in b["events"]]
+    assert len(log.log_model.rows) == min(len(want), 5000)
+    assert log.log_model.rows[-1][0] == want[-1][0]
+    assert log.log_model.rows[-1][1] == want[-1][1]["kind"]
 
 
 def test_exports(replay_window, tmp_path, artifacts):  # noqa: ANN001
