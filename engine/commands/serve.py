@@ -17,7 +17,9 @@ import os
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the engine as an OpenAI-compatible HTTP daemon")
-    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF dir")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2', a .gguf file, an HF dir or dummy:<preset> (random weights: "
+                        "dummy:smollm2-135m, dummy:llama-3-8b; token-id prompts only)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1",
