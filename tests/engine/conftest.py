@@ -72,7 +72,11 @@ def make_engine(loaded):
     engines: list[LLMEngine] = []
 
     def make(**kwargs) -> LLMEngine:
-        kwargs = {"device": TEST_DEVICE, "dtype": TEST_DTYPE, **kwargs}
+        # 1 GiB of KV unless a test sizes it (the CPU default; on a GPU the engine would
+        # otherwise take 90% of the card for each of the engines a test keeps open)
+        sized = "num_gpu_blocks" in kwargs or "kv_cache_memory_bytes" in kwargs
+        kwargs = {"device": TEST_DEVICE, "dtype": TEST_DTYPE,
+                  **({} if sized else {"kv_cache_memory_bytes": 1 << 30}), **kwargs}
         eng = LLMEngine(EngineConfig(**kwargs), loaded=loaded)
         engines.append(eng)
         return eng
