@@ -67,6 +67,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+
+def _importable_checkout() -> None:
+    """On the device the checkout is not pip-installed: put it on the children's path too,
+    and give assets/ its installed name (``kvscope_assets``, setup.py) through a namespace
+    package link, so importlib.resources finds the workloads."""
+    paths = [str(ROOT)]
+    if importlib.util.find_spec("kvscope_assets") is None:
+        import tempfile
+
+        shim = Path(tempfile.mkdtemp(prefix="kvscope-path-"))
+        (shim / "kvscope_assets").symlink_to(ROOT / "assets", target_is_directory=True)
+        sys.path.insert(0, str(shim))
+        paths.insert(0, str(shim))
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
+
+
+_importable_checkout()
+
 SECTIONS = ("device", "kernels", "invariance", "quant", "attention", "decode", "events",
             "offline", "capacity", "swap")
 # Seconds per section on the device (caps: loops stop early, pytest is killed; a bench
