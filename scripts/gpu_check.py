@@ -21,6 +21,8 @@ Sections (in this order; ``--sections`` picks some, ``--list`` prints them):
               fp8/int8/int4 pages
   decode      decode step (forward + logits) of the Llama-3-8B-shaped model at batch
               1/8/64/256, context 2k, vs its floor (weight + KV bytes over copy bandwidth)
+  syncs       host syncs inside a real engine's decode steps, counted by torch's CUDA
+              sync debug mode, by the line that synchronises (goal: only the sampled ids)
   events      events + recording on vs off on the real engine, alternating, same requests
   offline     8B-shaped bf16, 256 mixed-length requests: kvscope vs HF transformers
               generate (static cache, batched) when transformers is there
@@ -85,16 +87,17 @@ def _importable_checkout() -> None:
 
 _importable_checkout()
 
-SECTIONS = ("device", "kernels", "invariance", "quant", "attention", "decode", "events",
-            "offline", "capacity", "swap")
+SECTIONS = ("device", "kernels", "invariance", "quant", "attention", "decode", "syncs",
+            "events", "offline", "capacity", "swap")
 # Seconds per section on the device (caps: loops stop early, pytest is killed; a bench
 # called in-process runs to its end). Together ~25 minutes at most, so three calls of the
 # device tool, each under its 10-minute limit: --call 1, 2, 3 (docs/GPU.md). Sections after
 # the first measure the copy bandwidth again themselves (~2 s) when `device` did not run.
 BUDGETS = {"device": 30, "kernels": 240, "invariance": 200, "quant": 90, "attention": 200,
-           "decode": 150, "events": 80, "offline": 200, "capacity": 180, "swap": 120}
+           "decode": 150, "syncs": 40, "events": 80, "offline": 200, "capacity": 180,
+           "swap": 120}
 CALLS = {"1": ("device", "kernels", "invariance"),
-         "2": ("quant", "attention", "decode", "events"),
+         "2": ("quant", "attention", "decode", "syncs", "events"),
          "3": ("offline", "capacity", "swap")}
 SMOKE_BUDGET = 60
 BIG = "dummy:llama-3-8b"  # the performance model
@@ -545,6 +548,58 @@ def section_decode(ctx: Context) -> dict:
     return r
 
 
+def section_syncs(ctx: Context) -> dict:
+    """Every synchronising CUDA call made during pure-decode engine steps, counted with
+    ``torch.cuda.set_sync_debug_mode("warn")`` (a warning per sync, raised at the Python
+    line that caused it). On CPU nothing synchronises: the count is 0 and only the code
+    path is exercised."""
+    import warnings
+    from collections import Counter
+
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    name = TINY if ctx.smoke else BIG
+    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    loaded = ctx.model(name, dtype)
+    batch, steps = 8, 8
+    eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=dtype, num_gpu_blocks=256,
+                                 enable_prefix_caching=False), loaded=loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
+    for i, p in enumerate(_prompts(batch, loaded[2].vocab_size, seed=1)):
+        eng.add_request(str(i), p, params)
+    for _ in range(200):  # prefill everything, then two warm decode steps
+        eng.step()
+        if all(len(s.output_token_ids) >= 2 for s in eng.scheduler.running) and \
+                len(eng.scheduler.running) == batch:
+            break
+    sites: Counter[str] = Counter()
+    sync(ctx)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if ctx.cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                eng.step()
+        finally:
+            if ctx.cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            path = Path(w.filename)
+            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            sites[f"{where}:{w.lineno}"] += 1
+    eng.close()
+    per_step = sum(sites.values()) / steps
+    return {"model": name, "batch": batch, "steps": steps, "syncs_per_step": per_step,
+            "sites": dict(sites.most_common(15)),
+            "goal": "no host sync inside the step except the sampled ids",
+            "summary": f"{per_step:.1f} syncs per decode step at batch {batch}"
+                       + (f"; top: {sites.most_common(1)[0][0]}" if sites else "")}
+
+
 def section_events(ctx: Context) -> dict:
     from bench_publish_overhead import measure_overhead
 
@@ -730,8 +785,8 @@ def section_swap(ctx: Context) -> dict:
 RUNNERS: dict[str, Callable[[Context], dict]] = {
     "device": section_device, "kernels": section_kernels, "invariance": section_invariance,
     "quant": section_quant, "attention": section_attention, "decode": section_decode,
-    "events": section_events, "offline": section_offline, "capacity": section_capacity,
-    "swap": section_swap,
+    "syncs": section_syncs, "events": section_events, "offline": section_offline,
+    "capacity": section_capacity, "swap": section_swap,
 }
 
 
