@@ -93,7 +93,7 @@ SECTIONS = ("device", "kernels", "invariance", "quant", "attention", "decode", "
 # called in-process runs to its end). Together ~25 minutes at most, so three calls of the
 # device tool, each under its 10-minute limit: --call 1, 2, 3 (docs/GPU.md). Sections after
 # the first measure the copy bandwidth again themselves (~2 s) when `device` did not run.
-BUDGETS = {"device": 30, "kernels": 240, "invariance": 200, "quant": 90, "attention": 200,
+BUDGETS = {"device": 30, "kernels": 240, "invariance": 200, "quant": 90, "attention": 180,
            "decode": 150, "syncs": 40, "events": 80, "offline": 200, "capacity": 180,
            "swap": 120}
 CALLS = {"1": ("device", "kernels", "invariance"),
