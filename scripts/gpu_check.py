@@ -628,6 +628,7 @@ def section_offline(ctx: Context) -> dict:
                          "prompt_tokens": sum(len(p) for p, _ in workload),
                          "workload": "kvscope bench capacity's lognormal mix, seed 0"}
     r["kvscope"] = _kvscope_offline(ctx, loaded, workload, max_len)
+    loaded = None  # HF's model takes the memory next
     ctx.release()
     if importlib.util.find_spec("transformers") is None:
         r["hf"] = "not available (transformers is not installed here)"

@@ -18,7 +18,8 @@ def _generate(args: argparse.Namespace) -> int:
         from engine import LLM, SamplingParams
 
         start = time.perf_counter()
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+                  load_format=args.load_format)
         load_s = time.perf_counter() - start
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -67,6 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2', a .gguf file, an HF dir, or dummy:<preset> (random weights "
                         "of real shapes: dummy:smollm2-135m, dummy:llama-3-8b; no tokenizer)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of --model's shapes (vLLM's name)")
     p.add_argument("--prompt-token-ids", action="store_true",
                    help="each PROMPT is comma-separated token ids (no tokenizer needed); "
                         "prints the generated ids")

@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--load-cost-tokens", type=int, default=32, metavar="T",
                    help="prefix policy: each queued/running request counts as T tokens")
     e = p.add_argument_group("engine (vLLM's names)")
+    e.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of --model's shapes (a preset such as "
+                        "llama-3-8b, or an HF dir's config.json); same as --model dummy:NAME")
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")
     e.add_argument("--seed", type=int, default=0)
@@ -85,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-ENGINE_FLAGS = ("model", "device", "dtype", "seed", "block_size", "num_gpu_blocks",
+ENGINE_FLAGS = ("model", "load_format", "device", "dtype", "seed", "block_size", "num_gpu_blocks",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",

@@ -89,3 +89,6 @@ def test_cli_generate_with_token_ids_and_text_error(capsys):
     assert len(ids) == 3 and all(i.isdigit() for i in ids)
     assert main(["generate", "--model", "dummy:tiny", "hello"]) == 1
     assert "--prompt-token-ids" in capsys.readouterr().out
+    assert main(["generate", "--model", "tiny", "--load-format", "dummy", "--prompt-token-ids",
+                 "--max-tokens", "2", "4,5"]) == 0  # vLLM's spelling
+    assert len(capsys.readouterr().out.strip().split(",")) == 2
