@@ -254,7 +254,7 @@ def section_device(ctx: Context) -> dict:
                                    * 1e-3) / 1e9, 1)
         del host, dev
     size = 256 if ctx.smoke else 8192
-    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
     mats = [torch.randn(size, size, device=ctx.device, dtype=dtype) for _ in "ab"]  # never 0s
     ms = bench_ms(ctx, lambda: mats[0] @ mats[1])
     r["matmul_tflop_s"] = round(2 * size ** 3 / (ms * 1e-3) / 1e12, 2)
@@ -339,8 +339,9 @@ def section_quant(ctx: Context) -> dict:
     contiguous = _greedy_tokens(ctx, fp32, prompts, tokens, kv_layout="contiguous", **blocks)
     r["fp32_paged_vs_contiguous"] = _agreement(paged, contiguous)
     identical = paged == contiguous
-    # bf16 model (what a GPU runs): quantized pages against bf16 pages, same weights
-    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    # bf16 model (what a GPU runs; on CPU too in --smoke, to catch dtype errors):
+    # quantized pages against bf16 pages, same weights
+    dtype = torch.bfloat16
     model = ctx.model(name, dtype)
     base = _greedy_tokens(ctx, model, prompts, tokens, **blocks)
     r["model_dtype"] = str(dtype).split(".")[-1]
@@ -497,7 +498,7 @@ def section_decode(ctx: Context) -> dict:
     from engine.runner import ModelRunner, StepBatch
 
     name = TINY if ctx.smoke else BIG
-    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
     batches, context = ((1, 4), 64) if ctx.smoke else ((1, 8, 64, 256), 2048)
     model, _, cfg = ctx.model(name, dtype)
     bs = 16
@@ -561,7 +562,7 @@ def section_syncs(ctx: Context) -> dict:
     from engine.sampling import SamplingParams
 
     name = TINY if ctx.smoke else BIG
-    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
     loaded = ctx.model(name, dtype)
     batch, steps = 8, 8
     eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=dtype, num_gpu_blocks=256,
@@ -604,7 +605,7 @@ def section_events(ctx: Context) -> dict:
     from bench_publish_overhead import measure_overhead
 
     name = TINY if ctx.smoke else BIG
-    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
     loaded = ctx.model(name, dtype)
     requests, tokens, blocks = (4, 4, 64) if ctx.smoke else (64, 64, 4096)
     r = measure_overhead(loaded, requests, tokens, str(ctx.device), dtype, num_blocks=blocks)
@@ -619,7 +620,7 @@ def section_offline(ctx: Context) -> dict:
     from engine.bench.capacity import make_workload
 
     name = TINY if ctx.smoke else BIG
-    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
     n, max_len, hf_batch = (6, 128, 4) if ctx.smoke else (256, 2048, 32)
     loaded = ctx.model(name, dtype)
     workload = make_workload(n, 0, loaded[2].vocab_size, max_len)
