@@ -819,6 +819,30 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _meta(ctx: Context) -> dict:
+    """Who measured what, in every result file (a call may skip the device section)."""
+    import triton
+
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton.__version__, "device": str(ctx.device)}
+    if ctx.cuda:
+        meta["gpu"] = torch.cuda.get_device_name(ctx.device)
+    return meta
+
+
+def markdown(report: dict) -> str:
+    """The table as markdown, with the machine and date, ready for docs/BENCHMARKS.md."""
+    m = report["meta"]
+    lines = [f"{m.get('gpu', m['device'])}, torch {m['torch']}, triton {m['triton']}, "
+             f"{m['date']} (`scripts/gpu_check.py {' '.join(report['argv'][1:])}`)", "",
+             "| section | status | seconds | result |", "|---|---|---|---|"]
+    for name, r in report["sections"].items():
+        summary = str(r.get("summary", "")).replace("|", "/").replace("\n", " ")
+        lines.append(f"| {name} | {r['status']} | {r['seconds']} | {summary} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", nargs="?", type=Path)
@@ -861,8 +885,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         torch.set_num_threads(1)
     ctx = Context(args.out_dir, args.smoke, device)
-    report: dict[str, Any] = {"smoke": args.smoke, "argv": sys.argv[1:], "sections": {}}
-    path = args.out_dir / (f"gpu_check_call{args.call}.json" if args.call else "gpu_check.json")
+    report: dict[str, Any] = {"smoke": args.smoke, "argv": sys.argv[1:], "meta": _meta(ctx),
+                              "sections": {}}
+    stem = f"gpu_check_call{args.call}" if args.call else "gpu_check"
+    path = args.out_dir / f"{stem}.json"
     for name in (s for s in SECTIONS if s in chosen):
         print(f"[gpu_check] {name} (budget {budgets[name]:.0f} s) ...", flush=True)
         result = run_section(ctx, name, budgets[name])
@@ -870,9 +896,10 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1, default=str))
         print(f"[gpu_check] {name}: {result['status']} in {result['seconds']} s: "
               f"{result.get('summary', '')}", flush=True)
+    (args.out_dir / f"{stem}.md").write_text(markdown(report))
     print()
     print(table(report["sections"]))
-    print(f"\nfull results: {path}")
+    print(f"\nfull results: {path} (and {stem}.md, the table for docs/BENCHMARKS.md)")
     bad = [n for n, r in report["sections"].items() if r["status"] in ("error", "fail",
                                                                           "timeout")]
     return 1 if bad else 0

@@ -47,8 +47,10 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
     assert hf.startswith("not available") if isinstance(hf, str) else hf["tokens_per_s"] > 0
     assert sections["capacity"]["paged_peak_running"] >= 1
     assert sections["swap"]["swap_out_gb_s"] > 0
-    # the table comes last
+    # the table comes last, and as markdown beside the JSON
     assert proc.stdout.rstrip().splitlines()[-1].startswith("full results:")
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| swap |" in md and report["meta"]["torch"] in md
     assert "section" in proc.stdout and "swap" in proc.stdout.splitlines()[-3]
 
 
