@@ -674,8 +674,8 @@ def _kvscope_offline(ctx: Context, loaded, workload, max_len: int) -> dict:
     sync(ctx)
     wall = time.perf_counter() - t0
     result = {"tokens_per_s": round(generated / wall, 1), "wall_s": round(wall, 2),
-              "generated": generated, "steps": steps, "kv_blocks": eng.cache.num_blocks
-              if hasattr(eng.cache, "num_blocks") else None,
+              "generated": generated, "steps": steps,
+              "kv_capacity_tokens": eng.cache_capacity_tokens,
               "preemptions": eng.scheduler.num_preemptions}
     eng.close()
     del eng
