@@ -26,6 +26,11 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # default: min(model context, 8192)
+    # "dummy": random weights of the model's shapes, seeded by `seed`, no file read
+    # (vLLM's --load-format dummy; engine.model.dummy). `model` then names a preset
+    # ("llama-3-8b"), or `hf_config` (an HF config.json dict) gives the shapes.
+    load_format: str = "auto"
+    hf_config: dict[str, Any] | None = None
     # KV cache
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -59,6 +64,14 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"invalid engine config: {msg}")
 
+        from engine.model.dummy import LOAD_FORMATS, dummy_name, is_dummy
+
+        need(self.load_format in LOAD_FORMATS,
+             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.load_format == "dummy" or is_dummy(self.model):
+            self.load_format, self.model = "dummy", dummy_name(self.model)
+        need(self.hf_config is None or self.load_format == "dummy",
+             "hf_config gives a dummy model's shapes: it needs load_format='dummy'")
         need(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         need(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
              f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")

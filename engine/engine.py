@@ -85,7 +85,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_supported(config.kv_cache_dtype, self.device)  # before any weight is loaded
         self.model, self.tokenizer, self.model_config = loaded or load_model(
-            config.model, device=self.device, dtype=self.dtype)
+            config.model, device=self.device, dtype=self.dtype, seed=config.seed,
+            hf_config=config.hf_config)
         mc = self.model_config
         limit = mc.max_position_embeddings
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
@@ -303,7 +304,8 @@ class LLMEngine:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; this model has none")
+                raise ValueError(f"text prompts need a tokenizer; {self.config.model} has none: "
+                                 "give token ids ({'prompt_token_ids': [...]} or a list)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size

@@ -13,7 +13,6 @@ import torch
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.engine import LLMEngine
-from engine.model.errors import ModelLoadError
 from engine.model.tokenizer import Tokenizer
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
@@ -27,7 +26,12 @@ class LLM:
     (block_size, num_gpu_blocks, enable_prefix_caching, kv_cache_dtype, swap_space,
     max_num_seqs, max_num_batched_tokens, events_endpoint, record_path, ...; see
     engine.config.EngineConfig). Requests without their own seed draw one from a generator
-    seeded with `seed`, so a whole run is reproducible."""
+    seeded with `seed`, so a whole run is reproducible.
+
+    ``load_format="dummy"`` (vLLM's name) builds random weights of the model's shapes, drawn
+    from `seed`, with no file: `model` names a preset ("smollm2-135m", "llama-3-8b") or
+    ``hf_config`` (an HF config.json dict) gives the shapes; ``model="dummy:llama-3-8b"``
+    is the same. Such a model has no tokenizer: prompts are {"prompt_token_ids": [...]}."""
 
     def __init__(self, model: str = "smollm2", device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", seed: int = 0,
@@ -43,14 +47,13 @@ class LLM:
         config.dtype = self.dtype
         self.llm_engine = LLMEngine(config)
         eng = self.llm_engine
-        if eng.tokenizer is None:
-            eng.close()
-            raise ModelLoadError(f"{model}: no tokenizer (tokenizer.json) found beside the model")
+        # No tokenizer (a dummy model, an HF dir without tokenizer.json): prompts are token
+        # ids, and text is refused with a clear error (as vLLM's skip_tokenizer_init).
         self.model, self.tokenizer, self.config = eng.model, eng.tokenizer, eng.model_config
         self.max_model_len = eng.max_model_len
         self._next_id = 0
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],
@@ -95,6 +98,9 @@ class LLM:
         to each of a list of conversations, then generate."""
         if not messages:
             raise ValueError("chat() needs at least one message")
+        if self.tokenizer is None:
+            raise ValueError(f"chat() needs a tokenizer; {self.llm_engine.config.model} has "
+                             "none: use generate() with {'prompt_token_ids': [...]}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
         for conversation in conversations:

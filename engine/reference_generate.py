@@ -38,7 +38,7 @@ def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
     generator = None
     if not params.greedy:
         base = params.seed if params.seed is not None else (seed or 0)
-        generator = make_generator(base, index, model.device)
+        generator = make_generator(base, index, "cpu")  # as the engine's (engine.sampling)
     eos_ids = set(config.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
     state = CompletionState(index, params, tokenizer, prompt_token_ids, eos_ids, budget)
     feed = torch.tensor(prompt_token_ids, device=model.device)

@@ -167,7 +167,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             raise ValueError("a non-greedy request needs a torch.Generator")
         probs = torch.softmax(_filter_logits(row_logits, p), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, using exactly V draws.
-        noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
+        # Drawn on the generator's device (the engine's are CPU generators, so a run's
+        # samples do not depend on where the model runs), then moved to the logits.
+        noise = torch.empty(probs.shape, device=gen.device).exponential_(1.0, generator=gen)
+        noise = noise.to(probs.device)
         noise.clamp_min_(1e-10)  # a 0 draw would make 0/0 = nan for a filtered-out token
         chosen.append(int(torch.argmax(probs / noise)))
     token_ids = torch.tensor(chosen, dtype=torch.long, device=logits.device)

@@ -4,6 +4,7 @@ stepped alternately so both see the same machine load. Prints mean step times an
 overhead; `kvscope bench events` measures the stream itself.
 
     .venv/bin/python scripts/bench_publish_overhead.py [--requests 24] [--threads 1]
+        [--model dummy:llama-3-8b --device cuda]
 """
 
 from __future__ import annotations
@@ -30,20 +31,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = load_model("smollm2", device="cpu", dtype=torch.float32)
+def measure_overhead(loaded, requests: int, max_tokens: int, device: str = "cpu",
+                     dtype: str | torch.dtype = "auto", vocab_low: int = 100,
+                     num_blocks: int = 512) -> dict:
+    """Step an events-off and an events-on engine (sharing ``loaded``) alternately over the
+    same seeded requests; mean step times, the overhead and the events/s at the on-engine's
+    step rate. Also what scripts/gpu_check.py runs on the device."""
+    vocab = loaded[2].vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 200))]
-               for _ in range(args.requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [[rng.randrange(vocab_low, min(40000, vocab - 1))
+                for _ in range(rng.randint(20, 200))] for _ in range(requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        common = {"block_size": 16, "num_gpu_blocks": 512, "watermark": 0.0}
+        common = {"block_size": 16, "num_gpu_blocks": num_blocks, "watermark": 0.0,
+                  "device": device, "dtype": dtype}
         engines = {
             "off": LLMEngine(EngineConfig(**common), loaded=loaded),
             "on": LLMEngine(EngineConfig(**common,
@@ -60,7 +61,7 @@ def main() -> int:
             for name, eng in engines.items():
                 if eng.has_unfinished_requests():
                     t = time.perf_counter()
-                    eng.step()
+                    eng.step()  # returns after the sampled ids reached the host
                     if name == "on":  # charge the stream thread's work to the step
                         eng.events.wait_idle(30)
                     times[name].append(time.perf_counter() - t)
@@ -71,11 +72,31 @@ def main() -> int:
             eng.close()
     off_mean = sum(times["off"]) / len(times["off"])
     on_mean = sum(times["on"]) / len(times["on"])
-    print(json.dumps({
-        "steps": len(times["on"]), "events": events, "threads": args.threads,
-        "step_ms_off": round(off_mean * 1e3, 2), "step_ms_on": round(on_mean * 1e3, 2),
+    return {
+        "steps": len(times["on"]), "events": events, "requests": requests,
+        "step_ms_off": round(off_mean * 1e3, 3), "step_ms_on": round(on_mean * 1e3, 3),
         "overhead_pct": round(100 * (on_mean - off_mean) / off_mean, 2),
-    }, indent=2))
+        "events_per_s_at_step_rate": round(events / sum(times["on"]), 1),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="smollm2", help="e.g. dummy:llama-3-8b on a GPU")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from engine.device import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype("auto", device)
+    loaded = load_model(args.model, device=device, dtype=dtype)
+    result = measure_overhead(loaded, args.requests, args.max_tokens, str(device), dtype)
+    print(json.dumps({"threads": args.threads, "model": args.model, "device": str(device),
+                      **result}, indent=2))
     return 0
 
 

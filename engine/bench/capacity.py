@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2, a .gguf file, an HF dir or dummy:<preset> (dummy:llama-3-8b)")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     p.add_argument("--plot", metavar="PNG", help="draw both memory timelines")
     p.set_defaults(func=run)

@@ -1,11 +1,11 @@
 """`kvscope bench swap`: the cpu tier's transfer speed and what a host prefix hit saves.
 
-1. bandwidth: ``Swapper`` moving ``--swap-blocks`` scattered blocks of SmolLM2-shaped pages
-   (30 layers, 3 KV heads, head_dim 64, ``--block-size`` tokens; fp16 on a GPU, fp32 on
-   CPU) out to the host tier and back in, one batched round (one ``kernels.swap_blocks``
-   per cache tensor and direction), against a plain ``copy_`` of the same number of bytes
-   between one contiguous device tensor and one (pinned, on GPU) host tensor. Best of
-   ``--repeat``; GB/s = 1e9 bytes/s.
+1. bandwidth: ``Swapper`` moving ``--swap-blocks`` scattered blocks of ``--model``'s pages
+   (SmolLM2 by default: 30 layers, 3 KV heads, head_dim 64; ``--block-size`` tokens; fp16
+   on a GPU, fp32 on CPU) out to the host tier and back in, one batched round (one
+   ``kernels.swap_blocks`` per cache tensor and direction), against a plain ``copy_`` of
+   the same number of bytes between one contiguous device tensor and one (pinned, on GPU)
+   host tensor. Best of ``--repeat``; GB/s = 1e9 bytes/s.
 2. time to first token of a request whose ``--prefix-tokens``-token prefix (random token
    ids, deterministic) was computed by an earlier request and then evicted from the device:
    served from the host tier (write-back on eviction, host hit, copy in) vs recomputed (no
@@ -24,6 +24,9 @@ from typing import Any
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("swap", help="cpu swap tier: transfer bandwidth, TTFT of host hits")
     p.add_argument("--device", default="auto")
+    p.add_argument("--model", default="smollm2",
+                   help="whose page shapes and forward (dummy:llama-3-8b: random weights of "
+                        "Llama-3-8B's shapes)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--pool-blocks", type=int, default=None,
                    help="device pool blocks for the bandwidth test (default: 4096 on GPU, "
@@ -47,14 +50,15 @@ def _sync(device) -> None:
 
 
 def bandwidth(device, block_size: int, pool_blocks: int, swap_blocks: int,
-              repeat: int) -> dict[str, Any]:
+              repeat: int, model: str = "smollm2") -> dict[str, Any]:
     import torch
 
-    from engine.cache.page_format import PageFormat
+    from engine.cache.page_format import page_format
+    from engine.model.loader import read_config
     from engine.swapper import Swapper
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    fmt = PageFormat("auto", dtype, 30, block_size, 3, 64)
+    fmt = page_format("auto", dtype, read_config(model)[1], block_size)
     pages = fmt.allocate(pool_blocks, device)
     tensors = pages.per_block_tensors
     for t in tensors:
@@ -95,7 +99,8 @@ def bandwidth(device, block_size: int, pool_blocks: int, swap_blocks: int,
     }
 
 
-def ttft(device_name: str, block_size: int, prefix_tokens: int, repeat: int) -> dict[str, Any]:
+def ttft(device_name: str, block_size: int, prefix_tokens: int, repeat: int,
+         model: str = "smollm2") -> dict[str, Any]:
     import random
 
     from engine.cache.page_format import page_format
@@ -107,7 +112,7 @@ def ttft(device_name: str, block_size: int, prefix_tokens: int, repeat: int) -> 
 
     device = resolve_device(device_name)
     dtype = resolve_dtype("auto", device)
-    loaded = load_model("smollm2", device=device, dtype=dtype)
+    loaded = load_model(model, device=device, dtype=dtype)
     vocab = loaded[2].vocab_size
     rng = random.Random(0)
     prefix = [rng.randrange(3, vocab) for _ in range(prefix_tokens)]
@@ -122,7 +127,8 @@ def ttft(device_name: str, block_size: int, prefix_tokens: int, repeat: int) -> 
         for _ in range(repeat):
             # as many host blocks as device blocks: room for the whole prefix
             swap = (blocks + 0.5) * per_block / (1 << 30) if host else 0.0
-            cfg = EngineConfig(device=device_name, block_size=block_size, num_gpu_blocks=blocks,
+            cfg = EngineConfig(model=model, device=device_name, dtype=dtype,
+                               block_size=block_size, num_gpu_blocks=blocks,
                                max_num_batched_tokens=max(2048, prefix_tokens + 16),
                                swap_space=swap)
             eng = LLMEngine(cfg, loaded=loaded)
@@ -169,13 +175,14 @@ def run(args: argparse.Namespace) -> int:
     swap = args.swap_blocks or pool // 2
     if not 1 <= swap <= pool:
         raise SystemExit(f"--swap-blocks must be in [1, {pool}], got {swap}")
-    result: dict[str, Any] = {"device": str(device), "block_size": args.block_size}
+    result: dict[str, Any] = {"device": str(device), "block_size": args.block_size,
+                              "model": args.model}
     if cuda:
         result["gpu"] = torch.cuda.get_device_name(device)
-    result.update(bandwidth(device, args.block_size, pool, swap, args.repeat))
+    result.update(bandwidth(device, args.block_size, pool, swap, args.repeat, args.model))
     if not args.skip_ttft:
         prefix = args.prefix_tokens or (2048 if cuda else 512)
-        result.update(ttft(args.device, args.block_size, prefix, args.repeat))
+        result.update(ttft(args.device, args.block_size, prefix, args.repeat, args.model))
     if args.json:
         print(json.dumps(result))
         return 0

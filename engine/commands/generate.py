@@ -18,7 +18,8 @@ def _generate(args: argparse.Namespace) -> int:
         from engine import LLM, SamplingParams
 
         start = time.perf_counter()
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+                  load_format=args.load_format)
         load_s = time.perf_counter() - start
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -27,16 +28,28 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"kvscope generate: {exc}")
         return 1
     start = time.perf_counter()
-    if args.raw:
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    else:
-        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=False)
+    try:
+        if args.prompt_token_ids:
+            prompts = [{"prompt_token_ids": [int(t) for t in p.split(",")]}
+                       for p in args.prompts]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        elif args.raw:
+            outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        else:
+            conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+    except ValueError as exc:  # e.g. text for a model without a tokenizer (dummy:...)
+        hint = " (pass --prompt-token-ids 1,2,3)" if llm.tokenizer is None else ""
+        print(f"kvscope generate: {exc}{hint}")
+        return 1
     gen_s = time.perf_counter() - start
     for prompt, out in zip(args.prompts, outputs, strict=True):
         if len(args.prompts) > 1:
             print(f"> {prompt}")
-        print(out.outputs[0].text.strip())
+        if llm.tokenizer is None:  # no text to show: the ids
+            print(",".join(map(str, out.outputs[0].token_ids)))
+        else:
+            print(out.outputs[0].text.strip())
         if len(args.prompts) > 1:
             print()
     if args.stats:
@@ -52,7 +65,14 @@ def _generate(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate answers to prompts and print them")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF dir")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2', a .gguf file, an HF dir, or dummy:<preset> (random weights "
+                        "of real shapes: dummy:smollm2-135m, dummy:llama-3-8b; no tokenizer)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of --model's shapes (vLLM's name)")
+    p.add_argument("--prompt-token-ids", action="store_true",
+                   help="each PROMPT is comma-separated token ids (no tokenizer needed); "
+                        "prints the generated ids")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

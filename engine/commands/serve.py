@@ -17,7 +17,9 @@ import os
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the engine as an OpenAI-compatible HTTP daemon")
-    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF dir")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2', a .gguf file, an HF dir or dummy:<preset> (random weights: "
+                        "dummy:smollm2-135m, dummy:llama-3-8b; token-id prompts only)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1",
@@ -55,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--load-cost-tokens", type=int, default=32, metavar="T",
                    help="prefix policy: each queued/running request counts as T tokens")
     e = p.add_argument_group("engine (vLLM's names)")
+    e.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of --model's shapes (a preset such as "
+                        "llama-3-8b, or an HF dir's config.json); same as --model dummy:NAME")
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")
     e.add_argument("--seed", type=int, default=0)
@@ -83,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-ENGINE_FLAGS = ("model", "device", "dtype", "seed", "block_size", "num_gpu_blocks",
+ENGINE_FLAGS = ("model", "load_format", "device", "dtype", "seed", "block_size", "num_gpu_blocks",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",

@@ -29,7 +29,12 @@ def _kind(path: Path) -> str:
 
 
 def read_config(name_or_path: str | os.PathLike) -> tuple[Path, ModelConfig]:
-    """The resolved path and config, without loading weights."""
+    """The resolved path and config, without loading weights (``dummy:`` names: the
+    preset's name as the path)."""
+    from engine.model.dummy import dummy_config, is_dummy
+
+    if is_dummy(name_or_path):
+        return Path(str(name_or_path)), dummy_config(str(name_or_path))
     path = resolve_model(name_or_path)
     if _kind(path) == "hf":
         from engine.model.hf_loader import hf_config
@@ -41,13 +46,20 @@ def read_config(name_or_path: str | os.PathLike) -> tuple[Path, ModelConfig]:
 
 
 def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32
+               dtype: torch.dtype = torch.float32, *, seed: int = 0,
+               hf_config: dict | None = None
                ) -> tuple[LlamaModel, Tokenizer | None, ModelConfig]:
     """Load weights (dequantized/cast to `dtype`) onto `device`, and the tokenizer.
 
-    The tokenizer is None only for an HF directory without tokenizer.json (e.g. a random test
-    model). Every bad input raises ModelLoadError naming the file and, where relevant, tensor.
+    The tokenizer is None for an HF directory without tokenizer.json (e.g. a random test
+    model) and for ``dummy:`` models (engine.model.dummy: random weights drawn from ``seed``;
+    ``hf_config`` replaces the named config). Every bad input raises ModelLoadError naming
+    the file and, where relevant, tensor.
     """
+    from engine.model.dummy import is_dummy, load_dummy
+
+    if is_dummy(name_or_path):
+        return load_dummy(str(name_or_path), device, dtype, seed, hf_config)
     path = resolve_model(name_or_path)
     if _kind(path) == "hf":
         from engine.model.hf_loader import hf_config, hf_tensors

@@ -153,6 +153,9 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         req.check_limits(state.settings.max_logprobs, state.vocab_size)
         _check_n(state, req.n)
+        if state.tokenizer is None:  # a dummy model (random weights): token ids only
+            raise bad_request("this model has no tokenizer (a dummy model): chat needs one; "
+                              "send token ids to /v1/completions", "messages")
         try:
             text = state.tokenizer.apply_chat_template(req.conversation(),
                                                        add_generation_prompt=True)
@@ -234,6 +237,9 @@ def _check_n(state: ServerState, total: int) -> None:
 def _tokenize_completion(state: ServerState, prompt: str | list[int]) -> tuple[str | None,
                                                                                list[int]]:
     if isinstance(prompt, str):
+        if state.tokenizer is None:
+            raise bad_request("this model has no tokenizer (a dummy model): 'prompt' must be "
+                              "token ids", "prompt")
         ids = state.tokenizer.encode(prompt)
         if not ids:
             raise bad_request("'prompt' is empty", "prompt")

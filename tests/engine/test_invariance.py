@@ -7,12 +7,13 @@ import pytest
 
 from engine.reference_generate import generate_reference
 from engine.sampling import SamplingParams
-from tests.engine.conftest import GREEDY, PROMPTS, run_all
+from tests.engine.conftest import GREEDY, PROMPTS, as_prompt, prompt_ids, run_all
 
 
 def generate(engine, prompts, params=GREEDY):
+    loaded = (engine.model, engine.tokenizer, engine.model_config)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), as_prompt(loaded, p), params)
     out = run_all(engine)
     return [out[str(i)] for i in range(len(prompts))]
 
@@ -41,17 +42,18 @@ def test_chunked_prefill_budget_7(make_engine, reference):
 
 
 def test_prefix_caching_shared_system_prompt(make_engine, loaded):
-    model, tok, _ = loaded
+    model, tok, cfg = loaded
     system = ("You are a careful assistant. Answer briefly and precisely, and never invent "
               "facts. If a question is ambiguous, say so. ") * 3
     prompts = [system + q for q in ("Q: What is 2+2? A:", "Q: Name a planet. A:",
                                     "Q: What colour is the sky? A:")]
-    ref = [generate_reference(model, tok, tok.encode(p), GREEDY).token_ids for p in prompts]
+    ref = [generate_reference(model, tok, prompt_ids(tok, p, cfg.vocab_size), GREEDY).token_ids
+           for p in prompts]
     eng = make_engine(block_size=8, enable_prefix_caching=True)
     # One at a time, so later prompts find the first one's blocks cached.
     outs = []
     for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, GREEDY)
+        eng.add_request(str(i), as_prompt(loaded, p), GREEDY)
         outs.append(run_all(eng)[str(i)])
     assert outs[1].metrics.num_cached_tokens > 0 and outs[2].metrics.num_cached_tokens > 0
     assert eng.cache.metrics()["prefix_hit_tokens"] > 0
@@ -75,10 +77,11 @@ def test_contiguous_layout(make_engine, reference):
 
 
 def test_seeded_sampling_reproducible_across_layouts(make_engine, loaded):
-    model, tok, _ = loaded
+    model, tok, cfg = loaded
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10,
                             ignore_eos=True)
-    ref = generate_reference(model, tok, tok.encode(PROMPTS[0]), params).token_ids
+    ref = generate_reference(model, tok, prompt_ids(tok, PROMPTS[0], cfg.vocab_size),
+                             params).token_ids
     runs = []
     for kwargs in ({}, {"block_size": 4, "max_num_batched_tokens": 5},
                    {"kv_layout": "contiguous", "max_model_len": 64}):

@@ -11,13 +11,14 @@ import pytest
 from engine.events import KVState
 from engine.events.recording import Recording
 from engine.reference_generate import generate_reference
-from tests.engine.conftest import GREEDY, PROMPTS
+from tests.engine.conftest import GREEDY, PROMPTS, TEST_DTYPE, as_prompt
 
 
 def swap_gib(engine_blocks: int, block_size: int, loaded) -> float:
-    """swap_space in GiB holding exactly ``engine_blocks`` blocks of the fp32 model's pages."""
+    """swap_space in GiB holding exactly ``engine_blocks`` blocks of the model's pages."""
     cfg = loaded[2]
-    per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+    per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
+        TEST_DTYPE.itemsize
     return (engine_blocks + 0.5) * per_block / (1 << 30)
 
 
@@ -25,8 +26,9 @@ def run_checked(engine, tmp_path, requests) -> dict:
     """Add ``requests`` ({id: (prompt, params)}), step until idle; after every step check
     the invariants, and at the end replay the recording against every step's kv_state()."""
     expected = {engine.step_count: engine.kv_state()}
+    loaded = (engine.model, engine.tokenizer, engine.model_config)
     for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
+        engine.add_request(rid, as_prompt(loaded, prompt), params)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -81,8 +83,9 @@ SYSTEM = ("You are a careful assistant. Answer briefly and precisely, and never 
 
 def test_prefix_evicted_from_device_is_served_from_host(make_engine, loaded, tmp_path):
     model, tok, _ = loaded
-    first, second = SYSTEM + "Q: What is 2+2? A:", SYSTEM + "Q: Name a planet. A:"
-    ref = generate_reference(model, tok, tok.encode(second), GREEDY).token_ids
+    first, second = (as_prompt(loaded, SYSTEM + q) for q in ("Q: What is 2+2? A:",
+                                                             "Q: Name a planet. A:"))
+    ref = generate_reference(model, tok, second["prompt_token_ids"], GREEDY).token_ids
     computed = {}
     for host in (True, False):
         kw = dict(swap_space=swap_gib(32, 8, loaded)) if host else {}
