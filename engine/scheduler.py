@@ -5,7 +5,12 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
 ``min(tokens left to compute, budget left)``: decodes take one token, unfinished prompts
 take a chunk. Waiting sequences are admitted afterwards, by (priority, arrival), only
 when the cache can hold their next chunk above the watermark, and not at all in a step
-that had to preempt (admitting then would only thrash).
+that had to preempt (admitting then would only thrash). With ``max_num_prefill_seqs`` N > 0,
+a step that carries a decode admits new sequences only while fewer than N of its
+sequences compute prompt tokens: a burst of arrivals then joins one (N) per step, each
+prefill riding with the running decodes, instead of all in one long step that stalls
+them and ends every prompt's prefill at once (clients of a concurrency-limited load then
+stay in lock step and wait for each other's prefills forever).
 
 When a running sequence cannot get blocks, the scheduler preempts the running sequence
 with the largest (priority, arrival) — lowest priority, latest arrival — among those not
@@ -199,7 +204,12 @@ class Scheduler:
 
     def _admit(self, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
         contiguous = self.config.kv_layout == "contiguous"
+        cap = self.config.max_num_prefill_seqs
+        decodes = any(not s.seq.is_prefill for s in scheduled.values())
+        prefilling = sum(s.seq.is_prefill for s in scheduled.values())
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if cap and decodes and prefilling >= cap:
+                break
             seq = self.waiting[0]
             n = seq.num_tokens_to_compute
             if not self.config.enable_chunked_prefill and n > budget:
@@ -231,3 +241,4 @@ class Scheduler:
                 self.cache.start(seq.seq_id)
             scheduled[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
+            prefilling += 1

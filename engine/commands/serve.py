@@ -76,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--preemption-mode", default="recompute", help="recompute | swap")
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-num-prefill-seqs", type=int, default=1, metavar="N",
+                   help="most sequences prefilling in a step that also decodes (default 1: "
+                        "arrivals join one per step beside the running decodes; 0: no cap)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -87,7 +90,7 @@ ENGINE_FLAGS = ("model", "device", "dtype", "seed", "block_size", "num_gpu_block
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
-                "tensor_parallel_size", "kv_demotion", "kv_hot_window")
+                "tensor_parallel_size", "kv_demotion", "kv_hot_window", "max_num_prefill_seqs")
 
 
 def _run(args: argparse.Namespace) -> int:
