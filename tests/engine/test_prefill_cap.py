@@ -1,5 +1,6 @@
-"""max_num_prefill_seqs: arrivals join a decoding batch one prefill per step (kvscope
-serve's default), an idle engine still takes a whole burst, and tokens do not change."""
+"""max_prefill_tokens_with_decodes: beside running decodes, prompts are computed in
+arrival order, at most P tokens a step (kvscope serve's default); an engine with nothing
+decoding still takes a whole burst; tokens do not change."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import pytest
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
 
-def _step_shapes(engine) -> tuple[list[tuple[int, int]], dict]:
-    """(sequences prefilling, sequences decoding) of each step until idle, and the outputs."""
+def _step_shapes(engine) -> tuple[list[list[tuple[str, int, bool]]], dict]:
+    """Per step until idle: (request id, tokens, prefill) of each scheduled sequence; and
+    the final outputs."""
     shapes = []
     schedule = engine.scheduler.schedule
 
     def spy():
         out = schedule()
-        shapes.append((sum(s.seq.is_prefill for s in out.scheduled),
-                       sum(not s.seq.is_prefill for s in out.scheduled)))
+        shapes.append([(s.seq.request_id, s.num_new_tokens,
+                        not (s.seq.output_token_ids and s.num_new_tokens == 1))
+                       for s in out.scheduled])
         return out
     engine.scheduler.schedule = spy
     done = run_all(engine)
@@ -25,28 +28,35 @@ def _step_shapes(engine) -> tuple[list[tuple[int, int]], dict]:
 
 
 def test_burst_on_idle_engine_is_one_step(make_engine):
-    eng = make_engine(max_num_prefill_seqs=1)
+    eng = make_engine(max_prefill_tokens_with_decodes=3)
     for i, p in enumerate(PROMPTS):
         eng.add_request(str(i), p, GREEDY)
     shapes, _ = _step_shapes(eng)
-    assert shapes[0] == (len(PROMPTS), 0)  # nothing decodes yet: no cap
+    assert sorted(rid for rid, _, pre in shapes[0] if pre) == ["0", "1", "2", "3"]
 
 
-@pytest.mark.parametrize("cap", [1, 2])
-def test_arrivals_beside_decodes_join_cap_per_step(make_engine, reference, cap):
-    eng = make_engine(max_num_prefill_seqs=cap)
+@pytest.mark.parametrize("cap", [3, 8])
+def test_prompts_beside_decodes_go_in_order_and_in_chunks(make_engine, reference, loaded,
+                                                          cap):
+    eng = make_engine(max_prefill_tokens_with_decodes=cap)
     eng.add_request("0", PROMPTS[0], GREEDY)
     eng.step()  # request 0 now decodes
     for i, p in enumerate(PROMPTS[1:], 1):
         eng.add_request(str(i), p, GREEDY)
     shapes, done = _step_shapes(eng)
-    expected = []
-    left = len(PROMPTS) - 1
-    while left:
-        expected.append(min(cap, left))
-        left -= expected[-1]
-    assert [pre for pre, _ in shapes[:len(expected)]] == expected
-    assert all(dec >= 1 for _, dec in shapes[:len(expected)])
+    tok = loaded[1]
+    left = sum(len(tok.encode(p)) for p in PROMPTS[1:])
+    order = []
+    for step in shapes:
+        prefill = [(rid, n) for rid, n, pre in step if pre]
+        if not left:
+            assert not prefill
+            continue
+        assert ("0", 1, False) in step  # the decode goes on in every step
+        assert sum(n for _, n in prefill) == min(cap, left)
+        left -= sum(n for _, n in prefill)
+        order += [rid for rid, _ in prefill if not order or order[-1] != rid]
+    assert order == ["1", "2", "3"]  # one prompt after the other, in arrival order
     for i, p in enumerate(PROMPTS):
         assert done[str(i)].outputs[0].token_ids == reference[p]
 
@@ -58,9 +68,9 @@ def test_no_cap_admits_everyone_beside_decodes(make_engine):
     for i, p in enumerate(PROMPTS[1:], 1):
         eng.add_request(str(i), p, GREEDY)
     shapes, _ = _step_shapes(eng)
-    assert shapes[0] == (len(PROMPTS) - 1, 1)
+    assert sorted(rid for rid, _, pre in shapes[0] if pre) == ["1", "2", "3"]
 
 
 def test_cap_must_not_be_negative(make_engine):
-    with pytest.raises(ValueError, match="max_num_prefill_seqs"):
-        make_engine(max_num_prefill_seqs=-1)
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        make_engine(max_prefill_tokens_with_decodes=-1)
