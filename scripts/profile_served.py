@@ -1,15 +1,17 @@
 """Where kvscope's served latency goes: the issue-22 served workload, traced, before/after.
 
-    .venv/bin/python scripts/profile_served.py [--before REV] [--passes 2]
-        [--requests 32] [--concurrency 4] [--dtype float32] [--threads 2] [--json-out PATH]
+    .venv/bin/python scripts/profile_served.py [--before REV] [--variant LABEL=FLAGS ...]
+        [--passes 2] [--requests 32] [--concurrency 4] [--dtype float32] [--threads 2]
+        [--json-out PATH]
 
 Starts ``kvscope serve`` (the command line of scripts/bench_vs_vllm.py's served run) from
-this tree ("after") and, with ``--before REV``, from a ``git archive`` of REV ("before"),
-both with a tracer installed (this file, ``server`` mode, wraps the engine's and the daemon's
-functions: the product code has no profiling hooks). Both servers stay up; a streaming
-client drives them alternately, pass by pass, with fresh prompts each pass (the same for
-both): 32 token-id prompts of 286 tokens x 64 tokens, greedy, ignore_eos, concurrency 4.
-Between served passes an offline engine (no daemon, same tree) runs decode steps of the
+this tree ("after"), with ``--before REV`` from a ``git archive`` of REV ("before"), and
+with ``--variant LABEL=FLAGS`` from this tree with extra serve flags, all with a tracer
+installed (this file, ``server`` mode, wraps the engine's and the daemon's functions: the
+product code has no profiling hooks). The servers stay up; a streaming client drives them
+in turn, pass by pass, with fresh prompts each pass (the same for all): 32 token-id
+prompts of 286 tokens x 64 tokens, greedy, ignore_eos, concurrency 4.
+Before each pass an offline engine (no daemon, this tree) runs decode steps of the
 same batch, so the served step can be compared with the model's own step at the same
 moment of a shared box.
 
@@ -352,7 +354,8 @@ def export_tree(rev: str, dest: Path) -> None:
 
 
 @contextlib.contextmanager
-def traced_server(name: str, root: Path, args: argparse.Namespace, workdir: Path):
+def traced_server(name: str, root: Path, args: argparse.Namespace, workdir: Path,
+                  flags: list[str]):
     port = bench.free_port()
     url = f"http://127.0.0.1:{port}"
     trace = workdir / f"{name}.trace.json"
@@ -360,7 +363,7 @@ def traced_server(name: str, root: Path, args: argparse.Namespace, workdir: Path
            "--trace", str(trace), "--threads", str(args.threads), "--",
            "--model", "smollm2", "--device", "cpu", "--host", "127.0.0.1", "--port",
            str(port), "--dtype", args.dtype, "--max-model-len", str(bench.MAX_MODEL_LEN),
-           "--served-model-name", "smollm2"]
+           "--served-model-name", "smollm2", *flags]
     env = {**bench.engine_env("kvscope", args.threads), "PYTHONPATH": str(root)}
     holder: dict[str, Any] = {}
     with bench.process_group(cmd, workdir / f"{name}.log", env, stdout=subprocess.DEVNULL,
@@ -386,23 +389,28 @@ def offline_steps(root: Path, prompts: list[list[int]], args: argparse.Namespace
 
 def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvscope-profile-served-"))
-    trees = {"after": ROOT}
+    trees: dict[str, tuple[Path, list[str]]] = {}  # column -> (tree, extra serve flags)
     if args.before:
         before = workdir / "before"
         before.mkdir()
         export_tree(args.before, before)
-        trees = {f"before ({args.before})": before, "after": ROOT}
+        trees[f"before ({args.before})"] = (before, [])
+    trees["after"] = (ROOT, [])
+    for variant in args.variant:
+        label, _, flags = variant.partition("=")
+        trees[f"after {label}"] = (ROOT, flags.split())
     print(f"machine: {bench.cpu_model()}, {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     runs: dict[str, list[tuple[dict, list[float]]]] = {n: [] for n in trees}
     loads = [bench.load_average()]
     with contextlib.ExitStack() as stack:
-        servers = {n: stack.enter_context(traced_server(n.split()[0], root, args, workdir))
-                   for n, root in trees.items()}
+        servers = {n: stack.enter_context(traced_server(f"s{i}", root, args, workdir, flags))
+                   for i, (n, (root, flags)) in enumerate(trees.items())}
         for p in range(args.passes):
             prompts = served_prompts(args.seed + 1000 * (p + 1), args.requests)
+            # the model's own step, once a pass (the engine code is the same in every column)
+            off = offline_steps(ROOT, prompts[:args.concurrency], args, workdir)
             for n in trees:
-                off = offline_steps(trees[n], prompts[:args.concurrency], args, workdir)
                 r = asyncio.run(drive(servers[n]["url"], prompts, bench.SERVED["max_tokens"],
                                       args.concurrency))
                 runs[n].append((r, off))
@@ -433,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--dtype", default="float32")
     p.add_argument("--before", default=None, metavar="REV",
                    help="also run a git archive of REV, alternating with this tree")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="also serve this tree with these extra `kvscope serve` flags, e.g. "
+                        "'p0=--max-prefill-tokens-with-decodes 0' (repeatable)")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--requests", type=int, default=bench.SERVED["requests"])
     p.add_argument("--concurrency", type=int, default=bench.SERVED["concurrency"])
