@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     # Prompt tokens a step may compute when it also decodes (0 = up to the step's budget,
-    # as vLLM). `kvscope serve` uses 512 (engine.scheduler: arrivals are prefilled in
+    # as vLLM). `kvscope serve` uses 128 (engine.scheduler: arrivals are prefilled in
     # arrival order beside the running decodes, not all at once after a step boundary).
     max_prefill_tokens_with_decodes: int = 0
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
