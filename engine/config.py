@@ -51,6 +51,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Prompt tokens a step may compute when it also decodes (0 = up to the step's budget,
+    # as vLLM). `kvscope serve` uses 128 (engine.scheduler: arrivals are prefilled in
+    # arrival order beside the running decodes, not all at once after a step boundary).
+    max_prefill_tokens_with_decodes: int = 0
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
     # parallelism (vLLM's name): ranks that split the heads and the MLP (engine.distributed)
     tensor_parallel_size: int = 1
@@ -101,6 +105,9 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_prefill_tokens_with_decodes >= 0,
+             "max_prefill_tokens_with_decodes must be >= 0 (0: no cap), got "
+             f"{self.max_prefill_tokens_with_decodes}")
         need(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
         need(self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

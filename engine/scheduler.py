@@ -7,6 +7,15 @@ take a chunk. Waiting sequences are admitted afterwards, by (priority, arrival),
 when the cache can hold their next chunk above the watermark, and not at all in a step
 that had to preempt (admitting then would only thrash).
 
+Prefill beside decodes (``max_prefill_tokens_with_decodes`` P > 0, chunked prefill on):
+a step in which some running sequence decodes computes at most P prompt tokens, running
+prefills first, then admissions. Arrivals then reach the batch in arrival order, a chunk a
+step, each step stalling the running decodes for one short step instead of one long step
+that prefills every newcomer at once. (That long step also ends their prefills together,
+so the clients of a concurrency-limited load stay in lock step: each wave's first arrival
+is prefilled alone on the idle engine and the rest wait for it, then for each other.) An
+engine with nothing decoding takes the whole budget of prompts, as without P.
+
 When a running sequence cannot get blocks, the scheduler preempts the running sequence
 with the largest (priority, arrival) — lowest priority, latest arrival — among those not
 yet scheduled in this step, which may be the sequence itself. (A sequence scheduled this
@@ -34,6 +43,12 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.events import causes as C
 from engine.request import Sequence
+
+
+def _decodes(seq: Sequence) -> bool:
+    """The sequence's next step computes its last sampled token only (not a prompt chunk,
+    not a recompute)."""
+    return bool(seq.output_token_ids) and seq.num_tokens_to_compute == 1
 
 
 @dataclass
@@ -120,6 +135,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
+        cap = self.config.max_prefill_tokens_with_decodes
+        if not (cap and self.config.enable_chunked_prefill
+                and any(_decodes(s) for s in self.running)):
+            cap = budget
+        prefill_left = cap
 
         for seq in list(self.running):
             if budget <= 0:
@@ -127,16 +147,22 @@ class Scheduler:
             if seq.status != "running":  # preempted earlier in this step
                 continue
             n = min(seq.num_tokens_to_compute, budget)
+            if not _decodes(seq):
+                n = min(n, prefill_left)
+                if n <= 0:
+                    continue  # a later step goes on with this prompt
             if self._grow(seq, n, scheduled, out):
                 scheduled[seq.seq_id] = ScheduledSeq(seq, n)
             # Preempting an already-scheduled victim gives its tokens back.
             budget = self.config.max_num_batched_tokens - sum(
                 s.num_new_tokens for s in scheduled.values())
+            prefill_left = cap - sum(s.num_new_tokens for s in scheduled.values()
+                                     if not _decodes(s.seq))
 
         if not out.preempted:
             budget = self._swap_in(scheduled, budget, out)
             if not self.swapped:
-                self._admit(scheduled, budget)
+                self._admit(scheduled, min(budget, prefill_left))
 
         # Keep the order of self.running so batches are deterministic.
         out.scheduled = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]

@@ -81,6 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--preemption-mode", default="recompute", help="recompute | swap")
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-prefill-tokens-with-decodes", type=int, default=128, metavar="P",
+                   help="prompt tokens a step that also decodes may compute (default 128: "
+                        "arrivals are prefilled in arrival order beside the running "
+                        "decodes; 0: up to --max-num-batched-tokens, as vLLM)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -92,7 +96,8 @@ ENGINE_FLAGS = ("model", "load_format", "device", "dtype", "seed", "block_size",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
-                "tensor_parallel_size", "kv_demotion", "kv_hot_window")
+                "tensor_parallel_size", "kv_demotion", "kv_hot_window",
+                "max_prefill_tokens_with_decodes")
 
 
 def _run(args: argparse.Namespace) -> int:

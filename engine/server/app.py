@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server import openai_format as fmt
+from engine.server.delivery import StepDelivery
 from engine.server.engine_loop import Aborted, EngineLoop, EngineUnavailable
 from engine.server.errors import APIError, bad_request, unavailable
 from engine.server.metrics import ServerMetrics
@@ -61,6 +62,7 @@ class ServerState:
     vocab_size: int
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    delivery: StepDelivery | None = None  # of the running event loop, made on first use
 
 
 @dataclass
@@ -266,13 +268,9 @@ async def _submit(state: ServerState, prefix: str, tokenized: list[tuple[str | N
                   params: list[SamplingParams]) -> _Job:
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-
-    def deliver(item: Any) -> None:  # engine thread
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:
-            pass  # the event loop is gone (shutdown); nobody is waiting any more
-
+    if state.delivery is None or state.delivery.loop is not loop:
+        state.delivery = StepDelivery(loop)
+    deliver = state.delivery.to(q)
     job_id = f"{prefix}-{uuid.uuid4().hex}"
     job = _Job(job_id, [], [t for t, _ in tokenized], q, params[0].n)
     for k, ((_text, ids), p) in enumerate(zip(tokenized, params, strict=True)):
