@@ -65,7 +65,7 @@ def main() -> int:
                         eng.step()
                     times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
             load = os.getloadavg()[0]
-            for v, eng in engines.items():
+            for eng in engines.values():
                 eng.close()
             best = {v: min(t) for v, t in times.items()}
             for v in variants:
