@@ -157,14 +157,16 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         hidden = self._embed(input_ids)
-        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
+        cos, sin = self.rope.cos_sin(positions, hidden.dtype)  # once per step, all layers
+        qk_size, qk_heads = cfg.q_size + cfg.kv_size, cfg.num_heads + cfg.num_kv_heads
         for idx, (layer, lin) in enumerate(zip(self.layers, self.linears, strict=True)):
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = lin.qkv(x)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = RotaryEmbedding.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = RotaryEmbedding.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            # q and k are adjacent columns of qkv: rotate them in one pass (heads broadcast)
+            qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(num_tokens, qk_heads, cfg.head_dim),
+                                       cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, qk_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             out = attn(idx, q, k, v)
             hidden = hidden + self._reduce(lin.o_proj(out.reshape(num_tokens, cfg.q_size)))
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
