@@ -31,7 +31,9 @@ class LayerWeights:
 @dataclass
 class LayerLinears:
     """One layer's linears as chosen at load time (engine.model.linear): oneDNN-packed on
-    CPU, F.linear elsewhere. Built from LayerWeights, which keeps the unpacked tensors."""
+    CPU, F.linear elsewhere. Built from LayerWeights, which keeps the unpacked tensors.
+    Invariant: weights are read-only once the model is built (a packed copy would not see an
+    in-place change to LayerWeights)."""
 
     qkv: Linear
     o_proj: Linear
