@@ -21,6 +21,7 @@ import kernels
 from engine.cache.page_format import KVPages, page_format
 from engine.scheduler import ScheduledSeq
 from kernels import quant
+from kernels.cpu_attention import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class PagedAttention:
         # Quantized pages hold K and V in a Hadamard-rotated basis (engine.cache.page_format)
         self.rotation = pages.format.rotation(pages.k_caches[0].device)
         self.batch: StepBatch | None = None
+        # CPU: the step's attention metadata, built once per batch (kernels.cpu_attention)
+        self.use_plan = pages.k_caches[0].device.type == "cpu"
+        self._plan: tuple[StepBatch, StepPlan] | None = None
 
     def set_fp8_scales(self, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> None:
         """Given fp8 scales (per layer: [Hkv] or one value); turns calibration off."""
@@ -75,12 +79,23 @@ class PagedAttention:
             k_scale.copy_(quant.fp8_scale_from(k))
             v_scale.copy_(quant.fp8_scale_from(v))
             self.calibrate[layer] = False
+        if self.use_plan and kernels.select_backend(q.device) == "reference":
+            out = self._step_plan(b).forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
+                                             self.scale, k_scale=k_scale, v_scale=v_scale)
+            return out if rot is None else out @ rot.T
         kernels.reshape_and_cache(k, v, self.k_caches[layer], self.v_caches[layer],
                                   b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         out = kernels.paged_attention(q, self.k_caches[layer], self.v_caches[layer],
                                       b.block_tables, b.seq_lens, b.cu_seqlens_q, self.scale,
                                       k_scale=k_scale, v_scale=v_scale)
         return out if rot is None else out @ rot.T
+
+    def _step_plan(self, b: StepBatch) -> StepPlan:
+        if self._plan is None or self._plan[0] is not b:
+            k = self.k_caches[0]
+            self._plan = (b, StepPlan(b.slot_mapping, b.block_tables, b.seq_lens,
+                                      b.cu_seqlens_q, k.shape[1], k.shape[0]))
+        return self._plan[1]
 
 
 def keep_freed_memory() -> None:

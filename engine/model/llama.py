@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.model.attention import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
+from engine.model.linear import Linear, make_linear
 from engine.model.rope import RotaryEmbedding
 
 
@@ -25,6 +26,24 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class LayerLinears:
+    """One layer's linears as chosen at load time (engine.model.linear): oneDNN-packed on
+    CPU, F.linear elsewhere. Built from LayerWeights, which keeps the unpacked tensors.
+    Invariant: weights are read-only once the model is built (a packed copy would not see an
+    in-place change to LayerWeights)."""
+
+    qkv: Linear
+    o_proj: Linear
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, w: LayerWeights) -> LayerLinears:
+        return cls(qkv=make_linear(w.qkv, w.qkv_bias), o_proj=make_linear(w.o_proj),
+                   gate_up=make_linear(w.gate_up), down=make_linear(w.down))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,6 +94,8 @@ class LlamaModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
+        self.linears = [LayerLinears.of(w) for w in layers]
+        self.lm_head_linear = make_linear(lm_head)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                     embed.device)
 
@@ -138,20 +159,21 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         hidden = self._embed(input_ids)
-        cos, sin = self.rope.cos_sin(positions, hidden.dtype)
-        for idx, layer in enumerate(self.layers):
+        cos, sin = self.rope.cos_sin(positions, hidden.dtype)  # once per step, all layers
+        qk_size, qk_heads = cfg.q_size + cfg.kv_size, cfg.num_heads + cfg.num_kv_heads
+        for idx, (layer, lin) in enumerate(zip(self.layers, self.linears, strict=True)):
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = RotaryEmbedding.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = RotaryEmbedding.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qkv = lin.qkv(x)
+            # q and k are adjacent columns of qkv: rotate them in one pass (heads broadcast)
+            qk = RotaryEmbedding.apply(qkv[:, :qk_size].view(num_tokens, qk_heads, cfg.head_dim),
+                                       cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, qk_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             out = attn(idx, q, k, v)
-            hidden = hidden + self._reduce(
-                F.linear(out.reshape(num_tokens, cfg.q_size), layer.o_proj))
+            hidden = hidden + self._reduce(lin.o_proj(out.reshape(num_tokens, cfg.q_size)))
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + self._reduce(F.linear(F.silu(gate) * up, layer.down))
+            gate, up = lin.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + self._reduce(lin.down(F.silu(gate) * up))
         return rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
 
     __call__ = forward
@@ -167,4 +189,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T', hidden] (only the rows to sample) -> logits [T', vocab] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head_linear(hidden).float()

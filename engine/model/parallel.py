@@ -21,7 +21,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.llama import LayerWeights, LlamaModel
@@ -125,7 +124,7 @@ class ShardedLlama(LlamaModel):
     __call__ = forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        part = F.linear(hidden, self.lm_head).contiguous()
+        part = self.lm_head_linear(hidden).contiguous()
         parts = [torch.empty_like(part) for _ in range(self.world)]
         dist.all_gather(parts, part, group=self.group)
         return torch.cat(parts, dim=-1)[:, :self.full_config.vocab_size].float()

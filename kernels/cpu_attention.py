@@ -1,0 +1,178 @@
+"""The engine's CPU paged attention: everything that depends only on the step's batch
+(slot indices, decode length groups, page lists, masks, validation) is computed ONCE per
+step in a ``StepPlan``; each layer then only writes its K/V and gathers/attends with those
+precomputed indices: no host syncs, no ``.item()``/``.tolist()``/``nonzero`` and no
+data-dependent shapes inside the layer loop.
+
+Same semantics and cache layout as ``kernels.reference`` (which stays the pure-torch
+reference the Triton kernels are tested against; its docstring defines the arguments).
+Two differences, both for speed on CPU:
+  * attention computes in float32 for every page format (bf16/fp16 pages and quantized
+    pages are widened as they are gathered); the output is cast to q's dtype. On a CPU
+    without AMX, SDPA in bf16 measured 2-4x slower than in fp32 for decode;
+
+A rejected step raises ValueError before layer 0 writes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import quant, reference, validate
+
+# Decode sequences per SDPA call: sorted by length and cut into groups, each padded only to
+# its own longest (as kernels.reference._decode, which measured why).
+DECODE_GROUP = 8
+COMPUTE_DTYPE = torch.float32
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [m] int64: query rows (= tokens) of these sequences
+    pages: torch.Tensor  # [m * P] int64: their pages, clamped into range (mask hides extras)
+    visible: torch.Tensor  # [m, 1, 1, P * block_size] bool: key j < seq_len
+    num_seqs: int
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # query rows start:end
+    end: int
+    seq_len: int
+    pages: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    visible: torch.Tensor | None  # [q_len, seq_len] bool, None: plain causal (no context)
+
+
+class StepPlan:
+    """One step's attention metadata for a paged cache of ``num_blocks`` x ``block_size``.
+
+    Build it once per step (the lengths and ranges are validated here, raising ValueError),
+    then call ``forward`` once per layer: write the layer's K/V into their slots and attend.
+    Arguments as ``kernels.reference``'s ``reshape_and_cache`` / ``paged_attention``; CPU
+    tensors."""
+
+    def __init__(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, block_size: int,
+                 num_blocks: int) -> None:
+        self.slot_mapping, self.block_tables = slot_mapping, block_tables
+        self.seq_lens, self.cu_seqlens_q = seq_lens, cu_seqlens_q
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.shapes_checked = False
+        num_tokens = slot_mapping.shape[0]
+        if slot_mapping.dim() != 1 or block_tables.dim() != 2 or \
+                seq_lens.shape != (block_tables.shape[0],) or \
+                cu_seqlens_q.shape != (block_tables.shape[0] + 1,) or block_tables.shape[0] == 0:
+            raise ValueError(f"inconsistent step batch: slot_mapping {tuple(slot_mapping.shape)}, "
+                             f"block_tables {tuple(block_tables.shape)}, seq_lens "
+                             f"{tuple(seq_lens.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}")
+        cu, lens = cu_seqlens_q.long(), seq_lens.long()
+        q_lens = cu[1:] - cu[:-1]
+        reference._check_lengths(torch.empty(num_tokens, 0), cu, q_lens, lens, block_tables,
+                                 block_size, num_blocks)
+
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        self.keep = None if bool(keep.all()) else keep.nonzero().flatten()
+        valid = slots if self.keep is None else slots[keep]
+        validate.check_index_range("slot_mapping", valid, num_blocks * block_size)
+        self.write_index = (valid // block_size, valid % block_size)
+
+        decode = (q_lens == 1).nonzero().flatten()
+        self.decode_groups: list[_DecodeGroup] = []
+        order = decode[torch.argsort(lens[decode], stable=True)]
+        tables = block_tables.long()
+        for lo in range(0, order.numel(), DECODE_GROUP):
+            seqs = order[lo:lo + DECODE_GROUP]
+            group_lens = lens[seqs]
+            num_pages = (int(group_lens.max()) + block_size - 1) // block_size
+            pages = tables[seqs, :num_pages].clamp(0, num_blocks - 1).flatten()
+            keys = torch.arange(num_pages * block_size)
+            visible = (keys[None, :] < group_lens[:, None])[:, None, None, :]
+            self.decode_groups.append(_DecodeGroup(rows=cu[seqs], pages=pages,
+                                                   visible=visible, num_seqs=seqs.numel()))
+        # A pure decode batch in one group: the group's output, reordered, is the result.
+        self.one_group_order = None
+        if decode.numel() == q_lens.numel() and len(self.decode_groups) == 1:
+            self.one_group_order = torch.argsort(self.decode_groups[0].rows)
+        self.prefills: list[_PrefillSeq] = []
+        for b in (q_lens != 1).nonzero().flatten().tolist():
+            start, end, seq_len = int(cu[b]), int(cu[b + 1]), int(lens[b])
+            q_len, context = end - start, seq_len - (end - start)
+            pages = tables[b, : (seq_len + block_size - 1) // block_size]
+            visible = None
+            if context > 0:  # query i sees keys < context + i + 1
+                visible = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + context
+            self.prefills.append(_PrefillSeq(start, end, seq_len, pages, visible))
+
+    def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+        """The reference's shape/dtype/device checks, on the first layer's tensors."""
+        validate.check_reshape_and_cache(k, v, k_cache, v_cache, self.slot_mapping)
+        validate.check_scales(k_cache, k_scale, v_scale)
+        validate.check_paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
+                                       self.cu_seqlens_q)
+        if tuple(k_cache.shape[:2]) != (self.num_blocks, self.block_size):
+            raise ValueError(f"cache has {tuple(k_cache.shape[:2])} (blocks, block size), the "
+                             f"plan was built for {(self.num_blocks, self.block_size)}")
+        self.shapes_checked = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, *,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer: ``reshape_and_cache(k, v, ...)`` then ``paged_attention(q, ...)``;
+        returns [T, Hq, D] in q's dtype."""
+        if not self.shapes_checked:
+            self._check_shapes(q, k, v, k_cache, v_cache, k_scale, v_scale)
+        self._write(k, v, k_cache, v_cache, k_scale, v_scale)
+        return self._attend(q, reference._Pages(k_cache, v_cache, k_scale, v_scale), scale)
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> None:
+        fmt = quant.format_of(k_cache)
+        for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+            if self.keep is not None:
+                x = x.index_select(0, self.keep)
+            if fmt == "auto":
+                cache.index_put_(self.write_index, x.to(cache.dtype))
+            elif fmt == "fp8":
+                cache.index_put_(self.write_index, quant.quantize_fp8(x, scale))
+            else:
+                codes, scales = quant.quantize(x, fmt)
+                cache.index_put_(self.write_index, codes)
+                scale.index_put_(self.write_index, scales)
+
+    def _attend(self, q: torch.Tensor, kv: reference._Pages, scale: float) -> torch.Tensor:
+        head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
+        out = None
+        if self.one_group_order is None:
+            out = torch.empty(q.shape, dtype=COMPUTE_DTYPE, device=q.device)
+        for g in self.decode_groups:
+            k, v = kv.gather(g.pages, COMPUTE_DTYPE)
+            k = k.view(g.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [m,Hkv,L,D]
+            v = v.view(g.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+            qg = q.index_select(0, g.rows).to(COMPUTE_DTYPE).unsqueeze(2)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.visible, scale=scale,
+                                               enable_gqa=True).squeeze(2)
+            if out is None:
+                out = o.index_select(0, self.one_group_order)
+            else:
+                out.index_copy_(0, g.rows, o)
+        for p in self.prefills:
+            k, v = kv.gather(p.pages, COMPUTE_DTYPE)
+            k = k.flatten(0, 1)[:p.seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v = v.flatten(0, 1)[:p.seq_len].transpose(0, 1).unsqueeze(0)
+            qh = q[p.start:p.end].to(COMPUTE_DTYPE).transpose(0, 1).unsqueeze(0)
+            if p.visible is None:
+                o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qh, k, v, attn_mask=p.visible, scale=scale,
+                                                   enable_gqa=True)
+            out[p.start:p.end] = o[0].transpose(0, 1)
+        return out.to(q.dtype)

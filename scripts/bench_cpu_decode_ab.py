@@ -1,0 +1,83 @@
+"""Side-by-side CPU decode step time of the engine-work variants (issue 22), in ONE process,
+passes alternating, same requests: ``before`` (F.linear on row-major weights, attention
+metadata rebuilt and validated per layer by kernels.reference), ``packed`` (oneDNN packed
+linears only) and ``after`` (packed linears + kernels.cpu_attention.StepPlan). Prints ms per
+decode step per pass, the best of each, and the load average; nothing is asserted.
+
+    .venv/bin/python scripts/bench_cpu_decode_ab.py [--seqs 1,32] [--dtypes float32,bfloat16]
+        [--steps 10] [--passes 3] [--context 128] [--variants before,packed,after]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def _engine(variant: str, dtype: str, seqs: int, context: int):  # noqa: ANN202
+    from engine import LLM, SamplingParams
+
+    os.environ["KVSCOPE_CPU_LINEAR"] = "dense" if variant == "before" else "packed"
+    llm = LLM("smollm2", device="cpu", dtype=dtype, num_gpu_blocks=seqs * (context // 16 + 40)
+              + 64)
+    os.environ.pop("KVSCOPE_CPU_LINEAR")
+    eng = llm.llm_engine
+    attn = eng.runner.attn
+    attn.use_plan = variant == "after"
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for i in range(seqs):  # distinct prompts (no prefix sharing), lengths 0.5..1.5 x context
+        n = context // 2 + (i * 37) % (context + 1)
+        eng.add_request(str(i), {"prompt_token_ids": [(i * 7919 + j) % 40000 + 100
+                                                      for j in range(n)]}, params)
+    while eng.scheduler.waiting or any(
+            s.num_computed_tokens < len(s.all_token_ids) - 1 for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    return eng
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="1,32")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--variants", default="before,packed,after")
+    args = p.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    variants = args.variants.split(",")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for seqs in (int(s) for s in args.seqs.split(",")):
+            engines = {v: _engine(v, dtype, seqs, args.context) for v in variants}
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(args.passes):
+                for v, eng in engines.items():
+                    t0 = time.perf_counter()
+                    for _ in range(args.steps):
+                        eng.step()
+                    times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
+            load = os.getloadavg()[0]
+            for eng in engines.values():
+                eng.close()
+            best = {v: min(t) for v, t in times.items()}
+            for v in variants:
+                passes = " ".join(f"{t:.1f}" for t in times[v])
+                rows.append(f"| {dtype} | {seqs} | {v} | {best[v]:.1f} | "
+                            f"{best[variants[0]] / best[v]:.2f}x | {passes} | {load:.1f} |")
+                print(rows[-1], flush=True)
+    print("\n| dtype | seqs | variant | best ms/step | speed-up vs first | passes (ms/step) "
+          "| load avg |\n|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

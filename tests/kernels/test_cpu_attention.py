@@ -1,0 +1,119 @@
+"""kernels.cpu_attention.StepPlan (the engine's CPU path) against kernels.reference: the same
+cache writes and the same attention, for a mixed step (decode rows, a prefill with cached
+context, a fresh prefill, a padding slot), float and quantized pages; bad steps are rejected
+before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import quant, reference
+from kernels.cpu_attention import DECODE_GROUP, StepPlan
+
+BS, NB, HQ, HKV, D = 4, 64, 6, 2, 16
+
+
+def _step(num_decode: int = DECODE_GROUP + 3):
+    """Sequences: ``num_decode`` decoding (lengths 1..), one prefill of 5 tokens after 6
+    cached, one fresh prefill of 3; a padding token (slot -1) at the end of the batch."""
+    g = torch.Generator().manual_seed(0)
+    seq_lens, q_lens = [], []
+    for i in range(num_decode):
+        seq_lens.append(1 + (i * 5) % 13)
+        q_lens.append(1)
+    seq_lens += [11, 3]
+    q_lens += [5, 3]
+    pages = torch.randperm(NB, generator=g)
+    tables, slots, used = [], [], 0
+    width = max((n + BS - 1) // BS for n in seq_lens)
+    for n, q in zip(seq_lens, q_lens, strict=True):
+        own = pages[used:used + (n + BS - 1) // BS]
+        used += own.numel()
+        tables.append(torch.cat([own, torch.full((width - own.numel(),), NB + 7)]))  # junk pad
+        for pos in range(n - q, n):
+            slots.append(int(own[pos // BS]) * BS + pos % BS)
+    q_lens[-1] += 1  # the padding token rides with the last sequence's queries, as one
+    seq_lens[-1] += 1  # more position whose key is never written (both sides read the same)
+    slots.append(-1)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return (torch.tensor(slots), torch.stack(tables).to(torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32), cu)
+
+
+def _caches(fmt: str):
+    dtype = quant.cache_dtype(fmt, torch.float32)
+    width = quant.packed_dim(fmt, D)
+    k = torch.zeros(NB, BS, HKV, width, dtype=dtype)
+    scales = (None, None)
+    if quant.scale_params(fmt):
+        scales = tuple(torch.ones(NB, BS, HKV, quant.scale_params(fmt), dtype=quant.SCALE_DTYPE)
+                       for _ in range(2))
+    return k, k.clone(), *scales
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+def test_plan_matches_the_reference(fmt):
+    slots, tables, lens, cu = _step()
+    last = tables.shape[0] - 1
+    need = (int(lens[last]) + BS - 1) // BS
+    assert int(tables[last, need - 1]) < NB, "the padding position lands on an owned page"
+    g = torch.Generator().manual_seed(1)
+    num_tokens = int(cu[-1])
+    q = torch.randn(num_tokens, HQ, D, generator=g)
+    k = torch.randn(num_tokens, HKV, D, generator=g)
+    v = torch.randn(num_tokens, HKV, D, generator=g)
+    ref_caches, plan_caches = _caches(fmt), _caches(fmt)
+    # pre-fill the cached context identically in both (random history)
+    for a, b in zip(ref_caches, plan_caches, strict=True):
+        if a is not None and a.dtype.is_floating_point:
+            a.copy_(torch.randn(a.shape, generator=g).to(a.dtype))
+            b.copy_(a)
+        elif a is not None:
+            a.copy_(torch.randint(-100, 100, a.shape, generator=g).to(a.dtype))
+            b.copy_(a)
+    kc, vc, ks, vs = ref_caches
+    reference.reshape_and_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    want = reference.paged_attention(q, kc, vc, tables, lens, cu, D ** -0.5, k_scale=ks,
+                                     v_scale=vs)
+    pkc, pvc, pks, pvs = plan_caches
+    plan = StepPlan(slots, tables, lens, cu, BS, NB)
+    got = plan.forward(q, k, v, pkc, pvc, D ** -0.5, k_scale=pks, v_scale=pvs)
+    for a, b in zip(ref_caches, plan_caches, strict=True):
+        if a is not None:
+            assert torch.equal(a, b)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_pages_compute_in_fp32_and_return_bf16():
+    slots, tables, lens, cu = _step(num_decode=3)
+    g = torch.Generator().manual_seed(2)
+    n = int(cu[-1])
+    q, k, v = (torch.randn(n, h, D, generator=g).bfloat16() for h in (HQ, HKV, HKV))
+    kc = torch.randn(NB, BS, HKV, D, generator=g).bfloat16()
+    vc = kc.clone()
+    rk, rv = kc.clone(), vc.clone()
+    reference.reshape_and_cache(k, v, rk, rv, slots)
+    want = reference.paged_attention(q.float(), rk.float(), rv.float(), tables, lens, cu,
+                                     D ** -0.5)
+    got = StepPlan(slots, tables, lens, cu, BS, NB).forward(q, k, v, kc, vc, D ** -0.5)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_steps_raise_before_writing():
+    slots, tables, lens, cu = _step(num_decode=2)
+    with pytest.raises(ValueError, match="slot_mapping out of range"):
+        StepPlan(torch.where(slots >= 0, slots + NB * BS, slots), tables, lens, cu, BS, NB)
+    with pytest.raises(ValueError, match="shorter than q_lens"):
+        StepPlan(slots, tables, torch.ones_like(lens), cu, BS, NB)
+    n = int(cu[-1])
+    plan = StepPlan(slots, tables, lens, cu, BS, NB)
+    kc = torch.zeros(NB, BS, HKV, D)
+    vc = kc.clone()
+    with pytest.raises(ValueError, match="key must be"):  # wrong head count: nothing written
+        plan.forward(torch.zeros(n, HQ, D), torch.ones(n, HKV + 1, D), torch.ones(n, HKV + 1, D),
+                     kc, vc, 1.0)
+    assert not kc.any() and not vc.any()
