@@ -115,6 +115,10 @@ class SequencesView(QWidget):
         self.table.setAlternatingRowColors(True)
         # ids such as chatcmpl-<32 hex>-0 differ at both ends: keep both visible
         self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        # No word wrap: wrapped, "chatcmpl-a78...-0" breaks after the hyphen (Unicode line
+        # breaking allows it before a letter, not before a digit), the 20 px row shows only
+        # the first line, and the cell reads "chatcmpl-..." for every such id.
+        self.table.setWordWrap(False)
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.table.setStyleSheet("font-size: 9pt;")

@@ -121,6 +121,8 @@ def test_selecting_a_sequence_highlights_its_blocks(replay_window, batches, arti
     assert win.model.selected_seq == sid
     # a long id elides in the middle in its cell; the tooltip gives it whole
     assert win.sequences.table.textElideMode() == Qt.TextElideMode.ElideMiddle
+    # ... on one line: wrapped, ids whose hex starts with a letter showed as "chatcmpl-..."
+    assert not win.sequences.table.wordWrap()
     assert win.sequences.proxy.index(row, 0).data(Qt.ItemDataRole.ToolTipRole) == sid
     table = truth.seqs[sid].block_table
     cells = win.block_map.cells("gpu")
