@@ -62,7 +62,10 @@ def test_sigterm_drains_and_recording_is_complete(lifecycle: Daemon) -> None:
         with httpx.stream("POST", lifecycle.url + CHAT, timeout=120, json=body) as r:
             results[name] = [line for line in r.iter_lines() if line]
 
-    short = threading.Thread(target=run, args=("short", _stream_body("Say hi.", 2)))
+    # 16 tokens: long enough that the poll below sees both requests in flight (with 2 the
+    # short one could finish between two polls once decode got faster), short enough to
+    # finish inside the drain window.
+    short = threading.Thread(target=run, args=("short", _stream_body("Say hi.", 16)))
     long = threading.Thread(target=run, args=("long", _stream_body("Write an essay.", 470)))
     long.start()
     short.start()
