@@ -1,6 +1,5 @@
-"""Protocol 3 (columnar batches): older recordings still replay identically, the columnar
-form round-trips every event exactly, and ``KVState.apply_batch`` equals per-event
-``apply``."""
+"""A protocol-2 recording written by the protocol-2 writer replays and seeks identically:
+the fixture the next protocol version's reader must keep opening."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ def _digest(canon: dict) -> str:
 
 
 def test_version_2_recording_replays_identically():
-    """A file written by the protocol-2 writer (scripts/make_events_fixture.py, before
-    protocol 3), with the digest of the generator's true state after every step."""
+    """A file written by the protocol-2 writer (scripts/make_events_fixture.py), with the
+    digest of the generator's true state after every step."""
     meta = json.loads((FIXTURES / "v2_synthetic.json").read_text())
     digests = meta["digests"]
     with Recording(FIXTURES / "v2_synthetic.kvtrace") as rec:
