@@ -14,9 +14,10 @@ from kernels.cpu_attention import DECODE_GROUP, StepPlan
 BS, NB, HQ, HKV, D = 4, 64, 6, 2, 16
 
 
-def _step(num_decode: int = DECODE_GROUP + 3):
+def _step(num_decode: int = DECODE_GROUP + 3, padding: bool = True):
     """Sequences: ``num_decode`` decoding (lengths 1..), one prefill of 5 tokens after 6
-    cached, one fresh prefill of 3; a padding token (slot -1) at the end of the batch."""
+    cached, one fresh prefill of 3; a padding token (slot -1) at the end of the batch
+    unless ``padding`` is False."""
     g = torch.Generator().manual_seed(0)
     seq_lens, q_lens = [], []
     for i in range(num_decode):
@@ -33,9 +34,10 @@ def _step(num_decode: int = DECODE_GROUP + 3):
         tables.append(torch.cat([own, torch.full((width - own.numel(),), NB + 7)]))  # junk pad
         for pos in range(n - q, n):
             slots.append(int(own[pos // BS]) * BS + pos % BS)
-    q_lens[-1] += 1  # the padding token rides with the last sequence's queries, as one
-    seq_lens[-1] += 1  # more position whose key is never written (both sides read the same)
-    slots.append(-1)
+    if padding:
+        q_lens[-1] += 1  # the padding token rides with the last sequence's queries, as one
+        seq_lens[-1] += 1  # more position whose key is never written (both read the same)
+        slots.append(-1)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return (torch.tensor(slots), torch.stack(tables).to(torch.int32),
             torch.tensor(seq_lens, dtype=torch.int32), cu)
@@ -52,9 +54,12 @@ def _caches(fmt: str):
     return k, k.clone(), *scales
 
 
-@pytest.mark.parametrize("fmt", ["auto", "int8"])
-def test_plan_matches_the_reference(fmt):
-    slots, tables, lens, cu = _step()
+@pytest.mark.parametrize("fmt,padding", [("auto", True), ("auto", False), ("int8", True),
+                                         ("fp8", False)])
+def test_plan_matches_the_reference(fmt, padding):
+    """With no padding slot the fresh prefill attends over the K/V it was given (auto
+    pages): still the reference's result. fp8 pages are written as bytes."""
+    slots, tables, lens, cu = _step(padding=padding)
     last = tables.shape[0] - 1
     need = (int(lens[last]) + BS - 1) // BS
     assert int(tables[last, need - 1]) < NB, "the padding position lands on an owned page"
@@ -64,9 +69,15 @@ def test_plan_matches_the_reference(fmt):
     k = torch.randn(num_tokens, HKV, D, generator=g)
     v = torch.randn(num_tokens, HKV, D, generator=g)
     ref_caches, plan_caches = _caches(fmt), _caches(fmt)
+    if fmt == "fp8":  # per-head scales
+        ref_caches = (*ref_caches[:2], torch.full((HKV,), 0.05), torch.full((HKV,), 0.07))
+        plan_caches = (*plan_caches[:2], *(s.clone() for s in ref_caches[2:]))
     # pre-fill the cached context identically in both (random history)
     for a, b in zip(ref_caches, plan_caches, strict=True):
-        if a is not None and a.dtype.is_floating_point:
+        if a is not None and a.dtype == quant.FP8_DTYPE:
+            a.copy_(torch.randn(a.shape, generator=g).to(a.dtype))
+            b.view(torch.uint8).copy_(a.view(torch.uint8))
+        elif a is not None and a.dtype.is_floating_point and a.dim() > 1:
             a.copy_(torch.randn(a.shape, generator=g).to(a.dtype))
             b.copy_(a)
         elif a is not None:
@@ -81,7 +92,8 @@ def test_plan_matches_the_reference(fmt):
     got = plan.forward(q, k, v, pkc, pvc, D ** -0.5, k_scale=pks, v_scale=pvs)
     for a, b in zip(ref_caches, plan_caches, strict=True):
         if a is not None:
-            assert torch.equal(a, b)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) \
+                if a.dtype == quant.FP8_DTYPE else torch.equal(a, b)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
