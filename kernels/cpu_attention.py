@@ -10,9 +10,8 @@ Differences, all for speed on CPU:
   * attention computes in float32 for every page format (bf16/fp16 pages and quantized
     pages are widened as they are gathered); the output is cast to q's dtype. On a CPU
     without AMX, SDPA in bf16 measured 2-4x slower than in fp32 for decode;
-  * the decode sequences' pages are gathered with ONE index_select per cache per layer
-    (every length group's padded page list, concatenated; each group is then a contiguous
-    slice of the gathered tensor) instead of one per group;
+  * the decode length groups' page lists, query rows and masks are built once per step;
+    per layer, one index_select of the decode queries and one gather per group;
   * K/V are written with ``index_copy_`` through a flat slot view of a contiguous cache
     (``index_put_`` with a (block, offset) pair otherwise, as the reference);
   * a prefill with no cached context attends over the K/V it was given rather than
@@ -107,7 +106,7 @@ class StepPlan:
             self.decode_groups.append(_DecodeGroup(first=lo, page_lo=page_lo, page_hi=page_hi,
                                                    visible=visible, num_seqs=seqs.numel()))
             page_lo = page_hi
-        # every group's pages, one gather per cache per layer (clamped: the masks hide extras)
+        # every group's pages, concatenated (clamped: the masks hide extras)
         self.decode_pages = torch.cat(group_pages) if group_pages else None
         self.decode_rows = cu[order]  # query rows of the decodes, in group order
         # A pure decode batch: the sorted outputs, put back in row order, are the result.
@@ -186,13 +185,16 @@ class StepPlan:
         if not self.decode_only:
             out = torch.empty(q.shape, dtype=COMPUTE_DTYPE, device=q.device)
         if self.decode_groups:
-            keys, values = kv.gather(self.decode_pages, COMPUTE_DTYPE)
             queries = q.index_select(0, self.decode_rows).to(COMPUTE_DTYPE).unsqueeze(2)
             outs = []
             for g in self.decode_groups:
                 shape = (g.num_seqs, -1, num_kv_heads, head_dim)
-                k = keys[g.page_lo:g.page_hi].view(shape).transpose(1, 2)  # [m, Hkv, L, D]
-                v = values[g.page_lo:g.page_hi].view(shape).transpose(1, 2)
+                # one gather per group, right before its SDPA: a group's K/V (~1 MB fp32)
+                # is still in cache when SDPA reads it; one gather for all groups measured
+                # slower (kernels docs, docs/BENCHMARKS.md)
+                k, v = kv.gather(self.decode_pages[g.page_lo:g.page_hi], COMPUTE_DTYPE)
+                k = k.view(shape).transpose(1, 2)  # [m, Hkv, L, D]
+                v = v.view(shape).transpose(1, 2)
                 qg = queries[g.first:g.first + g.num_seqs]
                 outs.append(F.scaled_dot_product_attention(qg, k, v, attn_mask=g.visible,
                                                            scale=scale, enable_gqa=True))
