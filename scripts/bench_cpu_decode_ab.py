@@ -3,8 +3,9 @@ passes alternating, same requests: ``before`` (F.linear on row-major weights, at
 metadata rebuilt and validated per layer by kernels.reference), ``packed`` (oneDNN packed
 linears only) and ``after`` (packed linears + kernels.cpu_attention.StepPlan). A variant
 ``attn@REV`` is ``after`` with kernels/cpu_attention.py as it was at git revision REV (A/B
-of the CPU attention alone). Prints ms per decode step per pass, the best of each, and the
-load average; nothing is asserted.
+of the CPU attention alone). Prints ms per decode step per pass, the best of each, the best
+process CPU time per step (all threads; steadier than wall time on a shared box, best read
+with --threads 1) and the load average; nothing is asserted.
 
     .venv/bin/python scripts/bench_cpu_decode_ab.py [--seqs 1,32] [--dtypes float32,bfloat16]
         [--steps 10] [--passes 3] [--context 128] [--variants before,packed,after,attn@REV]
@@ -93,12 +94,14 @@ def main() -> int:
         for seqs in (int(s) for s in args.seqs.split(",")):
             engines = {v: _engine(v, dtype, seqs, args.context) for v in variants}
             times: dict[str, list[float]] = {v: [] for v in variants}
+            cpu: dict[str, list[float]] = {v: [] for v in variants}
             for _ in range(args.passes):
                 for v, eng in engines.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(args.steps):
                         eng.step()
                     times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
+                    cpu[v].append((time.process_time() - c0) / args.steps * 1e3)
             load = os.getloadavg()[0]
             for eng in engines.values():
                 eng.close()
@@ -106,10 +109,11 @@ def main() -> int:
             for v in variants:
                 passes = " ".join(f"{t:.1f}" for t in times[v])
                 rows.append(f"| {dtype} | {seqs} | {v} | {best[v]:.1f} | "
-                            f"{best[variants[0]] / best[v]:.2f}x | {passes} | {load:.1f} |")
+                            f"{best[variants[0]] / best[v]:.2f}x | {min(cpu[v]):.1f} | "
+                            f"{passes} | {load:.1f} |")
                 print(rows[-1], flush=True)
-    print("\n| dtype | seqs | variant | best ms/step | speed-up vs first | passes (ms/step) "
-          "| load avg |\n|---|---|---|---|---|---|---|")
+    print("\n| dtype | seqs | variant | best ms/step | speed-up vs first | best CPU ms/step "
+          "| passes (ms/step) | load avg |\n|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 
