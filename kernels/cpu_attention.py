@@ -10,8 +10,11 @@ Differences, all for speed on CPU:
   * attention computes in float32 for every page format (bf16/fp16 pages and quantized
     pages are widened as they are gathered); the output is cast to q's dtype. On a CPU
     without AMX, SDPA in bf16 measured 2-4x slower than in fp32 for decode;
-  * the decode length groups' page lists, query rows and masks are built once per step;
-    per layer, one index_select of the decode queries and one gather per group;
+  * decode reads float32/bfloat16 pages in place with the native kernel
+    (kernels/cpu_paged_decode.c via kernels/cpu_native.py: no gathered or widened copy of
+    the cache, fp32 accumulation); other pages, or no C compiler, take the torch path: the
+    decode length groups' page lists, query rows and masks built once per step, per layer
+    one index_select of the decode queries and one gather per group;
   * K/V are written with ``index_copy_`` through a flat slot view of a contiguous cache
     (``index_put_`` with a (block, offset) pair otherwise, as the reference);
   * a prefill with no cached context attends over the K/V it was given rather than
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import quant, reference, validate
+from kernels import cpu_native, quant, reference, validate
 
 # Decode sequences per SDPA call: sorted by length and cut into groups, each padded only to
 # its own longest (as kernels.reference._decode, which measured why).
@@ -111,6 +114,11 @@ class StepPlan:
         self.decode_rows = cu[order]  # query rows of the decodes, in group order
         # A pure decode batch: the sorted outputs, put back in row order, are the result.
         self.decode_only = decode.numel() == q_lens.numel()
+        # The native kernel (kernels/cpu_native.py) reads every decode's pages in place, in
+        # row order: no sorting, groups or gathers.
+        self.native_rows = cu[decode]
+        self.native_tables = tables[decode].contiguous()
+        self.native_lens = lens[decode].contiguous()
         self.unsort = torch.argsort(self.decode_rows) if self.decode_only else None
         self.prefills: list[_PrefillSeq] = []
         for b in (q_lens != 1).nonzero().flatten().tolist():
@@ -184,7 +192,16 @@ class StepPlan:
         out = None
         if not self.decode_only:
             out = torch.empty(q.shape, dtype=COMPUTE_DTYPE, device=q.device)
-        if self.decode_groups:
+        if self.decode_groups and kv.k_scale is None and \
+                cpu_native.supports(kv.k_cache, kv.v_cache):
+            o = cpu_native.paged_decode(q if self.decode_only else
+                                        q.index_select(0, self.native_rows), kv.k_cache,
+                                        kv.v_cache, self.native_tables, self.native_lens, scale)
+            if out is None:
+                out = o
+            else:
+                out.index_copy_(0, self.native_rows, o)
+        elif self.decode_groups:
             queries = q.index_select(0, self.decode_rows).to(COMPUTE_DTYPE).unsqueeze(2)
             outs = []
             for g in self.decode_groups:
