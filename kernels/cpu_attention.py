@@ -6,10 +6,20 @@ data-dependent shapes inside the layer loop.
 
 Same semantics and cache layout as ``kernels.reference`` (which stays the pure-torch
 reference the Triton kernels are tested against; its docstring defines the arguments).
-Two differences, both for speed on CPU:
+Differences, all for speed on CPU:
   * attention computes in float32 for every page format (bf16/fp16 pages and quantized
     pages are widened as they are gathered); the output is cast to q's dtype. On a CPU
     without AMX, SDPA in bf16 measured 2-4x slower than in fp32 for decode;
+  * decode reads float32/bfloat16 pages in place with the native kernel
+    (kernels/cpu_paged_decode.c via kernels/cpu_native.py: no gathered or widened copy of
+    the cache, fp32 accumulation); other pages, or no C compiler, take the torch path: the
+    decode length groups' page lists, query rows and masks built once per step, per layer
+    one index_select of the decode queries and one gather per group;
+  * K/V are written with ``index_copy_`` through a flat slot view of a contiguous cache
+    (``index_put_`` with a (block, offset) pair otherwise, as the reference);
+  * a prefill with no cached context attends over the K/V it was given rather than
+    reading them back from the pages, when the pages hold exactly those values (page
+    dtype = K/V dtype, no padding slot in the step).
 
 A rejected step raises ValueError before layer 0 writes anything.
 """
@@ -21,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import quant, reference, validate
+from kernels import cpu_native, quant, reference, validate
 
 # Decode sequences per SDPA call: sorted by length and cut into groups, each padded only to
 # its own longest (as kernels.reference._decode, which measured why).
@@ -31,8 +41,9 @@ COMPUTE_DTYPE = torch.float32
 
 @dataclass
 class _DecodeGroup:
-    rows: torch.Tensor  # [m] int64: query rows (= tokens) of these sequences
-    pages: torch.Tensor  # [m * P] int64: their pages, clamped into range (mask hides extras)
+    first: int  # this group's sequences are rows first:first+num_seqs of the sorted decodes
+    page_lo: int  # its pages are page_lo:page_hi of the step's gathered decode pages
+    page_hi: int
     visible: torch.Tensor  # [m, 1, 1, P * block_size] bool: key j < seq_len
     num_seqs: int
 
@@ -79,24 +90,36 @@ class StepPlan:
         valid = slots if self.keep is None else slots[keep]
         validate.check_index_range("slot_mapping", valid, num_blocks * block_size)
         self.write_index = (valid // block_size, valid % block_size)
+        self.write_slots = valid
 
         decode = (q_lens == 1).nonzero().flatten()
         self.decode_groups: list[_DecodeGroup] = []
         order = decode[torch.argsort(lens[decode], stable=True)]
         tables = block_tables.long()
+        group_pages: list[torch.Tensor] = []
+        page_lo = 0
         for lo in range(0, order.numel(), DECODE_GROUP):
             seqs = order[lo:lo + DECODE_GROUP]
             group_lens = lens[seqs]
             num_pages = (int(group_lens.max()) + block_size - 1) // block_size
-            pages = tables[seqs, :num_pages].clamp(0, num_blocks - 1).flatten()
+            group_pages.append(tables[seqs, :num_pages].clamp(0, num_blocks - 1).flatten())
             keys = torch.arange(num_pages * block_size)
             visible = (keys[None, :] < group_lens[:, None])[:, None, None, :]
-            self.decode_groups.append(_DecodeGroup(rows=cu[seqs], pages=pages,
+            page_hi = page_lo + group_pages[-1].numel()
+            self.decode_groups.append(_DecodeGroup(first=lo, page_lo=page_lo, page_hi=page_hi,
                                                    visible=visible, num_seqs=seqs.numel()))
-        # A pure decode batch in one group: the group's output, reordered, is the result.
-        self.one_group_order = None
-        if decode.numel() == q_lens.numel() and len(self.decode_groups) == 1:
-            self.one_group_order = torch.argsort(self.decode_groups[0].rows)
+            page_lo = page_hi
+        # every group's pages, concatenated (clamped: the masks hide extras)
+        self.decode_pages = torch.cat(group_pages) if group_pages else None
+        self.decode_rows = cu[order]  # query rows of the decodes, in group order
+        # A pure decode batch: the sorted outputs, put back in row order, are the result.
+        self.decode_only = decode.numel() == q_lens.numel()
+        # The native kernel (kernels/cpu_native.py) reads every decode's pages in place, in
+        # row order: no sorting, groups or gathers.
+        self.native_rows = cu[decode]
+        self.native_tables = tables[decode].contiguous()
+        self.native_lens = lens[decode].contiguous()
+        self.unsort = torch.argsort(self.decode_rows) if self.decode_only else None
         self.prefills: list[_PrefillSeq] = []
         for b in (q_lens != 1).nonzero().flatten().tolist():
             start, end, seq_len = int(cu[b]), int(cu[b + 1]), int(lens[b])
@@ -129,7 +152,11 @@ class StepPlan:
         if not self.shapes_checked:
             self._check_shapes(q, k, v, k_cache, v_cache, k_scale, v_scale)
         self._write(k, v, k_cache, v_cache, k_scale, v_scale)
-        return self._attend(q, reference._Pages(k_cache, v_cache, k_scale, v_scale), scale)
+        # fresh prefills may use k/v as given when the pages hold exactly these values
+        given = (k, v) if self.keep is None and k_cache.dtype == k.dtype and \
+            v_cache.dtype == v.dtype else None
+        return self._attend(q, reference._Pages(k_cache, v_cache, k_scale, v_scale), scale,
+                            given)
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -139,34 +166,69 @@ class StepPlan:
             if self.keep is not None:
                 x = x.index_select(0, self.keep)
             if fmt == "auto":
-                cache.index_put_(self.write_index, x.to(cache.dtype))
+                self._put(cache, x.to(cache.dtype))
             elif fmt == "fp8":
-                cache.index_put_(self.write_index, quant.quantize_fp8(x, scale))
+                self._put(cache, quant.quantize_fp8(x, scale))
             else:
                 codes, scales = quant.quantize(x, fmt)
-                cache.index_put_(self.write_index, codes)
-                scale.index_put_(self.write_index, scales)
+                self._put(cache, codes)
+                self._put(scale, scales)
 
-    def _attend(self, q: torch.Tensor, kv: reference._Pages, scale: float) -> torch.Tensor:
+    def _put(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        """pages[slot] = rows for the step's valid slots. A contiguous page tensor is a flat
+        [slots, ...] view: one index_copy_ (measured faster than index_put_ with the
+        (block, offset) pair, which any strides need); fp8 moves as bytes (no CPU
+        index_copy_ for float8)."""
+        if not pages.is_contiguous():
+            pages.index_put_(self.write_index, rows)
+            return
+        if pages.dtype == quant.FP8_DTYPE:
+            pages, rows = pages.view(torch.uint8), rows.view(torch.uint8)
+        pages.view(-1, *pages.shape[2:]).index_copy_(0, self.write_slots, rows)
+
+    def _attend(self, q: torch.Tensor, kv: reference._Pages, scale: float,
+                given: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
         out = None
-        if self.one_group_order is None:
+        if not self.decode_only:
             out = torch.empty(q.shape, dtype=COMPUTE_DTYPE, device=q.device)
-        for g in self.decode_groups:
-            k, v = kv.gather(g.pages, COMPUTE_DTYPE)
-            k = k.view(g.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [m,Hkv,L,D]
-            v = v.view(g.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-            qg = q.index_select(0, g.rows).to(COMPUTE_DTYPE).unsqueeze(2)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.visible, scale=scale,
-                                               enable_gqa=True).squeeze(2)
+        if self.decode_groups and kv.k_scale is None and \
+                cpu_native.supports(kv.k_cache, kv.v_cache):
+            o = cpu_native.paged_decode(q if self.decode_only else
+                                        q.index_select(0, self.native_rows), kv.k_cache,
+                                        kv.v_cache, self.native_tables, self.native_lens, scale)
             if out is None:
-                out = o.index_select(0, self.one_group_order)
+                out = o
             else:
-                out.index_copy_(0, g.rows, o)
+                out.index_copy_(0, self.native_rows, o)
+        elif self.decode_groups:
+            queries = q.index_select(0, self.decode_rows).to(COMPUTE_DTYPE).unsqueeze(2)
+            outs = []
+            for g in self.decode_groups:
+                shape = (g.num_seqs, -1, num_kv_heads, head_dim)
+                # one gather per group, right before its SDPA: a group's K/V (~1 MB fp32)
+                # is still in cache when SDPA reads it; one gather for all groups measured
+                # slower (kernels docs, docs/BENCHMARKS.md)
+                k, v = kv.gather(self.decode_pages[g.page_lo:g.page_hi], COMPUTE_DTYPE)
+                k = k.view(shape).transpose(1, 2)  # [m, Hkv, L, D]
+                v = v.view(shape).transpose(1, 2)
+                qg = queries[g.first:g.first + g.num_seqs]
+                outs.append(F.scaled_dot_product_attention(qg, k, v, attn_mask=g.visible,
+                                                           scale=scale, enable_gqa=True))
+            o = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
+            if out is None:
+                out = o.index_select(0, self.unsort)
+            else:
+                out.index_copy_(0, self.decode_rows, o)
         for p in self.prefills:
-            k, v = kv.gather(p.pages, COMPUTE_DTYPE)
-            k = k.flatten(0, 1)[:p.seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            v = v.flatten(0, 1)[:p.seq_len].transpose(0, 1).unsqueeze(0)
+            if given is not None and p.visible is None:  # fresh: its keys are its own rows
+                k = given[0][p.start:p.end].to(COMPUTE_DTYPE)
+                v = given[1][p.start:p.end].to(COMPUTE_DTYPE)
+            else:
+                k, v = kv.gather(p.pages, COMPUTE_DTYPE)
+                k, v = k.flatten(0, 1)[:p.seq_len], v.flatten(0, 1)[:p.seq_len]
+            k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v = v.transpose(0, 1).unsqueeze(0)
             qh = q[p.start:p.end].to(COMPUTE_DTYPE).transpose(0, 1).unsqueeze(0)
             if p.visible is None:
                 o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,

@@ -1,18 +1,52 @@
 """Side-by-side CPU decode step time of the engine-work variants (issue 22), in ONE process,
 passes alternating, same requests: ``before`` (F.linear on row-major weights, attention
 metadata rebuilt and validated per layer by kernels.reference), ``packed`` (oneDNN packed
-linears only) and ``after`` (packed linears + kernels.cpu_attention.StepPlan). Prints ms per
-decode step per pass, the best of each, and the load average; nothing is asserted.
+linears only) and ``after`` (packed linears + kernels.cpu_attention.StepPlan). A variant
+``attn@REV`` is ``after`` with kernels/cpu_attention.py as it was at git revision REV (A/B
+of the CPU attention alone). Prints ms per decode step per pass, the best of each, the best
+process CPU time per step (all threads; steadier than wall time on a shared box, best read
+with --threads 1) and the load average; nothing is asserted.
 
     .venv/bin/python scripts/bench_cpu_decode_ab.py [--seqs 1,32] [--dtypes float32,bfloat16]
-        [--steps 10] [--passes 3] [--context 128] [--variants before,packed,after]
+        [--steps 10] [--passes 3] [--context 128] [--variants before,packed,after,attn@REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _step_plan_at(rev: str):  # noqa: ANN202
+    """kernels.cpu_attention.StepPlan as of git revision ``rev``, loaded as its own module."""
+    text = subprocess.run(["git", "-C", str(_ROOT), "show", f"{rev}:kernels/cpu_attention.py"],
+                          check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "cpu_attention_at.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"cpu_attention_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.StepPlan
+
+
+def _use_step_plan(attn, plan_cls) -> None:  # noqa: ANN001
+    """Make this engine's PagedAttention build its per-step plans with ``plan_cls``."""
+    def step_plan(b):  # noqa: ANN001, ANN202
+        if attn._plan is None or attn._plan[0] is not b:
+            k = attn.k_caches[0]
+            attn._plan = (b, plan_cls(b.slot_mapping, b.block_tables, b.seq_lens,
+                                      b.cu_seqlens_q, k.shape[1], k.shape[0]))
+        return attn._plan[1]
+    attn._step_plan = step_plan
 
 
 def _engine(variant: str, dtype: str, seqs: int, context: int):  # noqa: ANN202
@@ -24,7 +58,9 @@ def _engine(variant: str, dtype: str, seqs: int, context: int):  # noqa: ANN202
     os.environ.pop("KVSCOPE_CPU_LINEAR")
     eng = llm.llm_engine
     attn = eng.runner.attn
-    attn.use_plan = variant == "after"
+    attn.use_plan = variant == "after" or variant.startswith("attn@")
+    if variant.startswith("attn@"):
+        _use_step_plan(attn, _step_plan_at(variant.removeprefix("attn@")))
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     for i in range(seqs):  # distinct prompts (no prefix sharing), lengths 0.5..1.5 x context
         n = context // 2 + (i * 37) % (context + 1)
@@ -58,12 +94,14 @@ def main() -> int:
         for seqs in (int(s) for s in args.seqs.split(",")):
             engines = {v: _engine(v, dtype, seqs, args.context) for v in variants}
             times: dict[str, list[float]] = {v: [] for v in variants}
+            cpu: dict[str, list[float]] = {v: [] for v in variants}
             for _ in range(args.passes):
                 for v, eng in engines.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(args.steps):
                         eng.step()
                     times[v].append((time.perf_counter() - t0) / args.steps * 1e3)
+                    cpu[v].append((time.process_time() - c0) / args.steps * 1e3)
             load = os.getloadavg()[0]
             for eng in engines.values():
                 eng.close()
@@ -71,10 +109,11 @@ def main() -> int:
             for v in variants:
                 passes = " ".join(f"{t:.1f}" for t in times[v])
                 rows.append(f"| {dtype} | {seqs} | {v} | {best[v]:.1f} | "
-                            f"{best[variants[0]] / best[v]:.2f}x | {passes} | {load:.1f} |")
+                            f"{best[variants[0]] / best[v]:.2f}x | {min(cpu[v]):.1f} | "
+                            f"{passes} | {load:.1f} |")
                 print(rows[-1], flush=True)
-    print("\n| dtype | seqs | variant | best ms/step | speed-up vs first | passes (ms/step) "
-          "| load avg |\n|---|---|---|---|---|---|---|")
+    print("\n| dtype | seqs | variant | best ms/step | speed-up vs first | best CPU ms/step "
+          "| passes (ms/step) | load avg |\n|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 

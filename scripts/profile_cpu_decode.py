@@ -1,9 +1,10 @@
 """Where kvscope's CPU decode step spends its time: N sequences, prefill done, then
 --steps decode steps under torch.profiler (op self time) and cProfile (Python time by
-file). Prints both tables; nothing is asserted.
+file). Prints both tables; nothing is asserted. ``--prefill`` profiles the prefill steps
+of the N prompts instead (one unprofiled warm-up round of N other prompts first).
 
     .venv/bin/python scripts/profile_cpu_decode.py [--seqs 32] [--steps 20] [--threads 2]
-        [--dtype float32] [--context 128]
+        [--dtype float32] [--context 128] [--prefill]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--prefill", action="store_true", help="profile the prompts' prefill")
     args = p.parse_args()
 
     import torch
@@ -33,6 +35,8 @@ def main() -> int:
     llm = LLM("smollm2", device="cpu", dtype=args.dtype)
     eng = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    if args.prefill:
+        return _profile_prefill(eng, args)
     for i in range(args.seqs):  # distinct prompts: no prefix sharing
         eng.add_request(str(i), {"prompt_token_ids": [(i * 7919 + j) % 40000 + 100
                                                       for j in range(args.context)]}, params)
@@ -68,6 +72,41 @@ def main() -> int:
     for file, t in sorted(by_file.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {t / args.steps * 1e3:8.2f}  {file}")
     pstats.Stats(cp).sort_stats("tottime").print_stats(20)
+    eng.close()
+    return 0
+
+
+def _prefill_round(eng, seqs: int, context: int, offset: int) -> int:  # noqa: ANN001
+    """Add ``seqs`` distinct prompts and step until every one has sampled its first token;
+    returns the number of steps. The sequences are aborted afterwards."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i in range(seqs):
+        eng.add_request(f"p{offset}-{i}", {"prompt_token_ids": [
+            (i * 7919 + j + offset) % 40000 + 100 for j in range(context)]}, params)
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    return steps
+
+
+def _profile_prefill(eng, args) -> int:  # noqa: ANN001
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _prefill_round(eng, args.seqs, args.context, 1)  # warm
+    t0 = time.perf_counter()
+    steps = _prefill_round(eng, args.seqs, args.context, 2)
+    plain = time.perf_counter() - t0
+    tokens = args.seqs * args.context
+    print(f"prefill of {args.seqs} x {args.context} tokens, {args.dtype}, "
+          f"{torch.get_num_threads()} threads: {plain * 1e3:.0f} ms in {steps} steps, "
+          f"{tokens / plain:.0f} prompt tok/s (no profiler)")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _prefill_round(eng, args.seqs, args.context, 3)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     eng.close()
     return 0
 

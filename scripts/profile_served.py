@@ -365,7 +365,8 @@ def traced_server(name: str, root: Path, args: argparse.Namespace, workdir: Path
            "--model", "smollm2", "--device", "cpu", "--host", "127.0.0.1", "--port",
            str(port), "--dtype", args.dtype, "--max-model-len", str(bench.MAX_MODEL_LEN),
            "--served-model-name", "smollm2", *flags]
-    env = {**bench.engine_env("kvscope", args.threads), "PYTHONPATH": str(root)}
+    env = {**bench.engine_env(bench.Engine("kvscope", sys.executable, "smollm2"), args.threads),
+           "PYTHONPATH": str(root)}
     holder: dict[str, Any] = {}
     with bench.process_group(cmd, workdir / f"{name}.log", env, stdout=subprocess.DEVNULL,
                              cwd=root) as proc:
@@ -382,7 +383,8 @@ def offline_steps(root: Path, prompts: list[list[int]], args: argparse.Namespace
     path.write_text(json.dumps(prompts))
     cmd = [sys.executable, str(Path(__file__).resolve()), "offline", "--root", str(root),
            "--prompts", str(path), "--threads", str(args.threads), "--dtype", args.dtype]
-    env = {**bench.engine_env("kvscope", args.threads), "PYTHONPATH": str(root)}
+    env = {**bench.engine_env(bench.Engine("kvscope", sys.executable, "smollm2"), args.threads),
+           "PYTHONPATH": str(root)}
     done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
                           timeout=600, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["decode_step_s"]

@@ -9,11 +9,11 @@ its blocked layout; measured on the 2-core dev box with SmolLM2 shapes, 30 layer
 equal or better. The packed layout does not depend on the batch size (the hint only tunes it).
 
 Invariants: a ``Linear`` returns exactly the shape and dtype ``F.linear(x, weight, bias)``
-would, for 2-D ``x [M, in]`` with any M >= 0; the unpacked weight stays in ``LayerWeights``
-(tensor-parallel sharding and tests read it), so packing costs one more copy of the weights
-in memory. CUDA and every unsupported case (no oneDNN, fp16, a failed self-check) use
-``F.linear`` (cuBLAS on GPU). ``KVSCOPE_CPU_LINEAR=dense`` forces ``F.linear`` on CPU too
-(A/B measurements, debugging).
+would, for 2-D ``x [M, in]`` with any M >= 0; its ``weight`` is the unpacked ``[out, in]``
+weight (a packed linear keeps only the packed copy and unpacks it, exactly, on each read:
+tensor-parallel sharding and tests read it, the forward never does). CUDA and every
+unsupported case (no oneDNN, fp16, a failed self-check) use ``F.linear`` (cuBLAS on GPU).
+``KVSCOPE_CPU_LINEAR=dense`` forces ``F.linear`` on CPU too (A/B measurements, debugging).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class PackedCpuLinear:
         self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
         self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The unpacked weight, rebuilt from the packed one (exact; a new tensor)."""
+        return self.packed.to_dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:  # oneDNN rejects empty inputs

@@ -4,6 +4,7 @@ AttentionBackend, SwiGLU MLP. Q/K/V and gate/up are fused at load time into one 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,21 +20,24 @@ from engine.model.rope import RotaryEmbedding
 
 @dataclass
 class LayerWeights:
+    """One layer's tensors as loaded. A built ``LlamaModel`` keeps only the norms (and the
+    bias) here: its linears (``LayerLinears``) hold the matrices, on CPU packed, so that
+    the weights are not in memory twice; ``LlamaModel.dense_layers`` gives them back."""
+
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: torch.Tensor | None  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: torch.Tensor | None  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]
+    down: torch.Tensor | None  # [hidden, intermediate]
 
 
 @dataclass
 class LayerLinears:
     """One layer's linears as chosen at load time (engine.model.linear): oneDNN-packed on
-    CPU, F.linear elsewhere. Built from LayerWeights, which keeps the unpacked tensors.
-    Invariant: weights are read-only once the model is built (a packed copy would not see an
-    in-place change to LayerWeights)."""
+    CPU, F.linear elsewhere. Built from LayerWeights; the linears then own the matrices.
+    Invariant: weights are read-only once the model is built."""
 
     qkv: Linear
     o_proj: Linear
@@ -44,6 +48,11 @@ class LayerLinears:
     def of(cls, w: LayerWeights) -> LayerLinears:
         return cls(qkv=make_linear(w.qkv, w.qkv_bias), o_proj=make_linear(w.o_proj),
                    gate_up=make_linear(w.gate_up), down=make_linear(w.down))
+
+    def weights_of(self, norms: LayerWeights) -> LayerWeights:
+        """``norms`` with this layer's unpacked matrices filled in."""
+        return dataclasses.replace(norms, qkv=self.qkv.weight, o_proj=self.o_proj.weight,
+                                   gate_up=self.gate_up.weight, down=self.down.weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,13 +100,27 @@ class LlamaModel:
                  final_norm: torch.Tensor, lm_head: torch.Tensor) -> None:
         self.config = config
         self.embed = embed
-        self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head
         self.linears = [LayerLinears.of(w) for w in layers]
         self.lm_head_linear = make_linear(lm_head)
+        self.tied_lm_head = lm_head is embed
+        # The linears own the matrices (packed on CPU): drop the loaded copies, else CPU
+        # weight memory doubles. ``dense_layers``/``lm_head`` unpack them on demand.
+        self.layers = [dataclasses.replace(w, qkv=None, o_proj=None, gate_up=None, down=None)
+                       for w in layers]
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                     embed.device)
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The lm_head weight [vocab, hidden]: the embedding when tied, else unpacked from
+        its linear (a copy on CPU; for sharding and tests, not the forward)."""
+        return self.embed if self.tied_lm_head else self.lm_head_linear.weight
+
+    def dense_layers(self) -> list[LayerWeights]:
+        """Every layer's tensors with unpacked matrices (exact; copies when packed): what
+        tensor-parallel sharding reads."""
+        return [lin.weights_of(w) for w, lin in zip(self.layers, self.linears, strict=True)]
 
     @property
     def device(self) -> torch.device:

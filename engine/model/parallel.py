@@ -64,7 +64,7 @@ def shard_weights(model: LlamaModel, world: int, rank: int) -> dict:
     qh, kvh, inter = cfg.num_heads // world, cfg.num_kv_heads // world, \
         cfg.intermediate_size // world
     layers = []
-    for lw in model.layers:
+    for lw in model.dense_layers():
         q, k, v = lw.qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
         rows = [q[rank * qh * hd:(rank + 1) * qh * hd], k[rank * kvh * hd:(rank + 1) * kvh * hd],
                 v[rank * kvh * hd:(rank + 1) * kvh * hd]]
@@ -83,7 +83,7 @@ def shard_weights(model: LlamaModel, world: int, rank: int) -> dict:
             gate_up=torch.cat([gate[sl], up[sl]]).contiguous(),
             down=lw.down[:, sl].contiguous()))
     embed = _vocab_slice(model.embed, world, rank).contiguous()
-    tied = model.lm_head is model.embed
+    tied = model.tied_lm_head
     lm_head = embed if tied else _vocab_slice(model.lm_head, world, rank).contiguous()
     return {"layers": layers, "embed": embed, "lm_head": lm_head,
             "final_norm": model.final_norm.clone()}

@@ -1,22 +1,39 @@
 """kernels.cpu_attention.StepPlan (the engine's CPU path) against kernels.reference: the same
 cache writes and the same attention, for a mixed step (decode rows, a prefill with cached
 context, a fresh prefill, a padding slot), float and quantized pages; bad steps are rejected
-before anything is written."""
+before anything is written. Decode runs both ways: through the native kernel
+(kernels/cpu_native.py) and through torch ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import quant, reference
+import shutil
+
+from kernels import cpu_native, quant, reference
 from kernels.cpu_attention import DECODE_GROUP, StepPlan
 
 BS, NB, HQ, HKV, D = 4, 64, 6, 2, 16
+HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))
 
 
-def _step(num_decode: int = DECODE_GROUP + 3):
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Run the test with the native decode kernel, then with the torch ops path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_native, "supports", lambda k_cache, v_cache: False)
+    elif not HAS_CC:
+        pytest.skip("no C compiler on this machine: the native kernel cannot be built")
+    else:
+        assert cpu_native.paged_decode_kernel() is not None, "the native kernel did not build"
+    return request.param
+
+
+def _step(num_decode: int = DECODE_GROUP + 3, padding: bool = True):
     """Sequences: ``num_decode`` decoding (lengths 1..), one prefill of 5 tokens after 6
-    cached, one fresh prefill of 3; a padding token (slot -1) at the end of the batch."""
+    cached, one fresh prefill of 3; a padding token (slot -1) at the end of the batch
+    unless ``padding`` is False."""
     g = torch.Generator().manual_seed(0)
     seq_lens, q_lens = [], []
     for i in range(num_decode):
@@ -33,9 +50,10 @@ def _step(num_decode: int = DECODE_GROUP + 3):
         tables.append(torch.cat([own, torch.full((width - own.numel(),), NB + 7)]))  # junk pad
         for pos in range(n - q, n):
             slots.append(int(own[pos // BS]) * BS + pos % BS)
-    q_lens[-1] += 1  # the padding token rides with the last sequence's queries, as one
-    seq_lens[-1] += 1  # more position whose key is never written (both sides read the same)
-    slots.append(-1)
+    if padding:
+        q_lens[-1] += 1  # the padding token rides with the last sequence's queries, as one
+        seq_lens[-1] += 1  # more position whose key is never written (both read the same)
+        slots.append(-1)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return (torch.tensor(slots), torch.stack(tables).to(torch.int32),
             torch.tensor(seq_lens, dtype=torch.int32), cu)
@@ -52,9 +70,12 @@ def _caches(fmt: str):
     return k, k.clone(), *scales
 
 
-@pytest.mark.parametrize("fmt", ["auto", "int8"])
-def test_plan_matches_the_reference(fmt):
-    slots, tables, lens, cu = _step()
+@pytest.mark.parametrize("fmt,padding", [("auto", True), ("auto", False), ("int8", True),
+                                         ("fp8", False)])
+def test_plan_matches_the_reference(fmt, padding, decode_path):
+    """With no padding slot the fresh prefill attends over the K/V it was given (auto
+    pages): still the reference's result. fp8 pages are written as bytes."""
+    slots, tables, lens, cu = _step(padding=padding)
     last = tables.shape[0] - 1
     need = (int(lens[last]) + BS - 1) // BS
     assert int(tables[last, need - 1]) < NB, "the padding position lands on an owned page"
@@ -64,9 +85,15 @@ def test_plan_matches_the_reference(fmt):
     k = torch.randn(num_tokens, HKV, D, generator=g)
     v = torch.randn(num_tokens, HKV, D, generator=g)
     ref_caches, plan_caches = _caches(fmt), _caches(fmt)
+    if fmt == "fp8":  # per-head scales
+        ref_caches = (*ref_caches[:2], torch.full((HKV,), 0.05), torch.full((HKV,), 0.07))
+        plan_caches = (*plan_caches[:2], *(s.clone() for s in ref_caches[2:]))
     # pre-fill the cached context identically in both (random history)
     for a, b in zip(ref_caches, plan_caches, strict=True):
-        if a is not None and a.dtype.is_floating_point:
+        if a is not None and a.dtype == quant.FP8_DTYPE:
+            a.copy_(torch.randn(a.shape, generator=g).to(a.dtype))
+            b.view(torch.uint8).copy_(a.view(torch.uint8))
+        elif a is not None and a.dtype.is_floating_point and a.dim() > 1:
             a.copy_(torch.randn(a.shape, generator=g).to(a.dtype))
             b.copy_(a)
         elif a is not None:
@@ -81,12 +108,13 @@ def test_plan_matches_the_reference(fmt):
     got = plan.forward(q, k, v, pkc, pvc, D ** -0.5, k_scale=pks, v_scale=pvs)
     for a, b in zip(ref_caches, plan_caches, strict=True):
         if a is not None:
-            assert torch.equal(a, b)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) \
+                if a.dtype == quant.FP8_DTYPE else torch.equal(a, b)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_pages_compute_in_fp32_and_return_bf16():
+def test_bf16_pages_compute_in_fp32_and_return_bf16(decode_path):
     slots, tables, lens, cu = _step(num_decode=3)
     g = torch.Generator().manual_seed(2)
     n = int(cu[-1])
@@ -117,3 +145,38 @@ def test_bad_steps_raise_before_writing():
         plan.forward(torch.zeros(n, HQ, D), torch.ones(n, HKV + 1, D), torch.ones(n, HKV + 1, D),
                      kc, vc, 1.0)
     assert not kc.any() and not vc.any()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_reads_pages_in_place(dtype):
+    """Long, ragged decodes (GQA group 3, pages shuffled, a table wider than needed with
+    junk past each length): the native kernel equals the reference, and float32/bfloat16
+    pages take it."""
+    g = torch.Generator().manual_seed(3)
+    seqs, bs, nb = 5, 16, 200
+    kc = torch.randn(nb, bs, HKV, D, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, HKV, D, generator=g).to(dtype)
+    lens = torch.tensor([1, 17, 200, 333, 64])
+    tables = torch.full((seqs, 30), nb + 99)
+    perm = torch.randperm(nb, generator=g)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        need = (n + bs - 1) // bs
+        tables[i, :need] = perm[used:used + need]
+        used += need
+    q = torch.randn(seqs, HQ, D, generator=g)
+    assert cpu_native.supports(kc, vc)
+    got = cpu_native.paged_decode(q, kc, vc, tables, lens, 0.3)
+    want = reference.paged_attention(q, kc.float(), vc.float(), tables.int(), lens.int(),
+                                     torch.arange(seqs + 1, dtype=torch.int32), 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_declines_what_it_cannot_read():
+    """Quantized, fp16 and strided pages take the torch path."""
+    int8 = torch.zeros(4, BS, HKV, D, dtype=torch.int8)
+    fp16 = torch.zeros(4, BS, HKV, D, dtype=torch.float16)
+    strided = torch.zeros(4, BS, HKV, 2 * D)[..., :D]
+    for pages in (int8, fp16, strided):
+        assert not cpu_native.supports(pages, pages)

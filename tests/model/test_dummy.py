@@ -36,11 +36,12 @@ def test_same_seed_same_weights_other_seed_other_weights():
     b, _, _ = load_model("dummy:tiny", seed=3)
     c, _, _ = load_model("dummy:tiny", seed=4)
     assert tok is None
-    assert torch.equal(a.layers[1].qkv, b.layers[1].qkv) and torch.equal(a.lm_head, b.lm_head)
-    assert not torch.equal(a.layers[1].qkv, c.layers[1].qkv)
+    assert torch.equal(a.dense_layers()[1].qkv, b.dense_layers()[1].qkv)
+    assert torch.equal(a.lm_head, b.lm_head)
+    assert not torch.equal(a.dense_layers()[1].qkv, c.dense_layers()[1].qkv)
     bf16, _, _ = load_model("dummy:tiny", dtype=torch.bfloat16, seed=3)
     assert bf16.dtype == torch.bfloat16  # the same draws, rounded
-    assert torch.equal(bf16.layers[0].down, a.layers[0].down.to(torch.bfloat16))
+    assert torch.equal(bf16.dense_layers()[0].down, a.dense_layers()[0].down.to(torch.bfloat16))
 
 
 def test_llm_with_load_format_dummy_generates_from_token_ids():

@@ -1,0 +1,130 @@
+"""Native CPU kernels: C sources in kernels/, built with the system C compiler at first use
+and called through ctypes (no torch headers, so a build takes about a second).
+
+Invariants:
+  * optional: ``paged_decode_kernel()`` returns None when there is no compiler, the build
+    or the load fails, or ``KVSCOPE_CPU_ATTENTION=torch`` is set (A/B runs); callers then
+    take their torch path. The reason is logged once;
+  * a built library is cached under ``$KVSCOPE_HOME/native`` (default ~/.cache/kvscope),
+    named by a hash of the source, the flags, the compiler and the CPU model (built with
+    ``-march=native``), written to a temporary name and renamed, so concurrent processes
+    (tensor-parallel workers) never load a half-written file;
+  * the library links libgomp.so.1, which torch has already loaded: the dynamic loader
+    reuses it, so the kernel and torch share one OpenMP thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+         "-fno-strict-aliasing")
+# KVSCOPE_CPU_ATTENTION=torch forces the torch ops path (the A/B baseline).
+ENV_BACKEND = "KVSCOPE_CPU_ATTENTION"
+PAGE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cache_dir() -> Path:
+    home = os.environ.get("KVSCOPE_HOME") or Path.home() / ".cache" / "kvscope"
+    return Path(home) / "native"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout.splitlines()[:1]
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), str(version).encode(),
+                                     platform.machine().encode(), _cpu_model().encode()]))
+    out = _cache_dir() / f"cpu_paged_decode-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def paged_decode_kernel() -> ctypes.CDLL | None:
+    """The built decode kernel, or None (reason logged once) when it cannot be used."""
+    if os.environ.get(ENV_BACKEND, "").lower() == "torch":
+        log.info("%s=torch: CPU decode attention uses torch ops", ENV_BACKEND)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU decode attention uses torch ops (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("native CPU decode kernel unavailable (%s): using torch ops", exc)
+        return None
+    fn = lib.kvscope_paged_decode
+    fn.restype = ctypes.c_int
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [p, p, p, i, p, i64, p, i, i, i, i, i, ctypes.c_float, p, i]
+    return lib
+
+
+def supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native kernel can read these pages in place: plain (unscaled) float32 or
+    bfloat16 pages, contiguous, on the CPU."""
+    return (k_cache.device.type == "cpu" and k_cache.dtype in PAGE_DTYPES and
+            v_cache.dtype == k_cache.dtype and k_cache.is_contiguous() and
+            v_cache.is_contiguous() and paged_decode_kernel() is not None)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One query token per sequence: q [S, Hq, D] -> [S, Hq, D] float32.
+
+    ``block_tables`` [S, P] and ``seq_lens`` [S] int64, contiguous, already validated
+    (every length >= 1 and within its table, every used block id < num_blocks): the kernel
+    trusts them. Caches as ``supports`` requires."""
+    lib = paged_decode_kernel()
+    assert lib is not None and block_tables.dtype == seq_lens.dtype == torch.int64
+    q = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_q_heads, head_dim = q.shape
+    rc = lib.kvscope_paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), num_seqs, num_q_heads, k_cache.shape[2], head_dim,
+        k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("native CPU decode kernel could not allocate its scratch buffers")
+    return out
