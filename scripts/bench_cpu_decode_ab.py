@@ -1,8 +1,11 @@
 """Side-by-side CPU decode step time of the engine-work variants (issue 22), in ONE process,
 passes alternating, same requests: ``before`` (F.linear on row-major weights, attention
 metadata rebuilt and validated per layer by kernels.reference), ``packed`` (oneDNN packed
-linears only) and ``after`` (packed linears + kernels.cpu_attention.StepPlan). Prints ms per
-decode step per pass, the best of each, and the load average; nothing is asserted.
+linears only) and ``after`` (packed linears + kernels.cpu_attention.StepPlan); ``compiled``
+(``after`` + the torch.compile'd decode forward, engine.model.compiled, enforce_eager=False)
+and ``compiled-freeze`` (the same with dense linears traced into the graph and inductor's
+freezing, which packs them itself). Prints ms per decode step per pass, the best of each,
+the load average and each compiled variant's compile time; nothing is asserted.
 
     .venv/bin/python scripts/bench_cpu_decode_ab.py [--seqs 1,32] [--dtypes float32,bfloat16]
         [--steps 10] [--passes 3] [--context 128] [--variants before,packed,after]
@@ -16,15 +19,21 @@ import time
 
 
 def _engine(variant: str, dtype: str, seqs: int, context: int):  # noqa: ANN202
+    import torch._inductor.config
+
     from engine import LLM, SamplingParams
 
-    os.environ["KVSCOPE_CPU_LINEAR"] = "dense" if variant == "before" else "packed"
+    os.environ["KVSCOPE_CPU_LINEAR"] = "dense" if variant in ("before", "compiled-freeze") \
+        else "packed"
+    torch._inductor.config.freezing = variant == "compiled-freeze"
+    t0 = time.perf_counter()
     llm = LLM("smollm2", device="cpu", dtype=dtype, num_gpu_blocks=seqs * (context // 16 + 40)
-              + 64)
+              + 64, enforce_eager=not variant.startswith("compiled"))
+    load_s = time.perf_counter() - t0
     os.environ.pop("KVSCOPE_CPU_LINEAR")
     eng = llm.llm_engine
     attn = eng.runner.attn
-    attn.use_plan = variant == "after"
+    attn.use_plan = variant not in ("before", "packed")
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     for i in range(seqs):  # distinct prompts (no prefix sharing), lengths 0.5..1.5 x context
         n = context // 2 + (i * 37) % (context + 1)
@@ -33,8 +42,15 @@ def _engine(variant: str, dtype: str, seqs: int, context: int):  # noqa: ANN202
     while eng.scheduler.waiting or any(
             s.num_computed_tokens < len(s.all_token_ids) - 1 for s in eng.scheduler.running):
         eng.step()
+    t0 = time.perf_counter()
     for _ in range(2):
         eng.step()
+    torch._inductor.config.freezing = False
+    compiled = eng.runner.compiled
+    if compiled is not None:
+        print(f"{variant} {dtype} seqs={seqs}: engine load {load_s:.1f} s, first decode steps "
+              f"{time.perf_counter() - t0:.1f} s, compile s per bucket "
+              f"{compiled.compiled_buckets}, enabled={compiled.enabled}", flush=True)
     return eng
 
 
