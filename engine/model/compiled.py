@@ -209,9 +209,12 @@ class CompiledDecodeForward:
         t0 = time.perf_counter()
         log.info("compiling the CPU decode forward for %d token(s) (one-off)", bucket)
         try:
-            with torch.inference_mode():  # the real steps' inputs are these same tensors
+            # Every engine in the process shares the traced code's cache: a bucket of another
+            # model or dtype is one more entry; dynamo's default limit (8) would make the 9th
+            # silently eager.
+            with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=256):
                 ids = torch.zeros(bucket, dtype=torch.int64, device=self.model.device)
-                inputs = (ids, ids.clone())
+                inputs = (ids, ids.clone())  # the real steps' inputs are these same tensors
                 self._fn(*inputs)
         except Exception as e:  # noqa: BLE001 (a compile failure must never stop the engine)
             self.enabled = False
