@@ -65,3 +65,12 @@ def test_no_cpp_compiler_runs_eagerly(monkeypatch, caplog):
 def test_buckets():
     assert [compiled_mod.bucket_for(n) for n in (1, 2, 3, 5, 128)] == [1, 2, 4, 8, 128]
     assert compiled_mod.bucket_for(129) is None
+
+
+def test_cli_switch():
+    from engine.cli import build_parser
+
+    for cmd in (["serve"], ["generate", "hi"]):
+        assert build_parser().parse_args(cmd).enforce_eager is True
+        assert build_parser().parse_args([*cmd, "--no-enforce-eager"]).enforce_eager is False
+        assert build_parser().parse_args([*cmd, "--enforce-eager"]).enforce_eager is True
