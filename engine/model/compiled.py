@@ -174,8 +174,8 @@ class CompiledDecodeForward:
         self.model = model
         self.enabled = True
         self.compiled_buckets: dict[int, float] = {}  # bucket -> seconds its compile took
-        # Per bucket, the graph's input tensors (token ids, positions), reused every step: the
-        # one kind of tensor every call (an inference tensor), so dynamo never recompiles.
+        # Per bucket, the graph's input tensors (token ids, positions), reused every step:
+        # always the same kind of tensor (an inference tensor), so dynamo never recompiles.
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._traced = _TracedModel(model).eval()
         self._fn = torch.compile(self._traced, fullgraph=True, dynamic=False)
