@@ -56,6 +56,10 @@ class EngineConfig:
     # arrival order beside the running decodes, not all at once after a step boundary).
     max_prefill_tokens_with_decodes: int = 0
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
+    # vLLM's name: True runs the model eagerly. False: on CPU the decode forward is
+    # torch.compile'd per padded batch-size bucket (engine.model.compiled); on GPU it will
+    # gate CUDA graphs (issue 18), for now GPU runs eagerly either way.
+    enforce_eager: bool = True
     # parallelism (vLLM's name): ranks that split the heads and the MLP (engine.distributed)
     tensor_parallel_size: int = 1
     # events

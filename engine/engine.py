@@ -123,7 +123,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size,
                                       self.device, self.dtype,
-                                      kv_cache_dtype=config.kv_cache_dtype, mixed=self.mixed)
+                                      kv_cache_dtype=config.kv_cache_dtype, mixed=self.mixed,
+                                      enforce_eager=config.enforce_eager)
         self.swapper = None  # the cpu tier's tensors (engine.swapper)
         if num_cpu_blocks:
             from engine.swapper import Swapper

@@ -19,6 +19,7 @@ import torch
 
 import kernels
 from engine.cache.page_format import KVPages, page_format
+from engine.model.compiled import maybe_compiled
 from engine.scheduler import ScheduledSeq
 from kernels import quant
 from kernels.cpu_attention import StepPlan
@@ -125,8 +126,10 @@ def keep_freed_memory() -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, *,
-                 kv_cache_dtype: str = "auto", mixed=None) -> None:
+                 kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool = True) -> None:
         self.model, self.cfg = model, model_config
+        # CPU: the torch.compile'd decode forward unless enforce_eager (engine.model.compiled)
+        self.compiled = maybe_compiled(model, device, enforce_eager)
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         if device.type == "cpu":
             keep_freed_memory()
@@ -197,7 +200,11 @@ class ModelRunner:
         logits with ``logits_of`` a slice at a time (a whole prompt's logits is
         tokens x vocab floats)."""
         self.attn.batch = batch
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.attn)
+        if self.compiled is not None:  # one token per sequence: a pure decode step
+            pure_decode = batch.input_ids.shape[0] == batch.seq_lens.shape[0]
+            hidden = self.compiled(batch.input_ids, batch.positions, self.attn, pure_decode)
+        else:
+            hidden = self.model.forward(batch.input_ids, batch.positions, self.attn)
         kept = hidden[torch.as_tensor(rows, dtype=torch.int64, device=hidden.device)] \
             if rows else None
         if batch.sample_index.numel() == 0:

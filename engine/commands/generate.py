@@ -19,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
 
         start = time.perf_counter()
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-                  load_format=args.load_format)
+                  load_format=args.load_format, enforce_eager=args.enforce_eager)
         load_s = time.perf_counter() - start
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -84,4 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stats", action="store_true", help="print load time and tokens/s")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the model eagerly (default); --no-enforce-eager: torch.compile "
+                        "the CPU decode forward (engine.model.compiled)")
     p.set_defaults(func=_generate)

@@ -87,6 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "decodes; 0: up to --max-num-batched-tokens, as vLLM)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the model eagerly (default). --no-enforce-eager: on CPU, "
+                        "torch.compile the decode forward per padded batch size (a one-off "
+                        "compile of ~15-50 s per batch-size bucket on first use)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (gloo on CPU, NCCL on CUDA)")
     p.set_defaults(func=_run)
@@ -97,7 +101,7 @@ ENGINE_FLAGS = ("model", "load_format", "device", "dtype", "seed", "block_size",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
                 "tensor_parallel_size", "kv_demotion", "kv_hot_window",
-                "max_prefill_tokens_with_decodes")
+                "max_prefill_tokens_with_decodes", "enforce_eager")
 
 
 def _run(args: argparse.Namespace) -> int:
