@@ -6,10 +6,10 @@ before anything is written. Decode runs both ways: through the native kernel
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-
-import shutil
 
 from kernels import cpu_native, quant, reference
 from kernels.cpu_attention import DECODE_GROUP, StepPlan
