@@ -166,6 +166,8 @@ def process_group(cmd: list[str], log: Path, env: dict[str, str],
     try:
         yield proc
     finally:
+        with contextlib.suppress(ProcessLookupError):  # a paused group (run_alone) wakes
+            os.killpg(proc.pid, signal.SIGCONT)        # first, so SIGTERM can end it
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
@@ -222,6 +224,11 @@ class Worker:
                 if "error" in reply:
                     raise RuntimeError(f"worker: {reply['error']}")
                 return reply
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP / SIGCONT the worker's whole process group."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def ask(self, op: dict[str, Any], timeout: float = 1800.0) -> dict[str, Any]:
         self.proc.stdin.write((json.dumps(op) + "\n").encode())
@@ -508,9 +515,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_alone(workers: dict[str, Worker], name: str) -> Worker:
+    """Pause every other worker, wake ``name``'s: the measured engine has the CPU to itself.
+    An idle vLLM worker's OpenMP threads keep spinning (load +1 on this 2-core box), which
+    would slow whichever engine runs beside it."""
+    for other, w in workers.items():
+        if other != name:
+            w.pause(True)
+    workers[name].pause(False)
+    return workers[name]
+
+
 def _offline(dtype: str, workloads: list[str], engines: dict[str, Engine],
              args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -> None:
-    """Both workers loaded side by side (idle while the other runs), passes alternate."""
+    """All workers loaded side by side, passes alternate; the one measured runs alone (the
+    others paused with SIGSTOP, ``run_alone``)."""
     inputs = {w: tokenize(result["hf_dir"], make_prompts(*OFFLINE[w][:1], args.seed))
               for w in workloads if w in OFFLINE}
     tpot_prompt = tokenize(result["hf_dir"], make_prompts(1, args.seed + 1))[0]
@@ -528,7 +547,8 @@ def _offline(dtype: str, workloads: list[str], engines: dict[str, Engine],
         outputs: dict[tuple[str, str], list[list[int]]] = {}
         for p in range(args.passes):
             for wl in workloads:
-                for name, w in workers.items():
+                for name in workers:
+                    w = run_alone(workers, name)
                     if wl == "tpot":
                         r = w.ask({"op": "tpot", "prompt_ids": tpot_prompt,
                                    "tokens": TPOT_TOKENS})

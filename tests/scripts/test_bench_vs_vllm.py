@@ -88,3 +88,25 @@ def test_before_ref_that_is_not_a_commit_is_a_clear_error(tmp_path):
                         "--before", "no-such-ref-xyz"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--before no-such-ref-xyz: not a commit" in r.stderr
+
+
+def _state(pid: int) -> str:
+    # /proc/PID/stat: "pid (comm) STATE ..."
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_measured_worker_runs_alone_and_paused_groups_still_end(tmp_path):
+    """run_alone stops every other worker's process group (state T) and wakes the measured
+    one; process_group's exit ends a paused group too."""
+    import time
+
+    with bench.process_group(["sleep", "60"], tmp_path / "a.log", {}) as a, \
+            bench.process_group(["sleep", "60"], tmp_path / "b.log", {}) as b:
+        workers = {"a": bench.Worker(a), "b": bench.Worker(b)}
+        assert bench.run_alone(workers, "a") is workers["a"]
+        time.sleep(0.2)
+        assert _state(b.pid) == "T" and _state(a.pid) != "T"
+        bench.run_alone(workers, "b")
+        time.sleep(0.2)
+        assert _state(a.pid) == "T" and _state(b.pid) != "T"
+    assert a.poll() is not None and b.poll() is not None
