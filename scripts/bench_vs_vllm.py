@@ -463,8 +463,9 @@ async def drive(url: str, prompts: list[list[int]], max_tokens: int,
 
 @contextlib.contextmanager
 def start_server(engine: Engine, dtype: str, threads: int,
-                 log: Path) -> Iterator[tuple[str, float]]:
-    """One engine's OpenAI server, warmed up; yields (url, seconds to healthy)."""
+                 log: Path) -> Iterator[tuple[str, float, Worker]]:
+    """One engine's OpenAI server, warmed up; yields (url, seconds to healthy, a handle
+    that can pause it)."""
     import asyncio
 
     port = free_port()
@@ -475,7 +476,7 @@ def start_server(engine: Engine, dtype: str, threads: int,
                        stdout=subprocess.DEVNULL, cwd=engine_cwd(engine)) as proc:
         start_s = wait_healthy(url, proc, LOAD_TIMEOUT_S)
         asyncio.run(drive(url, [[1, 2, 3, 4]] * 2, 4, 2))  # warm-up
-        yield url, start_s
+        yield url, start_s, Worker(proc)
 
 
 # ---------------------------------------------------------------- parent
@@ -577,22 +578,23 @@ def _offline(dtype: str, workloads: list[str], engines: dict[str, Engine],
 
 def _served(dtype: str, engines: dict[str, Engine], args: argparse.Namespace,
             workdir: Path, result: dict[str, Any]) -> None:
-    """Both servers up (an idle one costs nothing); the client drives one at a time,
-    alternating pass by pass."""
+    """All servers up; the client drives one at a time, alternating pass by pass, the
+    others paused (``run_alone``: an idle vLLM server's threads spin)."""
     import asyncio
 
     per: dict[str, list[dict[str, float]]] = {n: [] for n in engines}
     with contextlib.ExitStack() as stack:
-        urls = {}
+        urls, servers = {}, {}
         for name, engine in engines.items():
             print(f"starting {name} server {dtype} ...", flush=True)
-            urls[name], start_s = stack.enter_context(start_server(
+            urls[name], start_s, servers[name] = stack.enter_context(start_server(
                 engine, dtype, args.threads, workdir / f"{name}-serve.log"))
             result["info"][f"{dtype} {name} server start_s"] = round(start_s, 1)
         for p in range(args.passes):
             # new prompts each pass (the same for both): no hits on the last pass's prefixes
             prompts = _served_prompts(result["hf_dir"], args.seed + 1000 * (p + 1))
             for name, url in urls.items():
+                run_alone(servers, name)
                 per[name].append(asyncio.run(drive(url, prompts, SERVED["max_tokens"],
                                                    SERVED["concurrency"])))
                 print(f"{dtype} served pass {p + 1}/{args.passes} {name}: "
