@@ -8,9 +8,13 @@
  * kv head h / (num_q_heads / num_kv_heads) (GQA). The caller validated every length and
  * block id (kernels.cpu_attention.StepPlan does, once per step): this file trusts them.
  *
- * One task per sequence (per (sequence, kv head) when there are few sequences), split over
- * OpenMP threads: a token's row (all kv heads) is read once, front to back through the
- * pages. Two passes: scores for every key, then softmax weights times V.
+ * One task per sequence, split over OpenMP threads: a token's row (all kv heads) is read
+ * once, front to back through the pages. Two passes: scores for every key, then softmax
+ * weights times V. Not split by kv head when sequences are few: each task would read a
+ * third of every row with a stride, measured slower in the engine step than the torch
+ * gather path once the pages come from DRAM (docs/BENCHMARKS.md, issue 22); a long single
+ * sequence therefore runs on one thread (split-K over the token range is the way to use
+ * more).
  * Built by kernels/cpu_native.py with the C compiler at first use; linked against the
  * process's already-loaded libgomp (torch's), so there is one OpenMP thread pool.
  */
@@ -33,13 +37,13 @@ static inline const float *load_row(const void *cache, int is_bf16, int64_t slot
     return dst;
 }
 
-/* One task: sequence s, kv heads [kv_lo, kv_hi), with their query heads. */
+/* One task: one sequence's query heads [0, num_q_heads) over its len keys. */
 static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                    const int64_t *table, int64_t len, int num_q_heads, int num_kv_heads,
-                   int head_dim, int block_size, float scale, int kv_lo, int kv_hi,
-                   float *out, float *scores, float *row) {
+                   int head_dim, int block_size, float scale, float *out, float *scores,
+                   float *row) {
     const int group = num_q_heads / num_kv_heads, width = num_kv_heads * head_dim;
-    const int h_lo = kv_lo * group, h_hi = kv_hi * group;
+    const int h_lo = 0, h_hi = num_q_heads;
     /* pass 1: scores[h][t] = scale * <q_h, k_t>, reading each token's row once, in page
      * order (a page is block_size consecutive rows) */
     for (int64_t t = 0; t < len; t++) {
@@ -87,11 +91,8 @@ int kvscope_paged_decode(const float *q, const void *k_cache, const void *v_cach
                          const int64_t *seq_lens, int num_seqs, int num_q_heads,
                          int num_kv_heads, int head_dim, int block_size, float scale,
                          float *out, int num_threads) {
-    /* A task is a whole sequence (its rows read front to back); with fewer sequences than
-     * two per thread, a task is one kv head of a sequence so every thread has work. */
-    const int split = num_seqs < 2 * num_threads ? num_kv_heads : 1;
-    const int64_t tasks = (int64_t)num_seqs * split;
-    const int kv_per_task = num_kv_heads / split;
+    /* A task is a whole sequence, its rows read front to back (file comment). */
+    const int64_t tasks = num_seqs;
     int64_t max_len = 1;
     for (int s = 0; s < num_seqs; s++)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
@@ -108,11 +109,10 @@ int kvscope_paged_decode(const float *q, const void *k_cache, const void *v_cach
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (failed) continue;
-            const int s = (int)(task / split), kv_lo = (int)(task % split) * kv_per_task;
-            const int64_t seq_q = (int64_t)s * num_q_heads * head_dim;
+            const int64_t s = task, seq_q = s * num_q_heads * head_dim;
             attend(q + seq_q, k_cache, v_cache, is_bf16, block_tables + s * table_stride,
-                   seq_lens[s], num_q_heads, num_kv_heads, head_dim, block_size, scale, kv_lo,
-                   kv_lo + kv_per_task, out + seq_q, scores, row);
+                   seq_lens[s], num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                   out + seq_q, scores, row);
         }
         free(scores);
         free(row);
