@@ -26,6 +26,7 @@ A rejected step raises ValueError before layer 0 writes anything.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -93,33 +94,13 @@ class StepPlan:
         self.write_slots = valid
 
         decode = (q_lens == 1).nonzero().flatten()
-        self.decode_groups: list[_DecodeGroup] = []
-        order = decode[torch.argsort(lens[decode], stable=True)]
-        tables = block_tables.long()
-        group_pages: list[torch.Tensor] = []
-        page_lo = 0
-        for lo in range(0, order.numel(), DECODE_GROUP):
-            seqs = order[lo:lo + DECODE_GROUP]
-            group_lens = lens[seqs]
-            num_pages = (int(group_lens.max()) + block_size - 1) // block_size
-            group_pages.append(tables[seqs, :num_pages].clamp(0, num_blocks - 1).flatten())
-            keys = torch.arange(num_pages * block_size)
-            visible = (keys[None, :] < group_lens[:, None])[:, None, None, :]
-            page_hi = page_lo + group_pages[-1].numel()
-            self.decode_groups.append(_DecodeGroup(first=lo, page_lo=page_lo, page_hi=page_hi,
-                                                   visible=visible, num_seqs=seqs.numel()))
-            page_lo = page_hi
-        # every group's pages, concatenated (clamped: the masks hide extras)
-        self.decode_pages = torch.cat(group_pages) if group_pages else None
-        self.decode_rows = cu[order]  # query rows of the decodes, in group order
-        # A pure decode batch: the sorted outputs, put back in row order, are the result.
         self.decode_only = decode.numel() == q_lens.numel()
-        # The native kernel (kernels/cpu_native.py) reads every decode's pages in place, in
-        # row order: no sorting, groups or gathers.
+        # The decodes in row order, as the native kernel (kernels/cpu_native.py) reads them:
+        # every decode's pages in place, no sorting, groups or gathers.
+        tables = block_tables.long()
         self.native_rows = cu[decode]
         self.native_tables = tables[decode].contiguous()
         self.native_lens = lens[decode].contiguous()
-        self.unsort = torch.argsort(self.decode_rows) if self.decode_only else None
         self.prefills: list[_PrefillSeq] = []
         for b in (q_lens != 1).nonzero().flatten().tolist():
             start, end, seq_len = int(cu[b]), int(cu[b + 1]), int(lens[b])
@@ -129,6 +110,34 @@ class StepPlan:
             if context > 0:  # query i sees keys < context + i + 1
                 visible = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + context
             self.prefills.append(_PrefillSeq(start, end, seq_len, pages, visible))
+
+    @functools.cached_property
+    def _torch_decode(self) -> tuple[list[_DecodeGroup], torch.Tensor, torch.Tensor,
+                                     torch.Tensor | None]:
+        """The torch path's decode metadata (groups, their concatenated pages, query rows in
+        group order, the unsort of a pure-decode batch), built on first use: a step whose
+        pages the native kernel reads never pays for it."""
+        lens, bs, nb = self.native_lens, self.block_size, self.num_blocks
+        order = torch.argsort(lens, stable=True)  # positions among the decodes
+        groups: list[_DecodeGroup] = []
+        group_pages: list[torch.Tensor] = []
+        page_lo = 0
+        for lo in range(0, order.numel(), DECODE_GROUP):
+            seqs = order[lo:lo + DECODE_GROUP]
+            group_lens = lens[seqs]
+            num_pages = (int(group_lens.max()) + bs - 1) // bs
+            group_pages.append(self.native_tables[seqs, :num_pages].clamp(0, nb - 1).flatten())
+            keys = torch.arange(num_pages * bs)
+            visible = (keys[None, :] < group_lens[:, None])[:, None, None, :]
+            page_hi = page_lo + group_pages[-1].numel()
+            groups.append(_DecodeGroup(first=lo, page_lo=page_lo, page_hi=page_hi,
+                                       visible=visible, num_seqs=seqs.numel()))
+            page_lo = page_hi
+        rows = self.native_rows[order]  # query rows of the decodes, in group order
+        # a pure decode batch: the sorted outputs, put back in row order, are the result
+        unsort = torch.argsort(rows) if self.decode_only else None
+        # every group's pages, concatenated (clamped: the masks hide extras)
+        return groups, torch.cat(group_pages), rows, unsort
 
     def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -192,8 +201,8 @@ class StepPlan:
         out = None
         if not self.decode_only:
             out = torch.empty(q.shape, dtype=COMPUTE_DTYPE, device=q.device)
-        if self.decode_groups and kv.k_scale is None and \
-                cpu_native.supports(kv.k_cache, kv.v_cache):
+        has_decodes = self.native_rows.numel() > 0
+        if has_decodes and kv.k_scale is None and cpu_native.supports(kv.k_cache, kv.v_cache):
             o = cpu_native.paged_decode(q if self.decode_only else
                                         q.index_select(0, self.native_rows), kv.k_cache,
                                         kv.v_cache, self.native_tables, self.native_lens, scale)
@@ -201,15 +210,16 @@ class StepPlan:
                 out = o
             else:
                 out.index_copy_(0, self.native_rows, o)
-        elif self.decode_groups:
-            queries = q.index_select(0, self.decode_rows).to(COMPUTE_DTYPE).unsqueeze(2)
+        elif has_decodes:
+            groups, pages, rows, unsort = self._torch_decode
+            queries = q.index_select(0, rows).to(COMPUTE_DTYPE).unsqueeze(2)
             outs = []
-            for g in self.decode_groups:
+            for g in groups:
                 shape = (g.num_seqs, -1, num_kv_heads, head_dim)
                 # one gather per group, right before its SDPA: a group's K/V (~1 MB fp32)
                 # is still in cache when SDPA reads it; one gather for all groups measured
                 # slower (kernels docs, docs/BENCHMARKS.md)
-                k, v = kv.gather(self.decode_pages[g.page_lo:g.page_hi], COMPUTE_DTYPE)
+                k, v = kv.gather(pages[g.page_lo:g.page_hi], COMPUTE_DTYPE)
                 k = k.view(shape).transpose(1, 2)  # [m, Hkv, L, D]
                 v = v.view(shape).transpose(1, 2)
                 qg = queries[g.first:g.first + g.num_seqs]
@@ -217,9 +227,9 @@ class StepPlan:
                                                            scale=scale, enable_gqa=True))
             o = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
             if out is None:
-                out = o.index_select(0, self.unsort)
+                out = o.index_select(0, unsort)
             else:
-                out.index_copy_(0, self.decode_rows, o)
+                out.index_copy_(0, rows, o)
         for p in self.prefills:
             if given is not None and p.visible is None:  # fresh: its keys are its own rows
                 k = given[0][p.start:p.end].to(COMPUTE_DTYPE)

@@ -43,23 +43,22 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
                    int head_dim, int block_size, float scale, float *out, float *scores,
                    float *row) {
     const int group = num_q_heads / num_kv_heads, width = num_kv_heads * head_dim;
-    const int h_lo = 0, h_hi = num_q_heads;
     /* pass 1: scores[h][t] = scale * <q_h, k_t>, reading each token's row once, in page
      * order (a page is block_size consecutive rows) */
     for (int64_t t = 0; t < len; t++) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         const float *k = load_row(k_cache, is_bf16, slot, width, row);
-        for (int h = h_lo; h < h_hi; h++) {
+        for (int h = 0; h < num_q_heads; h++) {
             const float *qh = q + (int64_t)h * head_dim, *kh = k + (int64_t)(h / group) * head_dim;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-            scores[(int64_t)(h - h_lo) * len + t] = dot * scale;
+            scores[(int64_t)h * len + t] = dot * scale;
         }
     }
     /* softmax per head, in place */
-    for (int h = h_lo; h < h_hi; h++) {
-        float *sh = scores + (int64_t)(h - h_lo) * len;
+    for (int h = 0; h < num_q_heads; h++) {
+        float *sh = scores + (int64_t)h * len;
         float m = sh[0];
         for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
         float total = 0.0f;
@@ -71,13 +70,12 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         for (int64_t t = 0; t < len; t++) sh[t] *= inv;
     }
     /* pass 2: out_h = sum_t p[h][t] * v_t */
-    float *acc = out + (int64_t)h_lo * head_dim;
-    memset(acc, 0, sizeof(float) * (size_t)((h_hi - h_lo) * head_dim));
+    memset(out, 0, sizeof(float) * (size_t)(num_q_heads * head_dim));
     for (int64_t t = 0; t < len; t++) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         const float *v = load_row(v_cache, is_bf16, slot, width, row);
-        for (int h = h_lo; h < h_hi; h++) {
-            const float p = scores[(int64_t)(h - h_lo) * len + t];
+        for (int h = 0; h < num_q_heads; h++) {
+            const float p = scores[(int64_t)h * len + t];
             const float *vh = v + (int64_t)(h / group) * head_dim;
             float *ah = out + (int64_t)h * head_dim;
 #pragma omp simd
