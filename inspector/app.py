@@ -46,11 +46,12 @@ def make_app(offscreen: bool = False) -> Any:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
     from PySide6.QtWidgets import QApplication
 
-    from inspector import theme
+    from inspector import gui_gc, theme
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("kvscope inspector")
     theme.apply(app)
+    gui_gc.install()  # the live sources' threads must never free a Qt object
     return app
 
 

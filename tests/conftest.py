@@ -1,5 +1,19 @@
 """Shared test configuration. Area-specific fixtures live in tests/<area>/conftest.py."""
 
+import gc
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _qt_garbage_freed_on_the_main_thread(request: pytest.FixtureRequest):  # noqa: ANN201
+    """A test that built Qt objects collects its cycles before the next test starts: left
+    for later, a later test's worker thread could trip the collection and destroy a Qt
+    widget off the GUI thread (inspector/gui_gc.py says what that does)."""
+    yield
+    if "qapp" in request.fixturenames:
+        gc.collect()
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` skip, with the reason, where no CUDA device is visible (torch is
@@ -7,7 +21,6 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
-    import pytest
     import torch
 
     if torch.cuda.is_available():

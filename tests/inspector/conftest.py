@@ -46,10 +46,12 @@ def artifacts() -> Path:
 
 @pytest.fixture
 def app(qapp):  # noqa: ANN001
-    from inspector import theme
+    """The QApplication as ``kvscope inspect`` sets it up (theme, GUI-thread collection)."""
+    from inspector import gui_gc
+    from inspector.app import make_app
 
-    theme.apply(qapp)
-    return qapp
+    yield make_app()
+    gui_gc.uninstall()  # collects this test's Qt garbage here, on the GUI thread
 
 
 @pytest.fixture
