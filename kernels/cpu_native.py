@@ -53,20 +53,20 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+def _build(compiler: str, source_path: Path) -> Path:
+    source = source_path.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout.splitlines()[:1]
+                             timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), str(version).encode(),
                                      platform.machine().encode(), _cpu_model().encode()]))
-    out = _cache_dir() / f"cpu_paged_decode-{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *FLAGS, str(source_path), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -78,19 +78,29 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
+def load_library(source_name: str) -> ctypes.CDLL | None:
+    """kernels/<source_name> built (or found in the cache) and loaded, or None (reason
+    logged once) when there is no compiler or the build or the load fails. The caller sets
+    the functions' argtypes."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: %s not built, using torch ops (slower)", source_name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler, Path(__file__).with_name(source_name))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("native CPU kernels %s unavailable (%s): using torch ops", source_name, exc)
+        return None
+
+
+@functools.cache
 def paged_decode_kernel() -> ctypes.CDLL | None:
     """The built decode kernel, or None (reason logged once) when it cannot be used."""
     if os.environ.get(ENV_BACKEND, "").lower() == "torch":
         log.info("%s=torch: CPU decode attention uses torch ops", ENV_BACKEND)
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: CPU decode attention uses torch ops (slower)")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("native CPU decode kernel unavailable (%s): using torch ops", exc)
+    lib = load_library(SOURCE.name)
+    if lib is None:
         return None
     fn = lib.kvscope_paged_decode
     fn.restype = ctypes.c_int
