@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
-         "-fno-strict-aliasing")
+         "-fno-strict-aliasing", "-fno-math-errno")
 # KVSCOPE_CPU_ATTENTION=torch forces the torch ops path (the A/B baseline).
 ENV_BACKEND = "KVSCOPE_CPU_ATTENTION"
 PAGE_DTYPES = (torch.float32, torch.bfloat16)

@@ -12,9 +12,9 @@
  * once, front to back through the pages. Two passes: scores for every key, then softmax
  * weights times V. Not split by kv head when sequences are few: each task would read a
  * third of every row with a stride, measured slower in the engine step than the torch
- * gather path once the pages come from DRAM (docs/BENCHMARKS.md, issue 22); a long single
- * sequence therefore runs on one thread (split-K over the token range is the way to use
- * more).
+ * gather path once the pages come from DRAM (docs/BENCHMARKS.md, issue 22). Fewer
+ * sequences than threads split by key range instead (split-K: each chunk keeps its max
+ * and sum, merged exactly after), so one long sequence uses every thread.
  * Built by kernels/cpu_native.py with the C compiler at first use; linked against the
  * process's already-loaded libgomp (torch's), so there is one OpenMP thread pool.
  */
@@ -23,97 +23,202 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The row of one cached token: num_kv_heads * head_dim values, as float32 (converted into
- * dst when the pages are bfloat16). */
-static inline const float *load_row(const void *cache, int is_bf16, int64_t slot, int width,
-                                    float *dst) {
-    if (!is_bf16) return (const float *)cache + slot * width;
-    /* bfloat16 is the top half of a float32: widen by a shift (built with
-     * -fno-strict-aliasing, so the float buffer may be written as uint32) */
-    const uint16_t *src = (const uint16_t *)cache + slot * width;
-    uint32_t *bits = (uint32_t *)dst;
-#pragma omp simd
-    for (int d = 0; d < width; d++) bits[d] = (uint32_t)src[d] << 16;
-    return dst;
+#if defined(__GLIBC__) && defined(__x86_64__)
+/* glibc's vector expf (libmvec; math.h declares it only under -ffast-math, which this file
+ * avoids: linking with it would set flush-to-zero for the whole process) */
+__attribute__((__simd__("notinbranch"))) float expf(float);
+#endif
+
+/* bfloat16 is the top half of a float32: widen by a shift (vectorizes under omp simd) */
+static inline float bf16_to_f32(uint16_t x) {
+    union {
+        uint32_t u;
+        float f;
+    } c = {(uint32_t)x << 16};
+    return c.f;
+}
+static inline float f32_to_f32(float x) { return x; }
+
+/* One task: one sequence's query heads [0, num_q_heads) over its keys [t0, t1), for pages
+ * of element type T read through LOAD (widened to float32 in registers, never copied).
+ * Leaves the unnormalized output acc[h] = sum_t exp(s_ht - m_h) v_t with m[h] = max_t s_ht
+ * and l[h] = sum_t exp(s_ht - m_h), so that chunks of one sequence merge exactly
+ * (split-K). */
+#define DEFINE_ATTEND(NAME, T, LOAD)                                                          \
+    static void NAME(const float *q, const T *k_cache, const T *v_cache,                     \
+                     const int64_t *table, int64_t t0, int64_t t1, int num_q_heads,          \
+                     int num_kv_heads, int head_dim, int block_size, float scale, float *acc, \
+                     float *m, float *l, float *scores) {                                    \
+        const int group = num_q_heads / num_kv_heads, width = num_kv_heads * head_dim;       \
+        const int64_t n = t1 - t0;                                                           \
+        /* pass 1: scores[h][t] = scale * <q_h, k_t>, each token's row read once, in page   \
+         * order (a page is block_size consecutive rows) */                                  \
+        for (int64_t t = t0; t < t1; t++) {                                                  \
+            const T *k = k_cache + (table[t / block_size] * block_size + t % block_size) *   \
+                                       width;                                                \
+            for (int h = 0; h < num_q_heads; h++) {                                          \
+                const float *qh = q + (int64_t)h * head_dim;                                 \
+                const T *kh = k + (int64_t)(h / group) * head_dim;                           \
+                float dot = 0.0f;                                                            \
+                _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < head_dim; d++)    \
+                    dot += qh[d] * LOAD(kh[d]);                                              \
+                scores[(int64_t)h * n + (t - t0)] = dot * scale;                             \
+            }                                                                                \
+        }                                                                                    \
+        /* exp(s - max) per head, in place (vectorized through libmvec with glibc) */       \
+        for (int h = 0; h < num_q_heads; h++) {                                              \
+            float *sh = scores + (int64_t)h * n;                                             \
+            float mh = sh[0];                                                                \
+            for (int64_t t = 1; t < n; t++) mh = sh[t] > mh ? sh[t] : mh;                    \
+            float total = 0.0f;                                                              \
+            _Pragma("omp simd reduction(+ : total)") for (int64_t t = 0; t < n; t++) {       \
+                sh[t] = expf(sh[t] - mh);                                                    \
+                total += sh[t];                                                              \
+            }                                                                                \
+            m[h] = mh;                                                                       \
+            l[h] = total;                                                                    \
+        }                                                                                    \
+        /* pass 2: acc_h = sum_t p[h][t] * v_t */                                            \
+        memset(acc, 0, sizeof(float) * (size_t)(num_q_heads * head_dim));                    \
+        for (int64_t t = t0; t < t1; t++) {                                                  \
+            const T *v = v_cache + (table[t / block_size] * block_size + t % block_size) *   \
+                                       width;                                                \
+            for (int h = 0; h < num_q_heads; h++) {                                          \
+                const float p = scores[(int64_t)h * n + (t - t0)];                           \
+                const T *vh = v + (int64_t)(h / group) * head_dim;                           \
+                float *ah = acc + (int64_t)h * head_dim;                                     \
+                _Pragma("omp simd") for (int d = 0; d < head_dim; d++) ah[d] +=             \
+                    p * LOAD(vh[d]);                                                         \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+DEFINE_ATTEND(attend_f32, float, f32_to_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_f32)
+
+static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                   const int64_t *table, int64_t t0, int64_t t1, int num_q_heads,
+                   int num_kv_heads, int head_dim, int block_size, float scale, float *acc,
+                   float *m, float *l, float *scores) {
+    if (is_bf16)
+        attend_bf16(q, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads, head_dim,
+                    block_size, scale, acc, m, l, scores);
+    else
+        attend_f32(q, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads, head_dim,
+                   block_size, scale, acc, m, l, scores);
 }
 
-/* One task: one sequence's query heads [0, num_q_heads) over its len keys. */
-static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                   const int64_t *table, int64_t len, int num_q_heads, int num_kv_heads,
-                   int head_dim, int block_size, float scale, float *out, float *scores,
-                   float *row) {
-    const int group = num_q_heads / num_kv_heads, width = num_kv_heads * head_dim;
-    /* pass 1: scores[h][t] = scale * <q_h, k_t>, reading each token's row once, in page
-     * order (a page is block_size consecutive rows) */
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float *k = load_row(k_cache, is_bf16, slot, width, row);
-        for (int h = 0; h < num_q_heads; h++) {
-            const float *qh = q + (int64_t)h * head_dim, *kh = k + (int64_t)(h / group) * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-            scores[(int64_t)h * len + t] = dot * scale;
-        }
-    }
-    /* softmax per head, in place */
-    for (int h = 0; h < num_q_heads; h++) {
-        float *sh = scores + (int64_t)h * len;
-        float m = sh[0];
-        for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
-        float total = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            sh[t] = expf(sh[t] - m);
-            total += sh[t];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t t = 0; t < len; t++) sh[t] *= inv;
-    }
-    /* pass 2: out_h = sum_t p[h][t] * v_t */
-    memset(out, 0, sizeof(float) * (size_t)(num_q_heads * head_dim));
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float *v = load_row(v_cache, is_bf16, slot, width, row);
-        for (int h = 0; h < num_q_heads; h++) {
-            const float p = scores[(int64_t)h * len + t];
-            const float *vh = v + (int64_t)(h / group) * head_dim;
-            float *ah = out + (int64_t)h * head_dim;
-#pragma omp simd
-            for (int d = 0; d < head_dim; d++) ah[d] += p * vh[d];
-        }
-    }
-}
+/* A chunk of one sequence: keys [t0, t1); part indexes its partial results (-1: the
+ * sequence is one chunk, normalized straight into out). */
+typedef struct {
+    int seq, part;
+    int64_t t0, t1;
+} Task;
 
 int kvscope_paged_decode(const float *q, const void *k_cache, const void *v_cache,
                          int is_bf16, const int64_t *block_tables, int64_t table_stride,
                          const int64_t *seq_lens, int num_seqs, int num_q_heads,
                          int num_kv_heads, int head_dim, int block_size, float scale,
                          float *out, int num_threads) {
-    /* A task is a whole sequence, its rows read front to back (file comment). */
-    const int64_t tasks = num_seqs;
-    int64_t max_len = 1;
-    for (int s = 0; s < num_seqs; s++)
-        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+    const int64_t hd = (int64_t)num_q_heads * head_dim;
+    /* Fewer sequences than threads: cut each long one into key chunks (split-K) so every
+     * thread works; a chunk keeps at least MIN_CHUNK keys, below which the merge and the
+     * fork cost more than they save. */
+    enum { MIN_CHUNK = 128 };
+    const int want = num_seqs < num_threads ? (num_threads + num_seqs - 1) / num_seqs : 1;
+    int64_t num_tasks = 0, num_parts = 0, max_len = 1;
+    for (int s = 0; s < num_seqs; s++) {
+        int64_t c = seq_lens[s] / MIN_CHUNK;
+        c = c < want ? c : want;
+        num_tasks += c > 1 ? c : 1;
+        num_parts += c > 1 ? c : 0;
+    }
+    Task *tasks = malloc(sizeof(Task) * (size_t)num_tasks);
+    float *parts = malloc(sizeof(float) * (size_t)(num_parts * (hd + 2 * num_q_heads) + 1));
+    if (!tasks || !parts) {
+        free(tasks);
+        free(parts);
+        return -1;
+    }
+    int64_t i = 0, part = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int64_t len = seq_lens[s];
+        int64_t c = len / MIN_CHUNK;
+        c = c < want ? c : want;
+        if (c <= 1) {
+            tasks[i++] = (Task){s, -1, 0, len};
+            max_len = len > max_len ? len : max_len;
+            continue;
+        }
+        for (int64_t j = 0; j < c; j++) {
+            tasks[i++] = (Task){s, (int)part++, len * j / c, len * (j + 1) / c};
+            const int64_t n = len * (j + 1) / c - len * j / c;
+            max_len = n > max_len ? n : max_len;
+        }
+    }
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(num_q_heads * max_len));
-        float *row = malloc(sizeof(float) * (size_t)(num_kv_heads * head_dim));
-        if (!scores || !row) {
+        float *ml = malloc(sizeof(float) * (size_t)(2 * num_q_heads));
+        if (!scores || !ml) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
+        for (int64_t k = 0; k < num_tasks; k++) {
             if (failed) continue;
-            const int64_t s = task, seq_q = s * num_q_heads * head_dim;
-            attend(q + seq_q, k_cache, v_cache, is_bf16, block_tables + s * table_stride,
-                   seq_lens[s], num_q_heads, num_kv_heads, head_dim, block_size, scale,
-                   out + seq_q, scores, row);
+            const Task tk = tasks[k];
+            const float *qs = q + tk.seq * hd;
+            const int64_t *table = block_tables + tk.seq * table_stride;
+            if (tk.part < 0) {
+                float *o = out + tk.seq * hd;
+                attend(qs, k_cache, v_cache, is_bf16, table, tk.t0, tk.t1, num_q_heads,
+                       num_kv_heads, head_dim, block_size, scale, o, ml, ml + num_q_heads,
+                       scores);
+                for (int h = 0; h < num_q_heads; h++) {
+                    const float inv = 1.0f / ml[num_q_heads + h];
+                    for (int d = 0; d < head_dim; d++) o[(int64_t)h * head_dim + d] *= inv;
+                }
+            } else {
+                float *p = parts + tk.part * (hd + 2 * num_q_heads);
+                attend(qs, k_cache, v_cache, is_bf16, table, tk.t0, tk.t1, num_q_heads,
+                       num_kv_heads, head_dim, block_size, scale, p, p + hd,
+                       p + hd + num_q_heads, scores);
+            }
         }
         free(scores);
-        free(row);
+        free(ml);
     }
+    /* merge each split sequence's chunks: rescale to the common max, then normalize */
+    for (int64_t k = 0; k < num_tasks && !failed;) {
+        const Task first = tasks[k];
+        int64_t e = k;
+        while (e < num_tasks && tasks[e].seq == first.seq) e++;
+        if (first.part >= 0) {
+            float *o = out + first.seq * hd;
+            for (int h = 0; h < num_q_heads; h++) {
+                float mh = -INFINITY, total = 0.0f;
+                for (int64_t j = k; j < e; j++) {
+                    const float *p = parts + tasks[j].part * (hd + 2 * num_q_heads);
+                    mh = p[hd + h] > mh ? p[hd + h] : mh;
+                }
+                float *oh = o + (int64_t)h * head_dim;
+                memset(oh, 0, sizeof(float) * (size_t)head_dim);
+                for (int64_t j = k; j < e; j++) {
+                    const float *p = parts + tasks[j].part * (hd + 2 * num_q_heads);
+                    const float w = expf(p[hd + h] - mh);
+                    total += w * p[hd + num_q_heads + h];
+                    for (int d = 0; d < head_dim; d++) oh[d] += w * p[(int64_t)h * head_dim + d];
+                }
+                const float inv = 1.0f / total;
+                for (int d = 0; d < head_dim; d++) oh[d] *= inv;
+            }
+        }
+        k = e;
+    }
+    free(tasks);
+    free(parts);
     return failed ? -1 : 0;
 }

@@ -180,3 +180,29 @@ def test_native_decode_declines_what_it_cannot_read():
     strided = torch.zeros(4, BS, HKV, 2 * D)[..., :D]
     for pages in (int8, fp16, strided):
         assert not cpu_native.supports(pages, pages)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("lens", [[700], [1, 333], [129, 1000, 5]])
+def test_native_decode_splits_few_sequences_by_key_range(dtype, threads, lens):
+    """Fewer sequences than threads: long ones are cut into key chunks (split-K) whose
+    partial softmaxes merge to the reference's answer; short ones stay whole."""
+    g = torch.Generator().manual_seed(len(lens) * 10 + threads)
+    bs, nb = 16, 200
+    kc = (4 * torch.randn(nb, bs, HKV, D, generator=g)).to(dtype)  # peaked: chunk maxima differ
+    vc = torch.randn(nb, bs, HKV, D, generator=g).to(dtype)
+    n_seqs = len(lens)
+    tables = torch.randperm(nb, generator=g)[:n_seqs * 64].view(n_seqs, 64)
+    q = torch.randn(n_seqs, HQ, D, generator=g)
+    lens_t = torch.tensor(lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_native.paged_decode(q, kc, vc, tables, lens_t, 0.2)
+    finally:
+        torch.set_num_threads(before)
+    want = reference.paged_attention(q, kc.float(), vc.float(), tables.int(), lens_t.int(),
+                                     torch.arange(n_seqs + 1, dtype=torch.int32), 0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
