@@ -35,6 +35,7 @@ from engine.request import Sequence
 from engine.runner import ModelRunner
 from engine.sampling import (
     SamplingParams,
+    greedy_batch,
     make_generator,
     prompt_logprobs,
     sample,
@@ -445,19 +446,28 @@ class LLMEngine:
                     self.scheduler.add_forked(seq, child)
                     rows.append((child, r - 1))
         # Row by row, so that an exception one request causes (its parameters, its text)
-        # fails that request only; each row draws from its own generator either way.
+        # fails that request only; each row draws from its own generator either way. Plain
+        # greedy rows (nothing banned, no top logprobs) read one batched argmax instead.
+        greedy: tuple[list[int], list[float]] | None = None
         for seq, row in rows:
             req = self.requests[seq.request_id]
             if req.error is not None:  # a sibling failed earlier in this step
                 continue
             state = req.completions[seq.seq_id]
             try:
-                row_logits = logits[row:row + 1]
-                token, logprob = sample(row_logits, [seq.params], [req.generators[seq.seq_id]],
-                                        [state.banned_token_ids()])
-                top = top_logprobs(row_logits, [seq.params], token)[0]
-                tok = int(token[0])
-                done = state.add(tok, float(logprob[0]), top)
+                banned = state.banned_token_ids()
+                if seq.params.greedy and seq.params.logprobs is None and not banned:
+                    if greedy is None:
+                        greedy = greedy_batch(logits)
+                    tok = greedy[0][row]
+                    done = state.add(tok, greedy[1][row], None)
+                else:
+                    row_logits = logits[row:row + 1]
+                    token, logprob = sample(row_logits, [seq.params],
+                                            [req.generators[seq.seq_id]], [banned])
+                    top = top_logprobs(row_logits, [seq.params], token)[0]
+                    tok = int(token[0])
+                    done = state.add(tok, float(logprob[0]), top)
             except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
                 self._fail_request(req, e, touched)
                 continue

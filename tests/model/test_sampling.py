@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, make_generator, sample, top_logprobs
+from engine.sampling import SamplingParams, greedy_batch, make_generator, sample, top_logprobs
 
 
 def test_defaults_are_vllms():
@@ -102,3 +102,20 @@ def test_top_logprobs():
     ids, _ = sample(logits, params, [None, None])
     tops = top_logprobs(logits, params, ids)
     assert tops[1] is None and len(tops[0]) == 3 and int(ids[0]) in tops[0]
+
+
+def test_greedy_batch_is_what_sample_returns_for_greedy_rows():
+    """The engine's batched greedy path: same tokens (first index on ties) and the same raw
+    logprobs as sample() row by row."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g) * 4
+    logits[2, 7] = logits[2, 100] = logits[2].max() + 1  # a tie: the first index wins
+    ids, logprobs = greedy_batch(logits)
+    for row in range(5):
+        want_id, want_lp = sample(logits[row:row + 1], [SamplingParams(temperature=0.0)],
+                                  [None])
+        assert ids[row] == int(want_id[0])
+        assert logprobs[row] == pytest.approx(float(want_lp[0]), abs=1e-6)
+        assert logprobs[row] == pytest.approx(
+            float(torch.log_softmax(logits[row], -1)[ids[row]]), abs=1e-5)
+    assert ids[2] == 7
