@@ -187,8 +187,9 @@ def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[float]]:
 
 
 def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[row, token_ids[row]] without materializing the [B, V] log-softmax."""
-    return logits.gather(1, token_ids[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    """log softmax(logits)[row, token_ids[row]]. (torch's fused CPU log_softmax measured
+    faster than logsumexp, which runs as several passes.)"""
+    return torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None])[:, 0]
 
 
 def top_logprobs(logits: torch.Tensor, params: list[SamplingParams],
