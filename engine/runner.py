@@ -60,7 +60,7 @@ class PagedAttention:
         self.batch: StepBatch | None = None
         # CPU: the step's attention metadata, built once per batch (kernels.cpu_attention)
         self.use_plan = pages.k_caches[0].device.type == "cpu"
-        self._plan: tuple[StepBatch, StepPlan] | None = None
+        self._plan: tuple[StepBatch, StepPlan | None] | None = None
 
     def set_fp8_scales(self, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> None:
         """Given fp8 scales (per layer: [Hkv] or one value); turns calibration off."""
@@ -80,9 +80,10 @@ class PagedAttention:
             k_scale.copy_(quant.fp8_scale_from(k))
             v_scale.copy_(quant.fp8_scale_from(v))
             self.calibrate[layer] = False
-        if self.use_plan and kernels.select_backend(q.device) == "reference":
-            out = self._step_plan(b).forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
-                                             self.scale, k_scale=k_scale, v_scale=v_scale)
+        plan = self._step_plan(b, q.device)
+        if plan is not None:
+            out = plan.forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
+                               self.scale, k_scale=k_scale, v_scale=v_scale)
             return out if rot is None else out @ rot.T
         kernels.reshape_and_cache(k, v, self.k_caches[layer], self.v_caches[layer],
                                   b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
@@ -91,11 +92,16 @@ class PagedAttention:
                                       k_scale=k_scale, v_scale=v_scale)
         return out if rot is None else out @ rot.T
 
-    def _step_plan(self, b: StepBatch) -> StepPlan:
+    def _step_plan(self, b: StepBatch, device: torch.device) -> StepPlan | None:
+        """The step's CPU plan, or None when the step runs the kernels' own dispatch; decided
+        and built once per batch (layer 0), not per layer."""
         if self._plan is None or self._plan[0] is not b:
-            k = self.k_caches[0]
-            self._plan = (b, StepPlan(b.slot_mapping, b.block_tables, b.seq_lens,
-                                      b.cu_seqlens_q, k.shape[1], k.shape[0]))
+            plan = None
+            if self.use_plan and kernels.select_backend(device) == "reference":
+                k = self.k_caches[0]
+                plan = StepPlan(b.slot_mapping, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                                k.shape[1], k.shape[0])
+            self._plan = (b, plan)
         return self._plan[1]
 
 
