@@ -12,7 +12,9 @@ Differences, all for speed on CPU:
     without AMX, SDPA in bf16 measured 2-4x slower than in fp32 for decode;
   * decode reads float32/bfloat16 pages in place with the native kernel
     (kernels/cpu_paged_decode.c via kernels/cpu_native.py: no gathered or widened copy of
-    the cache, fp32 accumulation); other pages, or no C compiler, take the torch path: the
+    the cache, fp32 accumulation); a pure decode step into pages of the K/V dtype is one
+    native call per layer that also writes the new K/V rows and returns q's dtype; other
+    pages, or no C compiler, take the torch path: the
     decode length groups' page lists, query rows and masks built once per step, per layer
     one index_select of the decode queries and one gather per group;
   * K/V are written with ``index_copy_`` through a flat slot view of a contiguous cache
@@ -91,7 +93,7 @@ class StepPlan:
         valid = slots if self.keep is None else slots[keep]
         validate.check_index_range("slot_mapping", valid, num_blocks * block_size)
         self.write_index = (valid // block_size, valid % block_size)
-        self.write_slots = valid
+        self.write_slots = valid.contiguous()
 
         decode = (q_lens == 1).nonzero().flatten()
         self.decode_only = decode.numel() == q_lens.numel()
@@ -160,12 +162,28 @@ class StepPlan:
         returns [T, Hq, D] in q's dtype."""
         if not self.shapes_checked:
             self._check_shapes(q, k, v, k_cache, v_cache, k_scale, v_scale)
+        if self._fused_decode(q, k, v, k_cache, v_cache, k_scale):
+            # one native call writes the step's K/V rows and attends, reading q, k and v
+            # where they lie (views into the fused qkv) and returning q's dtype
+            return cpu_native.paged_decode(q, k_cache, v_cache, self.native_tables,
+                                           self.native_lens, scale,
+                                           new_kv=(k, v, self.write_slots), out_dtype=q.dtype)
         self._write(k, v, k_cache, v_cache, k_scale, v_scale)
         # fresh prefills may use k/v as given when the pages hold exactly these values
         given = (k, v) if self.keep is None and k_cache.dtype == k.dtype and \
             v_cache.dtype == v.dtype else None
         return self._attend(q, reference._Pages(k_cache, v_cache, k_scale, v_scale), scale,
                             given)
+
+    def _fused_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_scale: torch.Tensor | None) -> bool:
+        """A pure decode step into plain float32/bfloat16 pages of the K/V dtype, every slot
+        valid: the native kernel can do the layer's write and attention in one call."""
+        return (self.decode_only and self.keep is None and k_scale is None and
+                q.dtype in cpu_native.PAGE_DTYPES and k.dtype == v.dtype == k_cache.dtype and
+                cpu_native.rows_of_contiguous_heads(k) and
+                cpu_native.rows_of_contiguous_heads(v) and cpu_native.supports(k_cache, v_cache))
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, k_scale: torch.Tensor | None,

@@ -105,7 +105,8 @@ def paged_decode_kernel() -> ctypes.CDLL | None:
     fn = lib.kvscope_paged_decode
     fn.restype = ctypes.c_int
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, p, p, i, p, i64, p, i, i, i, i, i, ctypes.c_float, p, i]
+    fn.argtypes = [p, i64, i, p, p, i, p, p, i64, i64, p, p, i64, p, i, i, i, i, i,
+                   ctypes.c_float, p, i, i]
     return lib
 
 
@@ -118,23 +119,47 @@ def supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """One query token per sequence: q [S, Hq, D] -> [S, Hq, D] float32.
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One query token per sequence: q [S, Hq, D] (float32 or bfloat16, read in place when
+    each row's heads are contiguous) -> [S, Hq, D] in ``out_dtype`` (float32 or bfloat16).
+
+    ``new_kv`` = (k, v, slots): each sequence's new key and value rows [S, Hkv, D] in the
+    page dtype (heads contiguous; rows may be strided, as views into the fused qkv) and
+    their flat slots [S] int64, written to the pages before attending (one call instead of
+    a cache write and an attention per layer).
 
     ``block_tables`` [S, P] and ``seq_lens`` [S] int64, contiguous, already validated
-    (every length >= 1 and within its table, every used block id < num_blocks): the kernel
-    trusts them. Caches as ``supports`` requires."""
+    (every length >= 1 and within its table, every used block id < num_blocks, every slot
+    < num_blocks * block_size): the kernel trusts them. Caches as ``supports`` requires."""
     lib = paged_decode_kernel()
     assert lib is not None and block_tables.dtype == seq_lens.dtype == torch.int64
-    q = q.to(torch.float32).contiguous()
-    out = torch.empty_like(q)
+    if q.dtype not in PAGE_DTYPES or not rows_of_contiguous_heads(q):
+        q = q.to(torch.float32).contiguous()
     num_seqs, num_q_heads, head_dim = q.shape
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=out_dtype)
+    k_ptr = v_ptr = slots_ptr = None
+    k_stride = v_stride = 0
+    if new_kv is not None:
+        k, v, slots = new_kv
+        assert k.dtype == v.dtype == k_cache.dtype and slots.dtype == torch.int64
+        assert rows_of_contiguous_heads(k) and rows_of_contiguous_heads(v)
+        assert slots.is_contiguous() and slots.shape == (num_seqs,)
+        k_ptr, v_ptr, slots_ptr = k.data_ptr(), v.data_ptr(), slots.data_ptr()
+        k_stride, v_stride = k.stride(0), v.stride(0)
     rc = lib.kvscope_paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.stride(0),
+        q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
+        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), k_ptr, v_ptr, k_stride,
+        v_stride, slots_ptr, block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), num_seqs, num_q_heads, k_cache.shape[2], head_dim,
-        k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads())
+        k_cache.shape[1], scale, out.data_ptr(), int(out_dtype == torch.bfloat16),
+        torch.get_num_threads())
     if rc != 0:
         raise MemoryError("native CPU decode kernel could not allocate its scratch buffers")
     return out
+
+
+def rows_of_contiguous_heads(x: torch.Tensor) -> bool:
+    """[S, H, D] whose every row holds its H * D elements contiguously (row stride free)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -3,8 +3,9 @@
  * bfloat16 pages (no widened copy of the cache).
  *
  * Layout (kernels.reference's): k_cache, v_cache [num_blocks, block_size, num_kv_heads,
- * head_dim], contiguous; q [num_seqs, num_q_heads, head_dim] float32; block_tables
- * [num_seqs, table_stride] int64; seq_lens [num_seqs] int64; out like q. Query head h reads
+ * head_dim], contiguous; q [num_seqs, num_q_heads, head_dim] float32 or bfloat16, read in
+ * place; block_tables [num_seqs, table_stride] int64; seq_lens [num_seqs] int64; out like q,
+ * contiguous, float32 or bfloat16 (kvscope_paged_decode says more). Query head h reads
  * kv head h / (num_q_heads / num_kv_heads) (GQA). The caller validated every length and
  * block id (kernels.cpu_attention.StepPlan does, once per step): this file trusts them.
  *
@@ -108,6 +109,49 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
                    block_size, scale, acc, m, l, scores);
 }
 
+/* float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); the
+ * engine's activations are finite */
+static inline uint16_t f32_to_bf16(float x) {
+    union {
+        float f;
+        uint32_t u;
+    } c = {x};
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* One sequence's query, as float32 (q rows may be bfloat16 and strided: read in place). */
+static void load_query(const void *q, int q_is_bf16, int64_t q_row_stride, int seq, int64_t hd,
+                       int num_q_heads, int head_dim, float *dst) {
+    for (int h = 0; h < num_q_heads; h++) {
+        const int64_t src = (int64_t)seq * q_row_stride + (int64_t)h * head_dim;
+        float *d = dst + (int64_t)h * head_dim;
+        if (q_is_bf16) {
+            const uint16_t *qs = (const uint16_t *)q + src;
+            for (int i = 0; i < head_dim; i++) d[i] = bf16_to_f32(qs[i]);
+        } else {
+            memcpy(d, (const float *)q + src, sizeof(float) * (size_t)head_dim);
+        }
+    }
+    (void)hd;
+}
+
+/* out row of one sequence = acc / l per head, stored as float32 or bfloat16 */
+static void store_output(const float *acc, const float *l, void *out, int out_is_bf16, int seq,
+                         int num_q_heads, int head_dim) {
+    const int64_t hd = (int64_t)num_q_heads * head_dim;
+    for (int h = 0; h < num_q_heads; h++) {
+        const float inv = 1.0f / l[h];
+        const float *a = acc + (int64_t)h * head_dim;
+        if (out_is_bf16) {
+            uint16_t *o = (uint16_t *)out + seq * hd + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(a[d] * inv);
+        } else {
+            float *o = (float *)out + seq * hd + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] = a[d] * inv;
+        }
+    }
+}
+
 /* A chunk of one sequence: keys [t0, t1); part indexes its partial results (-1: the
  * sequence is one chunk, normalized straight into out). */
 typedef struct {
@@ -115,12 +159,33 @@ typedef struct {
     int64_t t0, t1;
 } Task;
 
-int kvscope_paged_decode(const float *q, const void *k_cache, const void *v_cache,
-                         int is_bf16, const int64_t *block_tables, int64_t table_stride,
-                         const int64_t *seq_lens, int num_seqs, int num_q_heads,
-                         int num_kv_heads, int head_dim, int block_size, float scale,
-                         float *out, int num_threads) {
+/* q [num_seqs, num_q_heads, head_dim] float32 or bfloat16 (q_is_bf16), heads contiguous, rows
+ * q_row_stride elements apart; out [num_seqs, num_q_heads, head_dim] contiguous, float32 or
+ * bfloat16 (out_is_bf16). When k_new is not NULL, each sequence's new key and value rows
+ * (num_kv_heads * head_dim contiguous elements of the page dtype, rows new_row_stride_k /
+ * new_row_stride_v elements apart) are first written to its slot (slots[s], a flat
+ * block * block_size + offset index), so the attention sees them. Returns 0, or -1 when a
+ * scratch buffer could not be allocated (nothing attended then). */
+int kvscope_paged_decode(const void *q, int64_t q_row_stride, int q_is_bf16, void *k_cache,
+                         void *v_cache, int is_bf16, const void *k_new, const void *v_new,
+                         int64_t new_row_stride_k, int64_t new_row_stride_v,
+                         const int64_t *slots, const int64_t *block_tables,
+                         int64_t table_stride, const int64_t *seq_lens, int num_seqs,
+                         int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                         float scale, void *out, int out_is_bf16, int num_threads) {
     const int64_t hd = (int64_t)num_q_heads * head_dim;
+    const int64_t width = (int64_t)num_kv_heads * head_dim;
+    const size_t elem = is_bf16 ? 2 : 4;
+    if (k_new != NULL) {
+        for (int s = 0; s < num_seqs; s++) {
+            memcpy((char *)k_cache + slots[s] * width * (int64_t)elem,
+                   (const char *)k_new + s * new_row_stride_k * (int64_t)elem,
+                   (size_t)width * elem);
+            memcpy((char *)v_cache + slots[s] * width * (int64_t)elem,
+                   (const char *)v_new + s * new_row_stride_v * (int64_t)elem,
+                   (size_t)width * elem);
+        }
+    }
     /* Fewer sequences than threads: cut each long one into key chunks (split-K) so every
      * thread works; a chunk keeps at least MIN_CHUNK keys, below which the merge and the
      * fork cost more than they save. */
@@ -157,12 +222,15 @@ int kvscope_paged_decode(const float *q, const void *k_cache, const void *v_cach
         }
     }
     int failed = 0;
+    /* one thread's work is a few µs for short contexts: do not wake the others for it */
+    const int threads = num_tasks < num_threads ? (int)num_tasks : num_threads;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(num_q_heads * max_len));
-        float *ml = malloc(sizeof(float) * (size_t)(2 * num_q_heads));
-        if (!scores || !ml) {
+        float *qf = malloc(sizeof(float) * (size_t)hd);
+        float *acc = malloc(sizeof(float) * (size_t)(hd + 2 * num_q_heads));
+        if (!scores || !qf || !acc) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -170,41 +238,36 @@ int kvscope_paged_decode(const float *q, const void *k_cache, const void *v_cach
         for (int64_t k = 0; k < num_tasks; k++) {
             if (failed) continue;
             const Task tk = tasks[k];
-            const float *qs = q + tk.seq * hd;
             const int64_t *table = block_tables + tk.seq * table_stride;
-            if (tk.part < 0) {
-                float *o = out + tk.seq * hd;
-                attend(qs, k_cache, v_cache, is_bf16, table, tk.t0, tk.t1, num_q_heads,
-                       num_kv_heads, head_dim, block_size, scale, o, ml, ml + num_q_heads,
-                       scores);
-                for (int h = 0; h < num_q_heads; h++) {
-                    const float inv = 1.0f / ml[num_q_heads + h];
-                    for (int d = 0; d < head_dim; d++) o[(int64_t)h * head_dim + d] *= inv;
-                }
-            } else {
-                float *p = parts + tk.part * (hd + 2 * num_q_heads);
-                attend(qs, k_cache, v_cache, is_bf16, table, tk.t0, tk.t1, num_q_heads,
-                       num_kv_heads, head_dim, block_size, scale, p, p + hd,
-                       p + hd + num_q_heads, scores);
-            }
+            load_query(q, q_is_bf16, q_row_stride, tk.seq, hd, num_q_heads, head_dim, qf);
+            float *dst = tk.part < 0 ? acc : parts + tk.part * (hd + 2 * num_q_heads);
+            attend(qf, k_cache, v_cache, is_bf16, table, tk.t0, tk.t1, num_q_heads,
+                   num_kv_heads, head_dim, block_size, scale, dst, dst + hd,
+                   dst + hd + num_q_heads, scores);
+            if (tk.part < 0)
+                store_output(acc, acc + hd + num_q_heads, out, out_is_bf16, tk.seq,
+                             num_q_heads, head_dim);
         }
         free(scores);
-        free(ml);
+        free(qf);
+        free(acc);
     }
     /* merge each split sequence's chunks: rescale to the common max, then normalize */
+    float *merged = failed ? NULL : malloc(sizeof(float) * (size_t)(hd + num_q_heads));
+    if (!failed && !merged) failed = 1;
     for (int64_t k = 0; k < num_tasks && !failed;) {
         const Task first = tasks[k];
         int64_t e = k;
         while (e < num_tasks && tasks[e].seq == first.seq) e++;
         if (first.part >= 0) {
-            float *o = out + first.seq * hd;
+            float *l = merged + hd;
             for (int h = 0; h < num_q_heads; h++) {
                 float mh = -INFINITY, total = 0.0f;
                 for (int64_t j = k; j < e; j++) {
                     const float *p = parts + tasks[j].part * (hd + 2 * num_q_heads);
                     mh = p[hd + h] > mh ? p[hd + h] : mh;
                 }
-                float *oh = o + (int64_t)h * head_dim;
+                float *oh = merged + (int64_t)h * head_dim;
                 memset(oh, 0, sizeof(float) * (size_t)head_dim);
                 for (int64_t j = k; j < e; j++) {
                     const float *p = parts + tasks[j].part * (hd + 2 * num_q_heads);
@@ -212,12 +275,13 @@ int kvscope_paged_decode(const float *q, const void *k_cache, const void *v_cach
                     total += w * p[hd + num_q_heads + h];
                     for (int d = 0; d < head_dim; d++) oh[d] += w * p[(int64_t)h * head_dim + d];
                 }
-                const float inv = 1.0f / total;
-                for (int d = 0; d < head_dim; d++) oh[d] *= inv;
+                l[h] = total;
             }
+            store_output(merged, l, out, out_is_bf16, first.seq, num_q_heads, head_dim);
         }
         k = e;
     }
+    free(merged);
     free(tasks);
     free(parts);
     return failed ? -1 : 0;

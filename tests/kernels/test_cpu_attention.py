@@ -206,3 +206,30 @@ def test_native_decode_splits_few_sequences_by_key_range(dtype, threads, lens):
     want = reference.paged_attention(q, kc.float(), vc.float(), tables.int(), lens_t.int(),
                                      torch.arange(n_seqs + 1, dtype=torch.int32), 0.2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_from_fused_qkv_views(dtype, decode_path):
+    """A pure decode step as the model hands it over: q, k and v are strided views into one
+    fused qkv row per token. The native path writes the K/V rows and attends in one call;
+    pages and output equal the reference (computed in fp32, cast to the model dtype)."""
+    num_decode = 5
+    slots, tables, lens, cu = _step(num_decode=num_decode)
+    keep = num_decode  # the decodes only: drop the two prefills and the padding token
+    slots, tables, lens, cu = slots[:keep], tables[:keep], lens[:keep], cu[:keep + 1]
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(keep, (HQ + 2 * HKV) * D, generator=g).to(dtype)
+    q = qkv[:, :HQ * D].view(keep, HQ, D)
+    k = qkv[:, HQ * D:(HQ + HKV) * D].view(keep, HKV, D)
+    v = qkv[:, (HQ + HKV) * D:].view(keep, HKV, D)
+    kc = torch.randn(NB, BS, HKV, D, generator=g).to(dtype)
+    vc = torch.randn(NB, BS, HKV, D, generator=g).to(dtype)
+    rk, rv = kc.clone(), vc.clone()
+    reference.reshape_and_cache(k, v, rk, rv, slots)
+    want = reference.paged_attention(q.float(), rk.float(), rv.float(), tables, lens, cu,
+                                     D ** -0.5).to(dtype)
+    got = StepPlan(slots, tables, lens, cu, BS, NB).forward(q, k, v, kc, vc, D ** -0.5)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
