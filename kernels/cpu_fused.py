@@ -15,8 +15,9 @@ Invariants:
   * bfloat16 results are bit-identical to the torch code's except for the order of the
     RMSNorm sum of squares (float32 either way); float32 RoPE and residual adds are
     bit-identical (the C file says why);
-  * the wrappers require contiguous rows (asserted: the forward creates them so), write
-    only the tensors they document, and run on torch's intra-op thread count.
+  * the wrappers require contiguous CPU rows of one dtype (ValueError otherwise: the C
+    code trusts them), write only the tensors they document, and run on torch's intra-op
+    thread count.
 """
 
 from __future__ import annotations
@@ -59,36 +60,53 @@ def library() -> ctypes.CDLL | None:
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the forward may run its elementwise ops on ``x``'s kind of tensor natively."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and
-            not torch.compiler.is_compiling() and library() is not None)
+    return (x.is_cpu and x.dtype in DTYPES and not torch.compiler.is_compiling() and
+            library() is not None)
 
 
-def _check(*tensors: torch.Tensor) -> None:
-    dtype = tensors[0].dtype
-    for t in tensors:
-        assert t.is_contiguous() and t.dtype == dtype and t.device.type == "cpu", (
-            "fused CPU kernels take contiguous CPU tensors of one dtype")
+# The checks below are cheap attribute reads on purpose: at one token a wrapper's whole
+# Python side (checks, ctypes call) is what these kernels cost.
+def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
+    if not (x.is_cpu and x.is_contiguous() and x.dtype in DTYPES):
+        raise ValueError("fused CPU kernels take contiguous float32/bfloat16 CPU tensors")
+    for t in others:
+        if not (t.is_cpu and t.is_contiguous() and t.dtype is x.dtype):
+            raise ValueError("fused CPU kernels take contiguous CPU tensors of one dtype")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``engine.model.llama.rms_norm(x, weight, eps)``: x [T, n], weight [n] -> new [T, n]."""
+def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(x)
+    if out.shape != x.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
+    _check(x, out)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``engine.model.llama.rms_norm(x, weight, eps)``: x [T, n], weight [n] -> [T, n],
+    written into ``out`` when given (like x; not x itself), else a new tensor."""
     _check(x, weight)
-    out = torch.empty_like(x)
+    out = _output(x, out)
     library().kvscope_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
-                               x.shape[1], eps, x.dtype == torch.bfloat16,
+                               x.shape[1], eps, x.dtype is torch.bfloat16,
                                torch.get_num_threads())
     return out
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """``hidden += delta`` IN PLACE, then returns ``rms_norm(hidden, weight, eps)`` (new)."""
+                 eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``hidden += delta`` IN PLACE, then returns ``rms_norm(hidden, weight, eps)``, written
+    into ``out`` when given (like hidden; neither hidden nor delta), else a new tensor."""
     _check(hidden, delta, weight)
-    assert hidden.shape == delta.shape
-    out = torch.empty_like(hidden)
+    if hidden.shape != delta.shape:
+        raise ValueError(f"delta has shape {tuple(delta.shape)}, expected "
+                         f"{tuple(hidden.shape)}")
+    out = _output(hidden, out)
     library().kvscope_add_rms_norm(hidden.data_ptr(), delta.data_ptr(), weight.data_ptr(),
                                    out.data_ptr(), hidden.shape[0], hidden.shape[1], eps,
-                                   hidden.dtype == torch.bfloat16, torch.get_num_threads())
+                                   hidden.dtype is torch.bfloat16, torch.get_num_threads())
     return out
 
 
@@ -99,8 +117,9 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     [T, head_dim], as ``RotaryEmbedding.cos_sin`` returns them."""
     _check(qkv, cos, sin)
     tokens = qkv.shape[0]
-    assert heads * head_dim <= qkv.shape[1] and cos.numel() == sin.numel() == tokens * head_dim
+    if heads * head_dim > qkv.shape[1] or cos.numel() != tokens * head_dim or (
+            sin.numel() != tokens * head_dim) or head_dim % 2:
+        raise ValueError("rope_: qkv, cos and sin do not fit heads x head_dim")
     library().kvscope_rope(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
-                           tokens, heads, head_dim, qkv.dtype == torch.bfloat16,
+                           tokens, heads, head_dim, qkv.dtype is torch.bfloat16,
                            torch.get_num_threads())
-
