@@ -74,21 +74,10 @@ def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
             raise ValueError("fused CPU kernels take contiguous CPU tensors of one dtype")
 
 
-def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(x)
-    if out.shape != x.shape:
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
-    _check(x, out)
-    return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """``engine.model.llama.rms_norm(x, weight, eps)``: x [T, n], weight [n] -> [T, n],
-    written into ``out`` when given (like x; not x itself), else a new tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``engine.model.llama.rms_norm(x, weight, eps)``: x [T, n], weight [n] -> new [T, n]."""
     _check(x, weight)
-    out = _output(x, out)
+    out = torch.empty_like(x)
     library().kvscope_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
                                x.shape[1], eps, x.dtype is torch.bfloat16,
                                torch.get_num_threads())
@@ -96,14 +85,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``hidden += delta`` IN PLACE, then returns ``rms_norm(hidden, weight, eps)``, written
-    into ``out`` when given (like hidden; neither hidden nor delta), else a new tensor."""
+                 eps: float) -> torch.Tensor:
+    """``hidden += delta`` IN PLACE, then returns ``rms_norm(hidden, weight, eps)`` (new)."""
     _check(hidden, delta, weight)
     if hidden.shape != delta.shape:
         raise ValueError(f"delta has shape {tuple(delta.shape)}, expected "
                          f"{tuple(hidden.shape)}")
-    out = _output(hidden, out)
+    out = torch.empty_like(hidden)
     library().kvscope_add_rms_norm(hidden.data_ptr(), delta.data_ptr(), weight.data_ptr(),
                                    out.data_ptr(), hidden.shape[0], hidden.shape[1], eps,
                                    hidden.dtype is torch.bfloat16, torch.get_num_threads())

@@ -89,12 +89,14 @@ def main() -> int:
         return 1
     ids = [(j * 7919) % 40000 + 100 for j in range(args.prompt_len)]
     rows, micro = [], []
+    print(f"torch threads {torch.get_num_threads()}, load before {os.getloadavg()[0]:.1f}")
     for dtype in args.dtypes.split(","):
         llm = LLM("smollm2", device="cpu", dtype=dtype, enable_prefix_caching=False)
         tpot: dict[str, list[float]] = {"torch": [], "native": []}
         outputs: dict[str, list[int]] = {}
-        for _ in range(args.passes + 1):  # the first pass of each warms up, not counted
-            for variant in ("torch", "native"):
+        for i in range(args.passes + 1):  # the first pass of each warms up, not counted
+            # ABBA order: a load that drifts during a pass does not favour either variant
+            for variant in ("torch", "native")[::1 if i % 2 else -1]:
                 cpu_fused.applies = native_applies if variant == "native" else (
                     lambda x: False)
                 prefill_s, _ = _timed_generate(llm, ids, 1)
