@@ -18,13 +18,16 @@ import statistics
 import time
 
 
-def _timed_generate(llm, ids: list[int], tokens: int) -> tuple[float, list[int]]:  # noqa: ANN001
+def _timed_generate(llm, ids: list[int],  # noqa: ANN001
+                    tokens: int) -> tuple[float, float, list[int]]:
+    """(wall s, process CPU s, generated ids) of one generate call."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-    return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
+    return (time.perf_counter() - t0, time.process_time() - c0,
+            list(out[0].outputs[0].token_ids))
 
 
 def _micro(dtype, threads: int) -> list[str]:  # noqa: ANN001
@@ -93,31 +96,37 @@ def main() -> int:
     for dtype in args.dtypes.split(","):
         llm = LLM("smollm2", device="cpu", dtype=dtype, enable_prefix_caching=False)
         tpot: dict[str, list[float]] = {"torch": [], "native": []}
+        cpu: dict[str, list[float]] = {"torch": [], "native": []}
         outputs: dict[str, list[int]] = {}
         for i in range(args.passes + 1):  # the first pass of each warms up, not counted
             # ABBA order: a load that drifts during a pass does not favour either variant
             for variant in ("torch", "native")[::1 if i % 2 else -1]:
                 cpu_fused.applies = native_applies if variant == "native" else (
                     lambda x: False)
-                prefill_s, _ = _timed_generate(llm, ids, 1)
-                total_s, tokens = _timed_generate(llm, ids, args.tokens)
+                prefill_s, prefill_cpu, _ = _timed_generate(llm, ids, 1)
+                total_s, total_cpu, tokens = _timed_generate(llm, ids, args.tokens)
                 outputs[variant] = tokens
                 tpot[variant].append((total_s - prefill_s) / (args.tokens - 1) * 1e3)
+                cpu[variant].append((total_cpu - prefill_cpu) / (args.tokens - 1) * 1e3)
         cpu_fused.applies = native_applies
         llm.llm_engine.close()
         same = outputs["torch"] == outputs["native"]
         med = {v: statistics.median(t[1:]) for v, t in tpot.items()}
+        med_cpu = {v: statistics.median(t[1:]) for v, t in cpu.items()}
         for v in ("torch", "native"):
             passes = " ".join(f"{t:.2f}" for t in tpot[v][1:])
             rows.append(f"| {dtype} | {v} | {med[v]:.2f} | {min(tpot[v][1:]):.2f} | "
-                        f"{med['torch'] / med[v]:.3f}x | {passes} |")
+                        f"{med['torch'] / med[v]:.3f}x | {med_cpu[v]:.2f} | "
+                        f"{med_cpu['torch'] / med_cpu[v]:.3f}x | {passes} |")
             print(rows[-1], flush=True)
         print(f"{dtype}: greedy tokens identical torch vs native: {same}; load "
               f"{os.getloadavg()[0]:.1f}", flush=True)
         micro += _micro(getattr(torch, dtype), args.threads)
     print(f"\nsingle-sequence decode, prompt {args.prompt_len} x {args.tokens} tokens, "
-          f"{args.threads} threads, TPOT ms\n| dtype | elementwise ops | median | best | "
-          "speed-up (median) | passes |\n|---|---|---|---|---|---|")
+          f"{args.threads} threads, TPOT ms (CPU: process CPU time per token, all threads; "
+          "the steadier reading on a shared box with --threads 1)\n| dtype | elementwise ops "
+          "| median | best | speed-up (median) | CPU median | CPU speed-up | passes |\n"
+          "|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("\nop-level, one token, us per call (best of 5 x 2000)\n| dtype | op | torch ops | "
           "fused kernel | speed-up |\n|---|---|---|---|---|")
