@@ -77,6 +77,8 @@ def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``engine.model.llama.rms_norm(x, weight, eps)``: x [T, n], weight [n] -> new [T, n]."""
     _check(x, weight)
+    if x.dim() != 2 or weight.numel() != x.shape[1]:
+        raise ValueError("rms_norm: x [T, n] and weight [n]")
     out = torch.empty_like(x)
     library().kvscope_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
                                x.shape[1], eps, x.dtype is torch.bfloat16,
@@ -88,9 +90,8 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
                  eps: float) -> torch.Tensor:
     """``hidden += delta`` IN PLACE, then returns ``rms_norm(hidden, weight, eps)`` (new)."""
     _check(hidden, delta, weight)
-    if hidden.shape != delta.shape:
-        raise ValueError(f"delta has shape {tuple(delta.shape)}, expected "
-                         f"{tuple(hidden.shape)}")
+    if hidden.dim() != 2 or hidden.shape != delta.shape or weight.numel() != hidden.shape[1]:
+        raise ValueError("add_rms_norm: hidden and delta [T, n], weight [n]")
     out = torch.empty_like(hidden)
     library().kvscope_add_rms_norm(hidden.data_ptr(), delta.data_ptr(), weight.data_ptr(),
                                    out.data_ptr(), hidden.shape[0], hidden.shape[1], eps,
@@ -105,7 +106,7 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     [T, head_dim], as ``RotaryEmbedding.cos_sin`` returns them."""
     _check(qkv, cos, sin)
     tokens = qkv.shape[0]
-    if heads * head_dim > qkv.shape[1] or cos.numel() != tokens * head_dim or (
+    if qkv.dim() != 2 or heads * head_dim > qkv.shape[1] or cos.numel() != tokens * head_dim or (
             sin.numel() != tokens * head_dim) or head_dim % 2:
         raise ValueError("rope_: qkv, cos and sin do not fit heads x head_dim")
     library().kvscope_rope(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),

@@ -130,6 +130,10 @@ def test_wrappers_refuse_strided_or_mixed_inputs():
     with pytest.raises(ValueError):
         cpu_fused.add_rms_norm(x, x[:2], torch.ones(8), 1e-5)
     with pytest.raises(ValueError):
+        cpu_fused.rms_norm(x, torch.ones(7), 1e-5)  # would read past the weight
+    with pytest.raises(ValueError):
+        cpu_fused.add_rms_norm(x, x.clone(), torch.ones(9), 1e-5)
+    with pytest.raises(ValueError):
         cpu_fused.rope_(x, torch.ones(4, 8), torch.ones(4, 8), 2, 8)  # 16 columns > 8
 
 
