@@ -176,6 +176,7 @@ int kvscope_paged_decode(const void *q, int64_t q_row_stride, int q_is_bf16, voi
     const int64_t hd = (int64_t)num_q_heads * head_dim;
     const int64_t width = (int64_t)num_kv_heads * head_dim;
     const size_t elem = is_bf16 ? 2 : 4;
+    if (num_seqs <= 0) return 0; /* nothing to attend (and no zero-thread parallel region) */
     if (k_new != NULL) {
         for (int s = 0; s < num_seqs; s++) {
             memcpy((char *)k_cache + slots[s] * width * (int64_t)elem,

@@ -233,3 +233,12 @@ def test_decode_step_from_fused_qkv_views(dtype, decode_path):
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_native_decode_of_no_sequences_is_empty():
+    kc = torch.zeros(4, BS, HKV, D)
+    got = cpu_native.paged_decode(torch.zeros(0, HQ, D), kc, kc.clone(),
+                                  torch.zeros(0, 2, dtype=torch.int64),
+                                  torch.zeros(0, dtype=torch.int64), 1.0)
+    assert got.shape == (0, HQ, D)
