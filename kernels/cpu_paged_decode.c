@@ -40,13 +40,35 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 static inline float f32_to_f32(float x) { return x; }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DP_BF16 1
+/* <q, k> over head_dim (a multiple of 32) with AVX512-BF16 dot products: q and k both
+ * bfloat16, every product exact in float32, summed in float32 (two instructions for a
+ * 64-wide head instead of widening k lane by lane) */
+static inline float dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_dim) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                               (__m512bh)_mm512_loadu_si512(k + d));
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+#define HAVE_DP_BF16 0
+static inline float dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_dim) {
+    (void)q, (void)k, (void)head_dim;
+    return 0.0f; /* never called: qb is NULL without the instructions */
+}
+#endif
+
 /* One task: one sequence's query heads [0, num_q_heads) over its keys [t0, t1), for pages
  * of element type T read through LOAD (widened to float32 in registers, never copied).
  * Leaves the unnormalized output acc[h] = sum_t exp(s_ht - m_h) v_t with m[h] = max_t s_ht
  * and l[h] = sum_t exp(s_ht - m_h), so that chunks of one sequence merge exactly
- * (split-K). */
+ * (split-K). qb: the same query as bfloat16 when it is exactly that and the pages are
+ * bfloat16 (pass 1 then uses dot_bf16_dp), else NULL. */
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                          \
-    static void NAME(const float *q, const T *k_cache, const T *v_cache,                     \
+    static void NAME(const float *q, const uint16_t *qb, const T *k_cache, const T *v_cache, \
                      const int64_t *table, int64_t t0, int64_t t1, int num_q_heads,          \
                      int num_kv_heads, int head_dim, int block_size, float scale, float *acc, \
                      float *m, float *l, float *scores) {                                    \
@@ -61,8 +83,14 @@ static inline float f32_to_f32(float x) { return x; }
                 const float *qh = q + (int64_t)h * head_dim;                                 \
                 const T *kh = k + (int64_t)(h / group) * head_dim;                           \
                 float dot = 0.0f;                                                            \
-                _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < head_dim; d++)    \
-                    dot += qh[d] * LOAD(kh[d]);                                              \
+                if (qb != NULL) {                                                            \
+                    dot = dot_bf16_dp(qb + (int64_t)h * head_dim, (const uint16_t *)kh,      \
+                                      head_dim);                                             \
+                } else {                                                                     \
+                    _Pragma("omp simd reduction(+ : dot)") for (int d = 0; d < head_dim;     \
+                                                                d++) dot += qh[d] *          \
+                                                                            LOAD(kh[d]);     \
+                }                                                                            \
                 scores[(int64_t)h * n + (t - t0)] = dot * scale;                             \
             }                                                                                \
         }                                                                                    \
@@ -97,16 +125,16 @@ static inline float f32_to_f32(float x) { return x; }
 DEFINE_ATTEND(attend_f32, float, f32_to_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_f32)
 
-static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                   const int64_t *table, int64_t t0, int64_t t1, int num_q_heads,
-                   int num_kv_heads, int head_dim, int block_size, float scale, float *acc,
-                   float *m, float *l, float *scores) {
+static void attend(const float *q, const uint16_t *qb, const void *k_cache,
+                   const void *v_cache, int is_bf16, const int64_t *table, int64_t t0,
+                   int64_t t1, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                   float scale, float *acc, float *m, float *l, float *scores) {
     if (is_bf16)
-        attend_bf16(q, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads, head_dim,
-                    block_size, scale, acc, m, l, scores);
+        attend_bf16(q, qb, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads,
+                    head_dim, block_size, scale, acc, m, l, scores);
     else
-        attend_f32(q, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads, head_dim,
-                   block_size, scale, acc, m, l, scores);
+        attend_f32(q, NULL, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads,
+                   head_dim, block_size, scale, acc, m, l, scores);
 }
 
 /* float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); the
@@ -241,8 +269,12 @@ int kvscope_paged_decode(const void *q, int64_t q_row_stride, int q_is_bf16, voi
             const Task tk = tasks[k];
             const int64_t *table = block_tables + tk.seq * table_stride;
             load_query(q, q_is_bf16, q_row_stride, tk.seq, hd, num_q_heads, head_dim, qf);
+            /* a bfloat16 query over bfloat16 pages: dot products in bfloat16 hardware */
+            const uint16_t *qb = HAVE_DP_BF16 && q_is_bf16 && is_bf16 && head_dim % 32 == 0
+                                     ? (const uint16_t *)q + tk.seq * q_row_stride
+                                     : NULL;
             float *dst = tk.part < 0 ? acc : parts + tk.part * (hd + 2 * num_q_heads);
-            attend(qf, k_cache, v_cache, is_bf16, table, tk.t0, tk.t1, num_q_heads,
+            attend(qf, qb, k_cache, v_cache, is_bf16, table, tk.t0, tk.t1, num_q_heads,
                    num_kv_heads, head_dim, block_size, scale, dst, dst + hd,
                    dst + hd + num_q_heads, scores);
             if (tk.part < 0)

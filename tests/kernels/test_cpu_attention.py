@@ -242,3 +242,29 @@ def test_native_decode_of_no_sequences_is_empty():
                                   torch.zeros(0, 2, dtype=torch.int64),
                                   torch.zeros(0, dtype=torch.int64), 1.0)
     assert got.shape == (0, HQ, D)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_decode_bf16_query_at_model_head_size(threads):
+    """SmolLM2's shapes (9 q / 3 kv heads of 64): a bfloat16 query over bfloat16 pages takes
+    the bfloat16 dot-product instructions where the CPU has them; the result still equals
+    the reference computed in float32 from the same bfloat16 values."""
+    hq, hkv, d, bs, nb = 9, 3, 64, 16, 96
+    g = torch.Generator().manual_seed(7)
+    kc = (3 * torch.randn(nb, bs, hkv, d, generator=g)).bfloat16()
+    vc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16()
+    lens = torch.tensor([300, 5, 511])
+    tables = torch.randperm(nb, generator=g)[:3 * 32].view(3, 32)
+    q = torch.randn(3, hq, d, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_native.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+        one = cpu_native.paged_decode(q[2:], kc, vc, tables[2:], lens[2:], d ** -0.5)  # split-K
+    finally:
+        torch.set_num_threads(before)
+    want = reference.paged_attention(q.float(), kc.float(), vc.float(), tables.int(),
+                                     lens.int(), torch.arange(4, dtype=torch.int32), d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, want[2:], rtol=1e-5, atol=1e-5)
