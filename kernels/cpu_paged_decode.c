@@ -148,7 +148,7 @@ static inline uint16_t f32_to_bf16(float x) {
 }
 
 /* One sequence's query, as float32 (q rows may be bfloat16 and strided: read in place). */
-static void load_query(const void *q, int q_is_bf16, int64_t q_row_stride, int seq, int64_t hd,
+static void load_query(const void *q, int q_is_bf16, int64_t q_row_stride, int seq,
                        int num_q_heads, int head_dim, float *dst) {
     for (int h = 0; h < num_q_heads; h++) {
         const int64_t src = (int64_t)seq * q_row_stride + (int64_t)h * head_dim;
@@ -160,7 +160,6 @@ static void load_query(const void *q, int q_is_bf16, int64_t q_row_stride, int s
             memcpy(d, (const float *)q + src, sizeof(float) * (size_t)head_dim);
         }
     }
-    (void)hd;
 }
 
 /* out row of one sequence = acc / l per head, stored as float32 or bfloat16 */
@@ -268,7 +267,7 @@ int kvscope_paged_decode(const void *q, int64_t q_row_stride, int q_is_bf16, voi
             if (failed) continue;
             const Task tk = tasks[k];
             const int64_t *table = block_tables + tk.seq * table_stride;
-            load_query(q, q_is_bf16, q_row_stride, tk.seq, hd, num_q_heads, head_dim, qf);
+            load_query(q, q_is_bf16, q_row_stride, tk.seq, num_q_heads, head_dim, qf);
             /* a bfloat16 query over bfloat16 pages: dot products in bfloat16 hardware */
             const uint16_t *qb = HAVE_DP_BF16 && q_is_bf16 && is_bf16 && head_dim % 32 == 0
                                      ? (const uint16_t *)q + tk.seq * q_row_stride

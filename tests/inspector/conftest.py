@@ -46,12 +46,11 @@ def artifacts() -> Path:
 
 @pytest.fixture
 def app(qapp):  # noqa: ANN001
-    """The QApplication as ``kvscope inspect`` sets it up (theme, GUI-thread collection)."""
-    from inspector import gui_gc
+    """The QApplication as ``kvscope inspect`` sets it up (theme, GUI-thread collection;
+    tests/conftest.py collects the test's Qt garbage and restores automatic collection)."""
     from inspector.app import make_app
 
-    yield make_app()
-    gui_gc.uninstall()  # collects this test's Qt garbage here, on the GUI thread
+    return make_app()
 
 
 @pytest.fixture

@@ -44,5 +44,5 @@ def test_uninstall_collects_here_and_restores_automatic_collection(app):  # noqa
     gui_gc.uninstall()
     assert where == [threading.main_thread().name] and gc.isenabled()
     assert not gui_gc.installed()
-    gui_gc.install()  # idempotent with the fixture's own uninstall
+    gui_gc.install()  # idempotent with tests/conftest.py's own uninstall at teardown
     assert gui_gc.installed()
