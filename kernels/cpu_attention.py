@@ -17,6 +17,10 @@ Differences, all for speed on CPU:
     pages, or no C compiler, take the torch path: the
     decode length groups' page lists, query rows and masks built once per step, per layer
     one index_select of the decode queries and one gather per group;
+  * prefills read their keys from the pages in place with the native prefill kernel
+    (kernels/cpu_paged_prefill.c: flash-attention tiles, float32 accumulation, bfloat16 dot
+    products where the CPU has them) when q and the pages share a dtype the build supports,
+    writing q's dtype; otherwise torch's SDPA over the given or gathered K/V in float32;
   * K/V are written with ``index_copy_`` through a flat slot view of a contiguous cache
     (``index_put_`` with a (block, offset) pair otherwise, as the reference);
   * a prefill with no cached context attends over the K/V it was given rather than
@@ -104,7 +108,13 @@ class StepPlan:
         self.native_tables = tables[decode].contiguous()
         self.native_lens = lens[decode].contiguous()
         self.prefills: list[_PrefillSeq] = []
-        for b in (q_lens != 1).nonzero().flatten().tolist():
+        prefill_rows = (q_lens != 1).nonzero().flatten()
+        # the native prefill kernel's view of them: (first query row, query rows, keys) as
+        # three contiguous rows, and their block tables
+        self.native_prefill_spans = torch.stack([cu[prefill_rows], q_lens[prefill_rows],
+                                                 lens[prefill_rows]]).contiguous()
+        self.native_prefill_tables = tables[prefill_rows].contiguous()
+        for b in prefill_rows.tolist():
             start, end, seq_len = int(cu[b]), int(cu[b + 1]), int(lens[b])
             q_len, context = end - start, seq_len - (end - start)
             pages = tables[b, : (seq_len + block_size - 1) // block_size]
@@ -217,13 +227,18 @@ class StepPlan:
                 given: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
         out = None
+        # prefills the native kernel reads in place write q's dtype straight into out
+        native_prefill = bool(self.prefills) and kv.k_scale is None and \
+            cpu_native.supports_prefill(q, kv.k_cache, kv.v_cache)
         if not self.decode_only:
-            out = torch.empty(q.shape, dtype=COMPUTE_DTYPE, device=q.device)
+            out = torch.empty(q.shape, dtype=q.dtype if native_prefill else COMPUTE_DTYPE,
+                              device=q.device)
         has_decodes = self.native_rows.numel() > 0
         if has_decodes and kv.k_scale is None and cpu_native.supports(kv.k_cache, kv.v_cache):
             o = cpu_native.paged_decode(q if self.decode_only else
                                         q.index_select(0, self.native_rows), kv.k_cache,
-                                        kv.v_cache, self.native_tables, self.native_lens, scale)
+                                        kv.v_cache, self.native_tables, self.native_lens, scale,
+                                        out_dtype=COMPUTE_DTYPE if out is None else out.dtype)
             if out is None:
                 out = o
             else:
@@ -247,7 +262,11 @@ class StepPlan:
             if out is None:
                 out = o.index_select(0, unsort)
             else:
-                out.index_copy_(0, rows, o)
+                out.index_copy_(0, rows, o.to(out.dtype))
+        if native_prefill:
+            cpu_native.paged_prefill(q, kv.k_cache, kv.v_cache, self.native_prefill_tables,
+                                     self.native_prefill_spans, scale, out)
+            return out.to(q.dtype)
         for p in self.prefills:
             if given is not None and p.visible is None:  # fresh: its keys are its own rows
                 k = given[0][p.start:p.end].to(COMPUTE_DTYPE)

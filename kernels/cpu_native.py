@@ -31,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+PREFILL_SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
          "-fno-strict-aliasing", "-fno-math-errno")
 # KVSCOPE_CPU_ATTENTION=torch forces the torch ops path (the A/B baseline).
@@ -158,6 +159,65 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if rc != 0:
         raise MemoryError("native CPU decode kernel could not allocate its scratch buffers")
     return out
+
+
+@functools.cache
+def paged_prefill_kernel() -> ctypes.CDLL | None:
+    """The built prefill kernel (kernels/cpu_paged_prefill.c), or None (reason logged once)
+    when it cannot be used; as ``paged_decode_kernel``."""
+    if os.environ.get(ENV_BACKEND, "").lower() == "torch":
+        return None
+    lib = load_library(PREFILL_SOURCE.name)
+    if lib is None:
+        return None
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.kvscope_paged_prefill_supported.restype = i
+    lib.kvscope_paged_prefill_supported.argtypes = [i, i]
+    fn = lib.kvscope_paged_prefill
+    fn.restype = i
+    fn.argtypes = [p, i64, p, p, i, p, i64, p, p, p, i, i, i, i, i, ctypes.c_float, p, i, i]
+    return lib
+
+
+def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``paged_prefill`` can attend these queries over these pages: q of the pages'
+    dtype with contiguous heads, pages as ``supports`` requires, and a build whose CPU has
+    the instructions for this dtype and head size (AVX-512; AVX512-BF16 for bfloat16)."""
+    if not (q.dtype == k_cache.dtype and rows_of_contiguous_heads(q) and
+            supports(k_cache, v_cache)):
+        return False
+    lib = paged_prefill_kernel()
+    return lib is not None and bool(lib.kvscope_paged_prefill_supported(
+        int(q.dtype == torch.bfloat16), q.shape[2]))
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, spans: torch.Tensor, scale: float,
+                  out: torch.Tensor) -> None:
+    """Causal attention of each prefill's query rows over its keys in the pages, written
+    into those rows of ``out`` [T, Hq, D] (contiguous, float32 or bfloat16).
+
+    ``spans`` [3, S] int64 contiguous: the prefills' first query rows, query row counts and
+    key counts; prefill s's query i sees keys < keys - query rows + i + 1 (cached context,
+    then causal);
+    ``block_tables`` [S, P] int64 contiguous, one row per prefill. Already validated, as
+    ``paged_decode``'s; the pages already hold every key (the step wrote them). Arguments as
+    ``supports_prefill`` requires."""
+    lib = paged_prefill_kernel()
+    assert lib is not None and block_tables.dtype == spans.dtype == torch.int64
+    assert spans.is_contiguous() and block_tables.is_contiguous()
+    assert out.is_contiguous() and out.shape == q.shape and out.dtype in PAGE_DTYPES
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    starts, q_lens, seq_lens = spans
+    rc = lib.kvscope_paged_prefill(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.stride(0),
+        starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), spans.shape[1],
+        num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, out.data_ptr(),
+        int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("native CPU prefill kernel could not allocate its buffers" if rc == -1
+                          else "native CPU prefill kernel cannot run this call in this build")
 
 
 def rows_of_contiguous_heads(x: torch.Tensor) -> bool:
