@@ -31,6 +31,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -356,7 +357,7 @@ def export_tree(rev: str, dest: Path) -> None:
 
 @contextlib.contextmanager
 def traced_server(name: str, root: Path, args: argparse.Namespace, workdir: Path,
-                  flags: list[str]):
+                  flags: list[str], extra_env: dict[str, str]):
     port = bench.free_port()
     url = f"http://127.0.0.1:{port}"
     trace = workdir / f"{name}.trace.json"
@@ -366,7 +367,7 @@ def traced_server(name: str, root: Path, args: argparse.Namespace, workdir: Path
            str(port), "--dtype", args.dtype, "--max-model-len", str(bench.MAX_MODEL_LEN),
            "--served-model-name", "smollm2", *flags]
     env = {**bench.engine_env(bench.Engine("kvscope", sys.executable, "smollm2"), args.threads),
-           "PYTHONPATH": str(root)}
+           "PYTHONPATH": str(root), **extra_env}
     holder: dict[str, Any] = {}
     with bench.process_group(cmd, workdir / f"{name}.log", env, stdout=subprocess.DEVNULL,
                              cwd=root) as proc:
@@ -392,23 +393,30 @@ def offline_steps(root: Path, prompts: list[list[int]], args: argparse.Namespace
 
 def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvscope-profile-served-"))
-    trees: dict[str, tuple[Path, list[str]]] = {}  # column -> (tree, extra serve flags)
+    # column -> (tree, extra serve flags, extra environment)
+    trees: dict[str, tuple[Path, list[str], dict[str, str]]] = {}
     if args.before:
         before = workdir / "before"
         before.mkdir()
         export_tree(args.before, before)
-        trees[f"before ({args.before})"] = (before, [])
-    trees["after"] = (ROOT, [])
+        trees[f"before ({args.before})"] = (before, [], {})
+    trees["after"] = (ROOT, [], {})
     for variant in args.variant:
         label, _, flags = variant.partition("=")
-        trees[f"after {label}"] = (ROOT, flags.split())
+        words = flags.split()
+        env = {}  # leading NAME=value words set the server's environment, as in a shell
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
+        trees[f"after {label}"] = (ROOT, words, env)
     print(f"machine: {bench.cpu_model()}, {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     runs: dict[str, list[tuple[dict, list[float]]]] = {n: [] for n in trees}
     loads = [bench.load_average()]
     with contextlib.ExitStack() as stack:
-        servers = {n: stack.enter_context(traced_server(f"s{i}", root, args, workdir, flags))
-                   for i, (n, (root, flags)) in enumerate(trees.items())}
+        servers = {n: stack.enter_context(traced_server(f"s{i}", root, args, workdir, flags,
+                                                        env))
+                   for i, (n, (root, flags, env)) in enumerate(trees.items())}
         for p in range(args.passes):
             prompts = served_prompts(args.seed + 1000 * (p + 1), args.requests)
             # the model's own step, once a pass (the engine code is the same in every column)
@@ -446,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run a git archive of REV, alternating with this tree")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
                    help="also serve this tree with these extra `kvscope serve` flags, e.g. "
-                        "'p0=--max-prefill-tokens-with-decodes 0' (repeatable)")
+                        "'p0=--max-prefill-tokens-with-decodes 0'; leading NAME=value words "
+                        "set the server's environment (repeatable)")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--requests", type=int, default=bench.SERVED["requests"])
     p.add_argument("--concurrency", type=int, default=bench.SERVED["concurrency"])
