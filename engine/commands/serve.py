@@ -81,11 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--preemption-mode", default="recompute", help="recompute | swap")
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-prefill-tokens-with-decodes", type=int, default=0, metavar="P",
-                   help="prompt tokens a step that also decodes may compute (default 0: up "
-                        "to --max-num-batched-tokens, as vLLM; P > 0 prefills arrivals in "
-                        "arrival order beside the running decodes: lower TTFT, higher ITL "
-                        "p99 and fewer requests/s)")
+    e.add_argument("--max-prefill-tokens-with-decodes", type=int, default=128, metavar="P",
+                   help="prompt tokens a step that also decodes may compute (default 128: "
+                        "arrivals are prefilled in arrival order beside the running "
+                        "decodes; 0: up to --max-num-batched-tokens, as vLLM)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
