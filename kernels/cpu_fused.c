@@ -21,28 +21,14 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "cpu_bf16.h"
 
 /* Work (rows * values) below which a call stays on the calling thread. */
 #define PARALLEL_MIN_WORK 32768
 
-static inline float bf16_to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* c10::BFloat16's round to nearest even (NaN -> quiet NaN). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* float32 rounded through bfloat16 (what a torch bfloat16 op stores). */
-static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 static inline int use_threads(int64_t rows, int64_t width, int num_threads) {
     return num_threads > 1 && rows > 1 && rows * width >= PARALLEL_MIN_WORK;
@@ -68,13 +54,13 @@ static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *ou
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int i = 0; i < n; i++) {
-        const float v = bf16_to_float(x[i]);
+        const float v = bf16_to_f32(x[i]);
         ss += v * v;
     }
     const float r = inv_rms(ss, n, eps);
 #pragma omp simd
     for (int i = 0; i < n; i++)
-        out[i] = float_to_bf16(bf16_to_float(w[i]) * round_bf16(bf16_to_float(x[i]) * r));
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
 }
 
 static void rms_norm_row(const void *x, const void *w, void *out, int64_t row, int n,
@@ -103,7 +89,7 @@ static void add_row(void *hidden, const void *delta, int64_t row, int n, int is_
         uint16_t *h = (uint16_t *)hidden + row * n;
         const uint16_t *d = (const uint16_t *)delta + row * n;
 #pragma omp simd
-        for (int i = 0; i < n; i++) h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(d[i]));
+        for (int i = 0; i < n; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(d[i]));
     } else {
         float *h = (float *)hidden + row * n;
         const float *d = (const float *)delta + row * n;
@@ -144,13 +130,13 @@ static void rope_head_f32(float *x, const float *c, const float *s, int half) {
 static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int half) {
 #pragma omp simd
     for (int i = 0; i < half; i++) {
-        const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
-        const float a1 = round_bf16(x1 * bf16_to_float(c[i]));
-        const float b1 = round_bf16(-x2 * bf16_to_float(s[i]));
-        const float a2 = round_bf16(x2 * bf16_to_float(c[i + half]));
-        const float b2 = round_bf16(x1 * bf16_to_float(s[i + half]));
-        x[i] = float_to_bf16(a1 + b1);
-        x[i + half] = float_to_bf16(a2 + b2);
+        const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+        const float a1 = round_bf16(x1 * bf16_to_f32(c[i]));
+        const float b1 = round_bf16(-x2 * bf16_to_f32(s[i]));
+        const float a2 = round_bf16(x2 * bf16_to_f32(c[i + half]));
+        const float b2 = round_bf16(x1 * bf16_to_f32(s[i + half]));
+        x[i] = f32_to_bf16(a1 + b1);
+        x[i + half] = f32_to_bf16(a2 + b2);
     }
 }
 

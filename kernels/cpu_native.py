@@ -55,7 +55,9 @@ def _cpu_model() -> str:
 
 
 def _build(compiler: str, source_path: Path) -> Path:
-    source = source_path.read_bytes()
+    # the source and every header beside it (kernels/*.h, which the sources include)
+    source = b"".join(p.read_bytes() for p in
+                      [source_path, *sorted(source_path.parent.glob("*.h"))])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), str(version).encode(),

@@ -24,20 +24,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__GLIBC__) && defined(__x86_64__)
 /* glibc's vector expf (libmvec; math.h declares it only under -ffast-math, which this file
  * avoids: linking with it would set flush-to-zero for the whole process) */
 __attribute__((__simd__("notinbranch"))) float expf(float);
 #endif
 
-/* bfloat16 is the top half of a float32: widen by a shift (vectorizes under omp simd) */
-static inline float bf16_to_f32(uint16_t x) {
-    union {
-        uint32_t u;
-        float f;
-    } c = {(uint32_t)x << 16};
-    return c.f;
-}
 static inline float f32_to_f32(float x) { return x; }
 
 #if defined(__AVX512BF16__)
@@ -135,16 +129,6 @@ static void attend(const float *q, const uint16_t *qb, const void *k_cache,
     else
         attend_f32(q, NULL, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads,
                    head_dim, block_size, scale, acc, m, l, scores);
-}
-
-/* float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); the
- * engine's activations are finite */
-static inline uint16_t f32_to_bf16(float x) {
-    union {
-        float f;
-        uint32_t u;
-    } c = {x};
-    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 /* One sequence's query, as float32 (q rows may be bfloat16 and strided: read in place). */

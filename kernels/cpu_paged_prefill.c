@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -70,11 +72,6 @@ enum {
     RB = 4,  /* tile rows computed together in registers */
 };
 
-static inline uint16_t f32_to_bf16(float x) { /* round to nearest even; values are finite */
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 int kvscope_paged_prefill_supported(int is_bf16, int head_dim) {
     if (!HAVE_AVX512 || head_dim <= 0 || head_dim % 64 != 0 || head_dim > 512) return 0;
