@@ -104,6 +104,7 @@ class EngineLoop:
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:
         try:
+            _use_engine_device(self.engine)
             while True:
                 busy = self.failed is None and self.engine.has_unfinished_requests()
                 commands = [] if busy else [self._commands.get()]  # idle: sleep here
@@ -203,3 +204,14 @@ class EngineLoop:
         self._on_step(self.engine)
         log.debug("step %d: %d outputs in %.3f s", self.steps, len(outputs),
                   time.perf_counter() - t0)
+
+
+def _use_engine_device(engine: Any) -> None:
+    """Make the engine's CUDA device the engine thread's current one. A new thread starts
+    on cuda:0, and Triton launches its kernels on the current device, not on the device of
+    the tensors it is given (an engine on cuda:1 would launch on the wrong GPU)."""
+    device = getattr(engine, "device", None)
+    if getattr(device, "type", None) == "cuda" and device.index is not None:
+        import torch
+
+        torch.cuda.set_device(device)
