@@ -66,6 +66,10 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+/* Keep a loaded vector in a register: without this gcc folds the load into every FMA that
+ * uses it (a memory operand each), and the loads, not the FMAs, bound the loop. */
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+
 enum {
     BK = 32, /* keys per block */
     BQ = 16, /* query positions per tile */
@@ -87,7 +91,9 @@ static inline void qk_f32(const float *q, const float *kt, int head_dim, float s
     __m512 a[RB][2];
     for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (int d = 0; d < head_dim; d++) {
-        const __m512 k0 = _mm512_loadu_ps(kt + d * BK), k1 = _mm512_loadu_ps(kt + d * BK + 16);
+        __m512 k0 = _mm512_loadu_ps(kt + d * BK), k1 = _mm512_loadu_ps(kt + d * BK + 16);
+        IN_REGISTER(k0);
+        IN_REGISTER(k1);
         for (int r = 0; r < RB; r++) {
             const __m512 x = _mm512_set1_ps(q[r * head_dim + d]);
             a[r][0] = _mm512_fmadd_ps(x, k0, a[r][0]);
@@ -109,8 +115,12 @@ static inline void pv_f32(const float p[RB][BK], const float *v, const float *co
             for (int x = 0; x < 4; x++) a[r][x] = _mm512_setzero_ps();
         for (int j = 0; j < BK; j++) {
             const float *vj = v + j * head_dim + d0;
-            const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16),
-                         v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+            __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16),
+                   v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+            IN_REGISTER(v0);
+            IN_REGISTER(v1);
+            IN_REGISTER(v2);
+            IN_REGISTER(v3);
             for (int r = 0; r < RB; r++) {
                 const __m512 w = _mm512_set1_ps(p[r][j]);
                 a[r][0] = _mm512_fmadd_ps(w, v0, a[r][0]);
@@ -136,8 +146,10 @@ static inline void qk_bf16(const uint32_t *q, const uint32_t *kp, int words, flo
     __m512 a[RB][2];
     for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (int w = 0; w < words; w++) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + w * BK),
-                       k1 = (__m512bh)_mm512_loadu_si512(kp + w * BK + 16);
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + w * BK),
+                 k1 = (__m512bh)_mm512_loadu_si512(kp + w * BK + 16);
+        IN_REGISTER(k0);
+        IN_REGISTER(k1);
         for (int r = 0; r < RB; r++) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)q[r * words + w]);
             a[r][0] = _mm512_dpbf16_ps(a[r][0], x, k0);
@@ -160,10 +172,14 @@ static inline void pv_bf16(const uint32_t pw[RB][BK / 2], const uint32_t *vp,
             for (int x = 0; x < 4; x++) a[r][x] = _mm512_setzero_ps();
         for (int jp = 0; jp < BK / 2; jp++) {
             const uint32_t *vj = vp + jp * head_dim + d0;
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vj),
-                           v1 = (__m512bh)_mm512_loadu_si512(vj + 16),
-                           v2 = (__m512bh)_mm512_loadu_si512(vj + 32),
-                           v3 = (__m512bh)_mm512_loadu_si512(vj + 48);
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(vj),
+                     v1 = (__m512bh)_mm512_loadu_si512(vj + 16),
+                     v2 = (__m512bh)_mm512_loadu_si512(vj + 32),
+                     v3 = (__m512bh)_mm512_loadu_si512(vj + 48);
+            IN_REGISTER(v0);
+            IN_REGISTER(v1);
+            IN_REGISTER(v2);
+            IN_REGISTER(v3);
             for (int r = 0; r < RB; r++) {
                 const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pw[r][jp]);
                 a[r][0] = _mm512_dpbf16_ps(a[r][0], w, v0);
