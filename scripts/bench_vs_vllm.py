@@ -60,6 +60,10 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")
 REPLY = "@@bench "  # marks the worker's protocol lines among the engines' own log lines
 VLLM_BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
 MAX_MODEL_LEN = 1024
+# KV cache memory given to EACH engine (vLLM: VLLM_CPU_KVCACHE_SPACE; kvscope:
+# kv_cache_memory_bytes): equal, so neither runs the batch in waves the other does not
+# (kvscope's default is 1 GiB: 23k float32 tokens, less than offline-128x128 holds at once)
+KV_CACHE_GIB = 2
 LOAD_TIMEOUT_S = 900.0  # vLLM took ~4 minutes to start here under load
 OFFLINE = {"offline-32x64": (32, 64), "offline-128x128": (128, 128)}
 TPOT_TOKENS = 128
@@ -189,8 +193,8 @@ def engine_env(engine: Engine, threads: int) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(engine.root), *filter(None, [os.environ.get("PYTHONPATH")])])
     if engine.kind == "vllm":
-        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
-                   VLLM_NO_USAGE_STATS="1",
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                   VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_NO_USAGE_STATS="1",
                    # the engine core runs in the worker: one process, and the thread count
                    # the worker reports is the one the model runs on
                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -259,7 +263,8 @@ def worker_main(args: argparse.Namespace) -> int:
     if args.engine == "kvscope":
         from engine import LLM, SamplingParams
 
-        llm = LLM(args.model, device="cpu", dtype=args.dtype)
+        llm = LLM(args.model, device="cpu", dtype=args.dtype,
+                  kv_cache_memory_bytes=KV_CACHE_GIB << 30)
         version = "kvscope"
 
         def reset() -> None:  # every pass starts cold: no hits on the last pass's prefixes
@@ -420,7 +425,8 @@ def served_cmd(engine: Engine, dtype: str, threads: int, port: int) -> list[str]
     # kvscope serve has no thread flag; set torch's count before the CLI starts
     return [python, "-c", f"import sys, torch; torch.set_num_threads({threads}); "
             "from engine.cli import main; sys.exit(main(sys.argv[1:]))",
-            "serve", "--model", model, "--device", "cpu", *common]
+            "serve", "--model", model, "--device", "cpu",
+            "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30), *common]
 
 
 async def drive(url: str, prompts: list[list[int]], max_tokens: int,
