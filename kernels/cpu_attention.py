@@ -109,11 +109,14 @@ class StepPlan:
         self.native_lens = lens[decode].contiguous()
         self.prefills: list[_PrefillSeq] = []
         prefill_rows = (q_lens != 1).nonzero().flatten()
-        # the native prefill kernel's view of them: (first query row, query rows, keys) as
-        # three contiguous rows, and their block tables
-        self.native_prefill_spans = torch.stack([cu[prefill_rows], q_lens[prefill_rows],
-                                                 lens[prefill_rows]]).contiguous()
-        self.native_prefill_tables = tables[prefill_rows].contiguous()
+        # the native prefill kernel's view of them (none in a pure decode step): (first query
+        # row, query rows, keys) as three contiguous rows, and their block tables; whether
+        # the kernel takes them is decided on the first layer's tensors (same for every layer)
+        self.native_prefill: bool | None = None
+        if prefill_rows.numel():
+            self.native_prefill_spans = torch.stack([cu[prefill_rows], q_lens[prefill_rows],
+                                                     lens[prefill_rows]]).contiguous()
+            self.native_prefill_tables = tables[prefill_rows].contiguous()
         for b in prefill_rows.tolist():
             start, end, seq_len = int(cu[b]), int(cu[b + 1]), int(lens[b])
             q_len, context = end - start, seq_len - (end - start)
@@ -228,8 +231,10 @@ class StepPlan:
         head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
         out = None
         # prefills the native kernel reads in place write q's dtype straight into out
-        native_prefill = bool(self.prefills) and kv.k_scale is None and \
-            cpu_native.supports_prefill(q, kv.k_cache, kv.v_cache)
+        if self.native_prefill is None:
+            self.native_prefill = bool(self.prefills) and kv.k_scale is None and \
+                cpu_native.supports_prefill(q, kv.k_cache, kv.v_cache)
+        native_prefill = self.native_prefill
         if not self.decode_only:
             out = torch.empty(q.shape, dtype=q.dtype if native_prefill else COMPUTE_DTYPE,
                               device=q.device)
@@ -266,7 +271,7 @@ class StepPlan:
         if native_prefill:
             cpu_native.paged_prefill(q, kv.k_cache, kv.v_cache, self.native_prefill_tables,
                                      self.native_prefill_spans, scale, out)
-            return out.to(q.dtype)
+            return out  # already q's dtype
         for p in self.prefills:
             if given is not None and p.visible is None:  # fresh: its keys are its own rows
                 k = given[0][p.start:p.end].to(COMPUTE_DTYPE)

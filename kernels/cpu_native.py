@@ -185,12 +185,16 @@ def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Whether ``paged_prefill`` can attend these queries over these pages: q of the pages'
     dtype with contiguous heads, pages as ``supports`` requires, and a build whose CPU has
     the instructions for this dtype and head size (AVX-512; AVX512-BF16 for bfloat16)."""
-    if not (q.dtype == k_cache.dtype and rows_of_contiguous_heads(q) and
-            supports(k_cache, v_cache)):
-        return False
+    return (q.dtype == k_cache.dtype and rows_of_contiguous_heads(q) and
+            supports(k_cache, v_cache) and
+            _prefill_builds_for(q.dtype == torch.bfloat16, q.shape[2]))
+
+
+@functools.cache
+def _prefill_builds_for(is_bf16: bool, head_dim: int) -> bool:
+    """Whether this build of the prefill kernel has the instructions for the call."""
     lib = paged_prefill_kernel()
-    return lib is not None and bool(lib.kvscope_paged_prefill_supported(
-        int(q.dtype == torch.bfloat16), q.shape[2]))
+    return lib is not None and bool(lib.kvscope_paged_prefill_supported(int(is_bf16), head_dim))
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
