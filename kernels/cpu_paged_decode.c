@@ -34,6 +34,22 @@ __attribute__((__simd__("notinbranch"))) float expf(float);
 
 static inline float f32_to_f32(float x) { return x; }
 
+#if defined(__AVX512F__)
+#include "cpu_decode_avx512.h"
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+static inline int avx512_decode_takes(int head_dim) { (void)head_dim; return 0; }
+static void attend_avx512(const float *q, const void *k_cache, const void *v_cache,
+                          int is_bf16, const int64_t *table, int64_t t0, int64_t t1,
+                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                          float scale, float *acc, float *m, float *l, float *scores) {
+    (void)q, (void)k_cache, (void)v_cache, (void)is_bf16, (void)table, (void)t0, (void)t1;
+    (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale;
+    (void)acc, (void)m, (void)l, (void)scores; /* never called: avx512_decode_takes says no */
+}
+#endif
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_DP_BF16 1
@@ -123,7 +139,10 @@ static void attend(const float *q, const uint16_t *qb, const void *k_cache,
                    const void *v_cache, int is_bf16, const int64_t *table, int64_t t0,
                    int64_t t1, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                    float scale, float *acc, float *m, float *l, float *scores) {
-    if (is_bf16)
+    if (avx512_decode_takes(head_dim))
+        attend_avx512(q, k_cache, v_cache, is_bf16, table, t0, t1, num_q_heads, num_kv_heads,
+                      head_dim, block_size, scale, acc, m, l, scores);
+    else if (is_bf16)
         attend_bf16(q, qb, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads,
                     head_dim, block_size, scale, acc, m, l, scores);
     else

@@ -268,3 +268,63 @@ def test_native_decode_bf16_query_at_model_head_size(threads):
                                      lens.int(), torch.arange(4, dtype=torch.int32), d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one, want[2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("page_dtype,q_dtype", [(torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("d,hkv,group", [(64, 3, 3), (64, 2, 4), (64, 1, 5), (128, 2, 4),
+                                         (128, 1, 3), (128, 4, 1)])
+@pytest.mark.parametrize("bs", [1, 6, 16])
+def test_native_decode_at_model_head_sizes(page_dtype, q_dtype, d, hkv, group, bs):
+    """The head sizes the engine's models use (64, 128) take the kernel's register-resident
+    loops (kernels/cpu_decode_avx512.h where the CPU has AVX-512): every GQA group size
+    (query heads split into register passes of 1-3), pages whose row count is not a multiple
+    of four, one key, and sequences cut into key chunks that start mid-page (split-K, two
+    threads). Each equals the float32 reference over the same page values."""
+    g = torch.Generator().manual_seed(d + 10 * hkv + group + 1000 * bs)
+    hq, nb = hkv * group, 600
+    kc = (3 * torch.randn(nb, bs, hkv, d, generator=g)).to(page_dtype)  # peaked softmax
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(page_dtype)
+    lens = torch.tensor([1, 7, 300, 45, 131])
+    width = (300 + bs - 1) // bs
+    tables = torch.full((lens.numel(), width), nb + 5)  # junk past each length
+    perm = torch.randperm(nb, generator=g)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        need = (n + bs - 1) // bs
+        tables[i, :need] = perm[used:used + need]
+        used += need
+    q = torch.randn(lens.numel(), hq, d, generator=g).to(q_dtype)
+    want = reference.paged_attention(q.float(), kc.float(), vc.float(), tables.int(),
+                                     lens.int(), torch.arange(lens.numel() + 1, dtype=torch.int32),
+                                     d ** -0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cpu_native.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+        one = cpu_native.paged_decode(q[2:3], kc, vc, tables[2:3], lens[2:3], d ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, want[2:3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("last", [299, 150])
+def test_native_decode_softmax_max_covers_every_key(dtype, last):
+    """One key scores ~160 above the rest (exp of that overflows float32 unless the max
+    taken before the exponentials includes it), at a tail position past the last full
+    16-key vector and at one inside it: the output is that key's value row, not NaN."""
+    d, bs, nb, n = 64, 16, 40, 300
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 1, d, generator=g)
+    kc = (0.1 * torch.randn(nb, bs, 1, d, generator=g))
+    vc = torch.randn(nb, bs, 1, d, generator=g)
+    tables = torch.arange(nb).view(1, nb)
+    kc.view(-1, d)[last] = 20 * q[0, 0]  # score = 20 |q|^2 / 8 ~ 160
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    got = cpu_native.paged_decode(q.to(dtype), kc, vc, tables, torch.tensor([n]), d ** -0.5)
+    torch.testing.assert_close(got[0, 0], vc.view(-1, d)[last].float(), rtol=1e-3, atol=1e-3)
