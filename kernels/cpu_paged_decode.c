@@ -16,6 +16,9 @@
  * gather path once the pages come from DRAM (docs/BENCHMARKS.md, issue 22). Fewer
  * sequences than threads split by key range instead (split-K: each chunk keeps its max
  * and sum, merged exactly after), so one long sequence uses every thread.
+ * Where the CPU has AVX-512, the head sizes the engine's models use (64, 128) run a task
+ * through the register-resident loops of cpu_decode_avx512.h; the portable loops below
+ * take every other shape and CPU.
  * Built by kernels/cpu_native.py with the C compiler at first use; linked against the
  * process's already-loaded libgomp (torch's), so there is one OpenMP thread pool.
  */
@@ -39,15 +42,6 @@ static inline float f32_to_f32(float x) { return x; }
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
-static inline int avx512_decode_takes(int head_dim) { (void)head_dim; return 0; }
-static void attend_avx512(const float *q, const void *k_cache, const void *v_cache,
-                          int is_bf16, const int64_t *table, int64_t t0, int64_t t1,
-                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                          float scale, float *acc, float *m, float *l, float *scores) {
-    (void)q, (void)k_cache, (void)v_cache, (void)is_bf16, (void)table, (void)t0, (void)t1;
-    (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale;
-    (void)acc, (void)m, (void)l, (void)scores; /* never called: avx512_decode_takes says no */
-}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -139,10 +133,16 @@ static void attend(const float *q, const uint16_t *qb, const void *k_cache,
                    const void *v_cache, int is_bf16, const int64_t *table, int64_t t0,
                    int64_t t1, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                    float scale, float *acc, float *m, float *l, float *scores) {
-    if (avx512_decode_takes(head_dim))
+#if HAVE_AVX512
+    /* (a bfloat16 query's dot products are exact in float32 either way; the register loops
+     * widening bfloat16 keys measured faster than dot_bf16_dp's pairs there) */
+    if (avx512_decode_takes(head_dim)) {
         attend_avx512(q, k_cache, v_cache, is_bf16, table, t0, t1, num_q_heads, num_kv_heads,
                       head_dim, block_size, scale, acc, m, l, scores);
-    else if (is_bf16)
+        return;
+    }
+#endif
+    if (is_bf16)
         attend_bf16(q, qb, k_cache, v_cache, table, t0, t1, num_q_heads, num_kv_heads,
                     head_dim, block_size, scale, acc, m, l, scores);
     else
