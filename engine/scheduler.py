@@ -9,9 +9,13 @@ that had to preempt (admitting then would only thrash).
 
 Prefill beside decodes (``max_prefill_tokens_with_decodes`` P > 0, chunked prefill on):
 a step in which some running sequence decodes computes at most P prompt tokens, running
-prefills first, then admissions. Arrivals then reach the batch in arrival order, a chunk a
-step, each step stalling the running decodes for one short step instead of one long step
-that prefills every newcomer at once. (That long step also ends their prefills together,
+prefills first, then admissions, each prompt cut into even chunks (``_even_chunk``: 286
+tokens under P = 128 go as 96, 95, 95, not 128, 128, 30: as many steps, but the longest
+mixed step, which is the decodes' worst inter-token latency, a quarter shorter). A prompt
+starts only with a whole chunk, and none starts after one that stays unfinished.
+Arrivals then reach the batch in arrival order, a chunk a step, each step stalling the
+running decodes for one short step instead of one long step that prefills every newcomer
+at once. (That long step also ends their prefills together,
 so the clients of a concurrency-limited load stay in lock step: each wave's first arrival
 is prefilled alone on the idle engine and the rest wait for it, then for each other.) An
 engine with nothing decoding takes the whole budget of prompts, as without P.
@@ -43,6 +47,24 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.events import causes as C
 from engine.request import Sequence
+
+
+def _even_chunk(tokens: int, cap: int) -> int:
+    """The next chunk of a prompt with ``tokens`` left, cut beside decodes under a cap of
+    ``cap`` prompt tokens a step: the first of ceil(tokens / cap) chunks of (almost) equal
+    size. As many steps as cap-sized chunks and a remainder, never more than ``cap`` tokens
+    in one, but no long chunk beside a short one: the longest mixed step is the running
+    decodes' worst inter-token latency (286 tokens under 128: 96, 95, 95, not 128, 128, 30)."""
+    chunks = -(-tokens // cap)
+    return -(-tokens // chunks)
+
+
+def _capped_chunk(tokens: int, room: int, cap: int) -> int:
+    """Beside decodes: a prompt's next even chunk when it fits the ``room`` the step has
+    left for prompt tokens, else 0 (it waits for the next step rather than starting with a
+    fragment)."""
+    chunk = _even_chunk(tokens, cap)
+    return chunk if chunk <= room else 0
 
 
 def _decodes(seq: Sequence) -> bool:
@@ -136,10 +158,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         cap = self.config.max_prefill_tokens_with_decodes
-        if not (cap and self.config.enable_chunked_prefill
-                and any(_decodes(s) for s in self.running)):
+        capped = bool(cap and self.config.enable_chunked_prefill
+                      and any(_decodes(s) for s in self.running))
+        if not capped:
             cap = budget
         prefill_left = cap
+        # Beside decodes, once a prompt stays unfinished in this step no later prompt starts
+        # (prompts go one after the other, in order).
+        prompts_closed = False
 
         for seq in list(self.running):
             if budget <= 0:
@@ -148,7 +174,13 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens_to_compute, budget)
             if not _decodes(seq):
-                n = min(n, prefill_left)
+                if prompts_closed:
+                    continue
+                if capped:
+                    n = _capped_chunk(seq.num_tokens_to_compute, min(budget, prefill_left), cap)
+                    prompts_closed = n < seq.num_tokens_to_compute
+                else:
+                    n = min(n, prefill_left)
                 if n <= 0:
                     continue  # a later step goes on with this prompt
             if self._grow(seq, n, scheduled, out):
@@ -161,8 +193,8 @@ class Scheduler:
 
         if not out.preempted:
             budget = self._swap_in(scheduled, budget, out)
-            if not self.swapped:
-                self._admit(scheduled, min(budget, prefill_left))
+            if not self.swapped and not prompts_closed:
+                self._admit(scheduled, min(budget, prefill_left), cap if capped else 0)
 
         # Keep the order of self.running so batches are deterministic.
         out.scheduled = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
@@ -223,14 +255,23 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit(self, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
+    def _admit(self, scheduled: dict[str, ScheduledSeq], budget: int, chunk_cap: int) -> None:
+        """Admit waiting sequences while ``budget`` tokens last. ``chunk_cap`` > 0 (beside
+        decodes): each prompt starts only with a whole even chunk (``_capped_chunk``), and
+        admission stops after one that stays unfinished."""
         contiguous = self.config.kv_layout == "contiguous"
+
+        def chunk(seq: Sequence) -> int:
+            n = min(seq.num_tokens_to_compute, budget)
+            return min(n, _even_chunk(seq.num_tokens_to_compute, chunk_cap)) if chunk_cap else n
+
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_tokens_to_compute
-            if not self.config.enable_chunked_prefill and n > budget:
+            if not self.config.enable_chunked_prefill and seq.num_tokens_to_compute > budget:
                 break
-            n = min(n, budget)
+            if chunk_cap and not _capped_chunk(seq.num_tokens_to_compute, budget, chunk_cap):
+                break
+            n = chunk(seq)
             # Contiguous layout reserves the whole max_model_len up front.
             need = self.max_model_len if contiguous else n
             if not self.cache.can_allocate(seq.seq_id, need, self.config.watermark):
@@ -240,7 +281,7 @@ class Scheduler:
                 seq.num_computed_tokens = hit
                 if not seq.ever_started:
                     seq.num_cached_tokens = hit
-                n = min(seq.num_tokens_to_compute, budget)
+                n = chunk(seq)
             slots = self.cache.allocate_slots(seq.seq_id, need if contiguous else n)
             if slots is None:  # can_allocate said yes; only a prefix match could differ
                 self.cache.free(seq.seq_id)  # undo the shared prefix; stays waiting
@@ -257,3 +298,5 @@ class Scheduler:
                 self.cache.start(seq.seq_id)
             scheduled[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
+            if chunk_cap and n < seq.num_tokens_to_compute:
+                break  # this prompt goes on next step; nothing starts after it

@@ -1,11 +1,12 @@
 """max_prefill_tokens_with_decodes: beside running decodes, prompts are computed in
-arrival order, at most P tokens a step (kvscope serve's default); an engine with nothing
-decoding still takes a whole burst; tokens do not change."""
+arrival order, at most P tokens a step, each in even chunks (kvscope serve's default); an
+engine with nothing decoding still takes a whole burst; tokens do not change."""
 
 from __future__ import annotations
 
 import pytest
 
+from engine.sampling import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
 
@@ -35,30 +36,59 @@ def test_burst_on_idle_engine_is_one_step(make_engine):
     assert sorted(rid for rid, _, pre in shapes[0] if pre) == ["0", "1", "2", "3"]
 
 
-@pytest.mark.parametrize("cap", [3, 8])
-def test_prompts_beside_decodes_go_in_order_and_in_chunks(make_engine, reference, loaded,
-                                                          cap):
+# a long prompt whose even chunks (three, under a cap of 8) leave room in their steps, then
+# one that would fit there
+LONG_THEN_SHORT = ["one two three four five six seven eight nine ten eleven twelve thirteen "
+                   "fourteen fifteen sixteen seventeen", "Hi"]
+
+
+@pytest.mark.parametrize("cap,arrivals", [(3, PROMPTS[1:]), (8, PROMPTS[1:]),
+                                          (8, LONG_THEN_SHORT)], ids=["3", "8", "8-long-short"])
+def test_prompts_beside_decodes_go_in_order_and_in_even_chunks(make_engine, reference, loaded,
+                                                               cap, arrivals):
+    """Beside a decode, each step computes at most ``cap`` prompt tokens; the prompts go one
+    after the other in arrival order (none starts while another is unfinished, not even a
+    short one that would fit beside the long one's chunk), each in ceil(len / cap) chunks
+    whose sizes differ by at most one token."""
     eng = make_engine(max_prefill_tokens_with_decodes=cap)
-    eng.add_request("0", PROMPTS[0], GREEDY)
-    eng.step()  # request 0 now decodes
-    for i, p in enumerate(PROMPTS[1:], 1):
+    # request 0 decodes through every step of the others' prefills
+    eng.add_request("0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60,
+                                                    ignore_eos=True))
+    eng.step()
+    for i, p in enumerate(arrivals, 1):
         eng.add_request(str(i), p, GREEDY)
     shapes, done = _step_shapes(eng)
     tok = loaded[1]
-    left = sum(len(tok.encode(p)) for p in PROMPTS[1:])
-    order = []
+    lengths = {str(i): len(tok.encode(p)) for i, p in enumerate(arrivals, 1)}
+    if arrivals is LONG_THEN_SHORT:  # the short one fits in a step of the long one's
+        long_chunks = -(-lengths["1"] // cap)
+        assert long_chunks >= 3 and lengths["2"] <= cap - -(-lengths["1"] // long_chunks)
+    assert max(lengths.values()) > cap  # the test needs prompts that take several chunks
+    chunks: dict[str, list[int]] = {rid: [] for rid in lengths}
+    order: list[str] = []
     for step in shapes:
         prefill = [(rid, n) for rid, n, pre in step if pre]
-        if not left:
-            assert not prefill
+        if sum(map(len, chunks.values())) and not any(
+                sum(chunks[r]) < lengths[r] for r in lengths):
+            assert not prefill  # every prompt is done
             continue
         assert ("0", 1, False) in step  # the decode goes on in every step
-        assert sum(n for _, n in prefill) == min(cap, left)
-        left -= sum(n for _, n in prefill)
-        order += [rid for rid, _ in prefill if not order or order[-1] != rid]
-    assert order == ["1", "2", "3"]  # one prompt after the other, in arrival order
-    for i, p in enumerate(PROMPTS):
-        assert done[str(i)].outputs[0].token_ids == reference[p]
+        assert 0 < sum(n for _, n in prefill) <= cap
+        for rid, n in prefill:
+            if not order or order[-1] != rid:
+                assert not order or sum(chunks[order[-1]]) == lengths[order[-1]], \
+                    f"{rid} started before {order[-1]} was prefilled"
+                order.append(rid)
+            chunks[rid].append(n)
+    assert order == sorted(lengths)  # one prompt after the other, in arrival order
+    for rid, sizes in chunks.items():
+        assert sum(sizes) == lengths[rid]
+        assert len(sizes) == -(-lengths[rid] // cap), sizes
+        assert max(sizes) - min(sizes) <= 1, sizes
+    assert done["0"].outputs[0].token_ids[:10] == reference[PROMPTS[0]]
+    for i, p in enumerate(arrivals, 1):
+        if p in reference:
+            assert done[str(i)].outputs[0].token_ids == reference[p]
 
 
 def test_no_cap_admits_everyone_beside_decodes(make_engine):
