@@ -1,7 +1,7 @@
 /* The AVX-512 inner loops of kernels/cpu_paged_decode.c, for the head sizes the engine's
  * models use (64 and 128): one sequence's attention over a run of rows in one page.
  *
- * Why not the portable loops: at a hundred sequences the portable kernel ran at a quarter
+ * Why not the portable loops: at a hundred sequences the portable kernel ran at a third
  * of the memory bandwidth (docs/BENCHMARKS.md, issue 22). It was bound by instructions:
  * every (token, query head) dot product reloaded its query, reloaded the key row once per
  * query head of the kv group, and paid a 16-lane horizontal sum; every (token, head) of the
