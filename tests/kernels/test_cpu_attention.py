@@ -147,6 +147,20 @@ def test_bad_steps_raise_before_writing():
     assert not kc.any() and not vc.any()
 
 
+def _shuffled_tables(lens: torch.Tensor, bs: int, nb: int, width: int,
+                     g: torch.Generator) -> torch.Tensor:
+    """Block tables [len(lens), width]: each sequence's pages drawn from a shuffle of the
+    nb pages (no page shared), junk ids (>= nb) past each length."""
+    tables = torch.full((lens.numel(), width), nb + 99)
+    perm = torch.randperm(nb, generator=g)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        need = (n + bs - 1) // bs
+        tables[i, :need] = perm[used:used + need]
+        used += need
+    return tables
+
+
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_reads_pages_in_place(dtype):
@@ -158,13 +172,7 @@ def test_native_decode_reads_pages_in_place(dtype):
     kc = torch.randn(nb, bs, HKV, D, generator=g).to(dtype)
     vc = torch.randn(nb, bs, HKV, D, generator=g).to(dtype)
     lens = torch.tensor([1, 17, 200, 333, 64])
-    tables = torch.full((seqs, 30), nb + 99)
-    perm = torch.randperm(nb, generator=g)
-    used = 0
-    for i, n in enumerate(lens.tolist()):
-        need = (n + bs - 1) // bs
-        tables[i, :need] = perm[used:used + need]
-        used += need
+    tables = _shuffled_tables(lens, bs, nb, 30, g)
     q = torch.randn(seqs, HQ, D, generator=g)
     assert cpu_native.supports(kc, vc)
     got = cpu_native.paged_decode(q, kc, vc, tables, lens, 0.3)
@@ -288,14 +296,7 @@ def test_native_decode_at_model_head_sizes(page_dtype, q_dtype, d, hkv, group, b
     kc = (3 * torch.randn(nb, bs, hkv, d, generator=g)).to(page_dtype)  # peaked softmax
     vc = torch.randn(nb, bs, hkv, d, generator=g).to(page_dtype)
     lens = torch.tensor([1, 7, 300, 45, 131])
-    width = (300 + bs - 1) // bs
-    tables = torch.full((lens.numel(), width), nb + 5)  # junk past each length
-    perm = torch.randperm(nb, generator=g)
-    used = 0
-    for i, n in enumerate(lens.tolist()):
-        need = (n + bs - 1) // bs
-        tables[i, :need] = perm[used:used + need]
-        used += need
+    tables = _shuffled_tables(lens, bs, nb, (300 + bs - 1) // bs, g)
     q = torch.randn(lens.numel(), hq, d, generator=g).to(q_dtype)
     want = reference.paged_attention(q.float(), kc.float(), vc.float(), tables.int(),
                                      lens.int(), torch.arange(lens.numel() + 1, dtype=torch.int32),
