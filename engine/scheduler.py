@@ -176,8 +176,8 @@ class Scheduler:
             if not _decodes(seq):
                 if prompts_closed:
                     continue
-                if capped:
-                    n = _capped_chunk(seq.num_tokens_to_compute, min(budget, prefill_left), cap)
+                if capped:  # the step's token budget may still cut the chunk short
+                    n = min(_capped_chunk(seq.num_tokens_to_compute, prefill_left, cap), n)
                     prompts_closed = n < seq.num_tokens_to_compute
                 else:
                     n = min(n, prefill_left)
@@ -194,7 +194,7 @@ class Scheduler:
         if not out.preempted:
             budget = self._swap_in(scheduled, budget, out)
             if not self.swapped and not prompts_closed:
-                self._admit(scheduled, min(budget, prefill_left), cap if capped else 0)
+                self._admit(scheduled, budget, prefill_left, cap if capped else 0)
 
         # Keep the order of self.running so batches are deterministic.
         out.scheduled = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
@@ -255,21 +255,25 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit(self, scheduled: dict[str, ScheduledSeq], budget: int, chunk_cap: int) -> None:
-        """Admit waiting sequences while ``budget`` tokens last. ``chunk_cap`` > 0 (beside
-        decodes): each prompt starts only with a whole even chunk (``_capped_chunk``), and
+    def _admit(self, scheduled: dict[str, ScheduledSeq], budget: int, room: int,
+               chunk_cap: int) -> None:
+        """Admit waiting sequences while the step's ``budget`` tokens and its ``room`` for
+        prompt tokens last. ``chunk_cap`` > 0 (beside decodes): each prompt starts only with
+        a whole even chunk of the room (``_capped_chunk``; the budget may still cut it), and
         admission stops after one that stays unfinished."""
         contiguous = self.config.kv_layout == "contiguous"
 
         def chunk(seq: Sequence) -> int:
-            n = min(seq.num_tokens_to_compute, budget)
+            n = min(seq.num_tokens_to_compute, budget, room)
             return min(n, _even_chunk(seq.num_tokens_to_compute, chunk_cap)) if chunk_cap else n
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and min(budget, room) > 0 and \
+                len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.config.enable_chunked_prefill and seq.num_tokens_to_compute > budget:
+            if not self.config.enable_chunked_prefill and \
+                    seq.num_tokens_to_compute > min(budget, room):
                 break
-            if chunk_cap and not _capped_chunk(seq.num_tokens_to_compute, budget, chunk_cap):
+            if chunk_cap and not _capped_chunk(seq.num_tokens_to_compute, room, chunk_cap):
                 break
             n = chunk(seq)
             # Contiguous layout reserves the whole max_model_len up front.
@@ -298,5 +302,6 @@ class Scheduler:
                 self.cache.start(seq.seq_id)
             scheduled[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
+            room -= n
             if chunk_cap and n < seq.num_tokens_to_compute:
                 break  # this prompt goes on next step; nothing starts after it

@@ -91,6 +91,24 @@ def test_prompts_beside_decodes_go_in_order_and_in_even_chunks(make_engine, refe
             assert done[str(i)].outputs[0].token_ids == reference[p]
 
 
+def test_a_small_step_budget_still_moves_the_prompt(make_engine):
+    """When the step's token budget (max_num_batched_tokens less the decodes) is below the
+    prompt's even chunk, the prompt goes on in budget-sized pieces every step: the budget
+    cuts a chunk short, it does not hold the prompt back until the decodes finish."""
+    eng = make_engine(max_prefill_tokens_with_decodes=8, max_num_batched_tokens=4)
+    eng.add_request("0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60,
+                                                    ignore_eos=True))
+    while not eng.scheduler.running or not eng.scheduler.running[0].output_token_ids:
+        eng.step()  # request 0's prompt, 4 tokens a step, until it decodes
+    eng.add_request("1", LONG_THEN_SHORT[0], GREEDY)  # 17 tokens: even chunks of 6
+    shapes, _ = _step_shapes(eng)
+    pieces = [n for step in shapes for rid, n, pre in step if rid == "1" and pre]
+    steps_with_decode = [step for step in shapes if ("0", 1, False) in step]
+    assert pieces and max(pieces) <= 3 and sum(pieces) == 17
+    assert all(any(rid == "1" and pre for rid, _, pre in step)
+               for step in steps_with_decode[:len(pieces)])
+
+
 def test_no_cap_admits_everyone_beside_decodes(make_engine):
     eng = make_engine()  # the engine's default: 0, no cap (vLLM's behaviour)
     eng.add_request("0", PROMPTS[0], GREEDY)
