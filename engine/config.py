@@ -57,8 +57,9 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int = 0
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
     # vLLM's name: True runs the model eagerly. False: on CPU the decode forward is
-    # torch.compile'd per padded batch-size bucket (engine.model.compiled); on GPU it will
-    # gate CUDA graphs (issue 18), for now GPU runs eagerly either way.
+    # torch.compile'd per padded batch-size bucket (engine.model.compiled); on CUDA pure
+    # decode steps replay CUDA graphs per batch-size bucket (engine.model.cuda_graphs).
+    # The default stays eager until a device run has validated the graphs (docs/GPU.md).
     enforce_eager: bool = True
     # parallelism (vLLM's name): ranks that split the heads and the MLP (engine.distributed)
     tensor_parallel_size: int = 1

@@ -125,7 +125,9 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size,
                                       self.device, self.dtype,
                                       kv_cache_dtype=config.kv_cache_dtype, mixed=self.mixed,
-                                      enforce_eager=config.enforce_eager)
+                                      enforce_eager=config.enforce_eager,
+                                      max_model_len=self.max_model_len,
+                                      max_num_seqs=config.max_num_seqs)
         self.swapper = None  # the cpu tier's tensors (engine.swapper)
         if num_cpu_blocks:
             from engine.swapper import Swapper

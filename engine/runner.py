@@ -12,6 +12,7 @@ sample a token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,8 @@ import torch
 import kernels
 from engine.cache.page_format import KVPages, page_format
 from engine.model.compiled import maybe_compiled
+from engine.model.cuda_graphs import CudaGraph, DecodeGraphs, Graph
+from engine.model.llama import LlamaModel
 from engine.scheduler import ScheduledSeq
 from kernels import quant
 from kernels.cpu_attention import StepPlan
@@ -132,7 +135,8 @@ def keep_freed_memory() -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, *,
-                 kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool = True) -> None:
+                 kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool = True,
+                 max_model_len: int | None = None, max_num_seqs: int = 256) -> None:
         self.model, self.cfg = model, model_config
         # CPU: the torch.compile'd decode forward unless enforce_eager (engine.model.compiled)
         self.compiled = maybe_compiled(model, device, enforce_eager)
@@ -151,6 +155,22 @@ class ModelRunner:
 
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
             self.attn = MixedPagedAttention(self.mixed_kv, model_config.head_dim ** -0.5)
+        # CUDA: pure decode steps replay captured graphs unless enforce_eager
+        # (engine.model.cuda_graphs); not over the mixed arena, whose kernels were never
+        # captured on a device.
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not enforce_eager and mixed is None and \
+                type(model) is LlamaModel:
+            self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
+                                             max_num_seqs)
+
+    def decode_graphs(self, max_model_len: int, max_num_seqs: int,
+                      new_graph: Callable[[object], Graph] = CudaGraph) -> DecodeGraphs:
+        """Decode graphs over this runner's model and attention for sequences of up to
+        ``max_model_len`` tokens (``new_graph``: the capture seam; tests replay eagerly)."""
+        return DecodeGraphs(self.model, self.attn, StepBatch, max_num_seqs=max_num_seqs,
+                            max_blocks_per_seq=-(-max_model_len // self.block_size),
+                            device=self.device, new_graph=new_graph)
 
     def prepare(self, scheduled: list[ScheduledSeq],
                 block_tables: list[list[int]]) -> StepBatch:
@@ -205,17 +225,21 @@ class ModelRunner:
         ``rows`` (prompt positions whose logprobs a request asked for); turn them into
         logits with ``logits_of`` a slice at a time (a whole prompt's logits is
         tokens x vocab floats)."""
-        self.attn.batch = batch
-        if self.compiled is not None:  # one token per sequence: a pure decode step
-            pure_decode = batch.input_ids.shape[0] == batch.seq_lens.shape[0]
-            hidden = self.compiled(batch.input_ids, batch.positions, self.attn, pure_decode)
-        else:
-            hidden = self.model.forward(batch.input_ids, batch.positions, self.attn)
+        hidden = self.graphs.run(batch) if self.graphs is not None and rows is None else None
+        if hidden is None:
+            hidden = self._eager_forward(batch)
         kept = hidden[torch.as_tensor(rows, dtype=torch.int64, device=hidden.device)] \
             if rows else None
         if batch.sample_index.numel() == 0:
             return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32), kept
         return self.model.compute_logits(hidden[batch.sample_index]).float(), kept
+
+    def _eager_forward(self, batch: StepBatch) -> torch.Tensor:
+        self.attn.batch = batch
+        if self.compiled is not None:  # one token per sequence: a pure decode step
+            pure_decode = batch.input_ids.shape[0] == batch.seq_lens.shape[0]
+            return self.compiled(batch.input_ids, batch.positions, self.attn, pure_decode)
+        return self.model.forward(batch.input_ids, batch.positions, self.attn)
 
     @torch.inference_mode()
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:

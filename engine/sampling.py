@@ -183,7 +183,11 @@ def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     the engine's common case without a per-row loop of small ops."""
     logits = logits.float()
     token_ids = logits.argmax(dim=-1)
-    return token_ids.tolist(), _raw_logprobs(logits, token_ids).tolist()
+    # One device-to-host read for both (on a GPU each read is a sync): ids are exact in
+    # float64, and a float32 logprob widened to float64 is the value .tolist() gives.
+    both = torch.stack((token_ids.double(), _raw_logprobs(logits, token_ids).double()))
+    ids, logprobs = both.tolist()
+    return [int(t) for t in ids], logprobs
 
 
 def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -280,7 +280,8 @@ def section_kernels(ctx: Context) -> dict:
 def section_invariance(ctx: Context) -> dict:
     env = {"KVSCOPE_TEST_MODEL": TINY if ctx.smoke else SMALL,
            "KVSCOPE_TEST_DEVICE": ctx.device.type, "KVSCOPE_TEST_DTYPE": "float32"}
-    args = ["tests/engine/test_invariance.py", "tests/swap/test_swap_engine.py"]
+    args = ["tests/engine/test_invariance.py", "tests/swap/test_swap_engine.py",
+            "tests/model/test_cuda_graphs.py"]  # its gpu tests: real graphs vs eager tokens
     if ctx.smoke:
         args += ["-k", "block_sizes and 16 or swap_preemption"]
     return run_pytest(ctx, "invariance", args, env)
@@ -507,7 +508,12 @@ def section_decode(ctx: Context) -> dict:
     free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.cuda else 1 << 34
     headroom = 8 << 30 if ctx.cuda else 0  # activations and logits at batch 256
     num_blocks = max(1, min(need, (free - headroom) // fmt.bytes_per_block))
-    runner = ModelRunner(model, cfg, num_blocks, bs, ctx.device, dtype)
+    # CUDA graphs for the decode step (engine.model.cuda_graphs); CPU (--smoke) measures the
+    # eager rows only (enforce_eager off there would torch.compile instead)
+    runner = ModelRunner(model, cfg, num_blocks, bs, ctx.device, dtype,
+                         enforce_eager=not ctx.cuda,
+                         max_model_len=context, max_num_seqs=max(batches))
+    graphs = runner.graphs
     for t in runner.kv.per_block_tensors:  # attention over random keys, never zeros
         t.normal_()
     bw = copy_bandwidth(ctx)
@@ -529,31 +535,63 @@ def section_decode(ctx: Context) -> dict:
             seq_lens=torch.full((batch,), ctx_len, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=dev),
             sample_index=torch.arange(batch, device=dev))
+        runner.graphs = None
         ms = bench_ms(ctx, lambda step=step, run=runner: run.execute(step), rep_ms=300)
+        graph_ms = None
+        if graphs is not None:
+            runner.graphs = graphs
+            runner.execute(step)  # the bucket's capture, outside the timing
+            graph_ms = bench_ms(ctx, lambda step=step, run=runner: run.execute(step),
+                                rep_ms=300)
+            ms_best = min(ms, graph_ms)
+        else:
+            ms_best = ms
         kv_bytes = batch * ctx_len * fmt.bytes_per_block // bs
         floor_ms = (w_bytes + kv_bytes) / bw * 1e3
         rows.append({"batch": batch, "context": ctx_len, "step_ms": round(ms, 3),
-                     "floor_ms": round(floor_ms, 3), "x_floor": round(ms / floor_ms, 2),
+                     **({"graph_step_ms": round(graph_ms, 3),
+                         "graph_speedup": round(ms / graph_ms, 2)} if graph_ms else {}),
+                     "floor_ms": round(floor_ms, 3), "x_floor": round(ms_best / floor_ms, 2),
                      "weight_gb": round(w_bytes / 1e9, 2), "kv_gb": round(kv_bytes / 1e9, 2),
                      "tokens_per_s": round(batch / (ms * 1e-3), 1),
                      **({"context_reduced_to_fit": True} if ctx_len < context else {})})
     runner = None  # free the pages before the next section
     at64 = next((r for r in rows if r["batch"] == 64), None)
     r = {"model": name, "dtype": str(dtype).split(".")[-1], "copy_tb_s": round(bw / 1e12, 3),
-         "rows": rows, "measures": "ModelRunner.execute: forward + logits, CUDA graphs off",
+         "rows": rows, "measures": "ModelRunner.execute: forward + logits; step_ms eager, "
+                                   "graph_step_ms replaying the bucket's CUDA graph; x_floor "
+                                   "of the faster",
+         **({"graph_buckets_captured": sorted(graphs.graphs)} if graphs is not None else {}),
          "goal": "<= 1.3x the floor at batch 64"}
     if at64:
         r["goal_met"] = at64["x_floor"] <= 1.3
-    r["summary"] = ", ".join(f"B{x['batch']} {x['step_ms']:.1f} ms ({x['x_floor']}x floor)"
-                             for x in rows)
+    r["summary"] = ", ".join(
+        f"B{x['batch']} {x['step_ms']:.1f}"
+        + (f"/{x['graph_step_ms']:.1f}" if "graph_step_ms" in x else "")
+        + f" ms ({x['x_floor']}x floor)" for x in rows) + (" [eager/graphs]" if graphs else "")
     return r
 
 
 def section_syncs(ctx: Context) -> dict:
-    """Every synchronising CUDA call made during pure-decode engine steps, counted with
-    ``torch.cuda.set_sync_debug_mode("warn")`` (a warning per sync, raised at the Python
-    line that caused it). On CPU nothing synchronises: the count is 0 and only the code
-    path is exercised."""
+    """Every synchronising CUDA call made during pure-decode engine steps, eager and with
+    CUDA graphs, counted with ``torch.cuda.set_sync_debug_mode("warn")`` (a warning per
+    sync, raised at the Python line that caused it). On CPU nothing synchronises: the count
+    is 0 and only the eager code path is exercised."""
+    name = TINY if ctx.smoke else BIG
+    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
+    loaded = ctx.model(name, dtype)
+    # graphs: CUDA only (enforce_eager off on CPU would torch.compile instead)
+    modes = {mode: _decode_syncs(ctx, loaded, enforce_eager=mode == "eager")
+             for mode in (("eager", "graphs") if ctx.cuda else ("eager",))}
+    return {"model": name, **modes,
+            "goal": "no host sync inside the step except the sampled ids",
+            "summary": "; ".join(
+                f"{mode}: {m['syncs_per_step']:.1f} syncs per decode step at batch {m['batch']}"
+                + (f" (top: {next(iter(m['sites']))})" if m["sites"] else "")
+                for mode, m in modes.items())}
+
+
+def _decode_syncs(ctx: Context, loaded, enforce_eager: bool) -> dict:
     import warnings
     from collections import Counter
 
@@ -561,16 +599,14 @@ def section_syncs(ctx: Context) -> dict:
     from engine.engine import LLMEngine
     from engine.sampling import SamplingParams
 
-    name = TINY if ctx.smoke else BIG
-    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
-    loaded = ctx.model(name, dtype)
     batch, steps = 8, 8
-    eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=dtype, num_gpu_blocks=256,
-                                 enable_prefix_caching=False), loaded=loaded)
+    eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
+                                 num_gpu_blocks=256, enable_prefix_caching=False,
+                                 enforce_eager=enforce_eager), loaded=loaded)
     params = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
     for i, p in enumerate(_prompts(batch, loaded[2].vocab_size, seed=1)):
         eng.add_request(str(i), p, params)
-    for _ in range(200):  # prefill everything, then two warm decode steps
+    for _ in range(200):  # prefill everything, then two warm decode steps (graph captured)
         eng.step()
         if all(len(s.output_token_ids) >= 2 for s in eng.scheduler.running) and \
                 len(eng.scheduler.running) == batch:
@@ -592,13 +628,11 @@ def section_syncs(ctx: Context) -> dict:
             path = Path(w.filename)
             where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
             sites[f"{where}:{w.lineno}"] += 1
+    graphs = eng.runner.graphs
     eng.close()
-    per_step = sum(sites.values()) / steps
-    return {"model": name, "batch": batch, "steps": steps, "syncs_per_step": per_step,
+    return {"batch": batch, "steps": steps, "syncs_per_step": sum(sites.values()) / steps,
             "sites": dict(sites.most_common(15)),
-            "goal": "no host sync inside the step except the sampled ids",
-            "summary": f"{per_step:.1f} syncs per decode step at batch {batch}"
-                       + (f"; top: {sites.most_common(1)[0][0]}" if sites else "")}
+            **({"graph_replays": graphs.replays} if graphs is not None else {})}
 
 
 def section_events(ctx: Context) -> dict:

@@ -86,5 +86,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model eagerly (default); --no-enforce-eager: torch.compile "
-                        "the CPU decode forward (engine.model.compiled)")
+                        "the CPU decode forward (engine.model.compiled), replay CUDA graphs "
+                        "for GPU decode steps (engine.model.cuda_graphs)")
     p.set_defaults(func=_generate)

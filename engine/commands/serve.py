@@ -91,7 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model eagerly (default). --no-enforce-eager: on CPU, "
                         "torch.compile the decode forward per padded batch size (a one-off "
-                        "compile of ~15-50 s per batch-size bucket on first use)")
+                        "compile of ~15-50 s per batch-size bucket on first use); on CUDA, "
+                        "decode steps replay CUDA graphs, one captured per batch-size "
+                        "bucket on first use")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (gloo on CPU, NCCL on CUDA)")
     p.set_defaults(func=_run)
