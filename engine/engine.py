@@ -10,7 +10,6 @@ can be compared at any step.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
@@ -34,6 +33,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Sequence
 from engine.runner import ModelRunner
 from engine.sampling import (
+    RequestOutputKind,
     SamplingParams,
     greedy_batch,
     make_generator,
@@ -372,7 +372,8 @@ class LLMEngine:
                 self._add_prompt_logprobs(plan, kept, touched)
             self._process(out, logits, touched)
         self._close_step(time.perf_counter() - t0, out)
-        return [self._output(req) for req in touched.values()]
+        return [self._output(req) for req in touched.values()
+                if req.finished or req.params.output_kind == RequestOutputKind.CUMULATIVE]
 
     def _prompt_logprob_plan(self, out) -> dict[str, list[tuple[int, int]]]:
         """Per request wanting prompt logprobs: (flattened-batch row, prompt token index it
@@ -490,9 +491,7 @@ class LLMEngine:
         seq.max_computed_tokens = max(seq.max_computed_tokens, a + n)
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [copy.copy(req.completions[s.seq_id].output) for s in req.seqs]
-        for o in outs:
-            o.token_ids = list(o.token_ids)
+        outs = [req.completions[s.seq_id].output.snapshot() for s in req.seqs]
         finished = req.finished
         if finished:
             self.requests.pop(req.request_id, None)

@@ -6,6 +6,7 @@ reachable as ``llm.llm_engine`` as in vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from engine.device import resolve_device, resolve_dtype
 from engine.engine import LLMEngine
 from engine.model.tokenizer import Tokenizer
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any]
 Conversation = list[dict[str, Any]]
@@ -73,7 +74,10 @@ class LLM:
                     raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, "
                                     f"got {prompt!r}")
                 rid = str(self._next_id)
-                eng.add_request(rid, prompt, params)
+                # only each request's last output is kept: the engine need not build the
+                # others (a copy of every running request's tokens, every step)
+                eng.add_request(rid, prompt, dataclasses.replace(
+                    params, output_kind=RequestOutputKind.FINAL_ONLY))
                 self._next_id += 1
                 ids.append(rid)
         except BaseException:

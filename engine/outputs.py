@@ -22,6 +22,14 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def snapshot(self) -> CompletionOutput:
+        """This completion as it is now, for a step's output: its own ``token_ids`` list
+        (the engine goes on appending to the live one); ``logprobs`` is shared, and only
+        ever grows, so its first ``len(token_ids)`` entries are this snapshot's."""
+        return CompletionOutput(self.index, self.text, list(self.token_ids),
+                                self.cumulative_logprob, self.logprobs, self.finish_reason,
+                                self.stop_reason)
+
 
 @dataclass
 class RequestMetrics:

@@ -180,7 +180,7 @@ class ModelRunner:
         lens_q = np.empty(len(scheduled), dtype=np.int64)
         for i, s in enumerate(scheduled):
             start, n = s.start, s.num_new_tokens
-            ids.extend(s.seq.all_token_ids[start:start + n])
+            ids.extend(s.seq.token_ids_between(start, start + n))
             starts[i], lens_q[i] = start, n
         cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(lens_q, out=cu[1:])

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from enum import IntEnum
 from typing import Any
 
 import numpy as np
 import torch
+
+
+class RequestOutputKind(IntEnum):
+    """Which steps return a request's output (vLLM's enum and values). CUMULATIVE: every
+    step that changed it, with everything so far; FINAL_ONLY: only the step it finishes
+    (what ``LLM.generate`` needs: no per-step copy of every running request's tokens)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass(init=False)
@@ -40,6 +50,7 @@ class SamplingParams:
     min_tokens: int
     skip_special_tokens: bool
     include_stop_str_in_output: bool
+    output_kind: RequestOutputKind
 
     def __init__(self, **kwargs: Any) -> None:
         defaults: dict[str, Any] = {
@@ -47,6 +58,7 @@ class SamplingParams:
             "stop": None, "stop_token_ids": None, "max_tokens": 16, "ignore_eos": False,
             "logprobs": None, "prompt_logprobs": None, "min_tokens": 0,
             "skip_special_tokens": True, "include_stop_str_in_output": False,
+            "output_kind": RequestOutputKind.CUMULATIVE,
         }
         unknown = sorted(set(kwargs) - set(defaults))
         if unknown:
@@ -95,6 +107,10 @@ class SamplingParams:
              f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
         need(isinstance(self.ignore_eos, bool),
              f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        need(is_int(self.output_kind) and self.output_kind in
+             set(RequestOutputKind), f"output_kind must be one of "
+             f"{[k.name for k in RequestOutputKind]}, got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     @property
     def greedy(self) -> bool:

@@ -167,13 +167,15 @@ class Scheduler:
         # (prompts go one after the other, in order).
         prompts_closed = False
 
+        used = prompt_used = 0  # tokens, and prompt tokens, of the sequences in `scheduled`
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status != "running":  # preempted earlier in this step
                 continue
             n = min(seq.num_tokens_to_compute, budget)
-            if not _decodes(seq):
+            decodes = _decodes(seq)
+            if not decodes:
                 if prompts_closed:
                     continue
                 if capped:  # the step's token budget may still cut the chunk short
@@ -183,13 +185,14 @@ class Scheduler:
                     n = min(n, prefill_left)
                 if n <= 0:
                     continue  # a later step goes on with this prompt
+            # Counted as they go (a step may hold hundreds of sequences): _grow preempts
+            # only sequences not scheduled yet, so nothing counted is ever taken back.
             if self._grow(seq, n, scheduled, out):
                 scheduled[seq.seq_id] = ScheduledSeq(seq, n)
-            # Preempting an already-scheduled victim gives its tokens back.
-            budget = self.config.max_num_batched_tokens - sum(
-                s.num_new_tokens for s in scheduled.values())
-            prefill_left = cap - sum(s.num_new_tokens for s in scheduled.values()
-                                     if not _decodes(s.seq))
+                used += n
+                prompt_used += 0 if decodes else n
+            budget = self.config.max_num_batched_tokens - used
+            prefill_left = cap - prompt_used
 
         if not out.preempted:
             budget = self._swap_in(scheduled, budget, out)
@@ -203,7 +206,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, n: int, scheduled: dict[str, ScheduledSeq],
               out: SchedulerOutput) -> bool:
         """Get blocks for ``n`` more tokens of a running sequence, preempting others if
-        needed. False when ``seq`` itself had to go."""
+        needed: only sequences not scheduled in this step (``seq`` itself, maybe), so a
+        step's scheduled tokens never shrink. False when ``seq`` itself had to go."""
         if self.config.kv_layout == "contiguous":
             return True  # everything was reserved at admission
         while self.cache.allocate_slots(seq.seq_id, n) is None:
@@ -218,7 +222,6 @@ class Scheduler:
                 seq.seq_id, n), C.FREE_BLOCKS: self.cache.num_free_blocks,
                 C.POLICY: C.PREEMPT_RULE, C.REASON: C.R_ALLOCATE}
             self._preempt(victim, out, cause)
-            scheduled.pop(victim.seq_id, None)
             if victim is seq:
                 return False
         return True

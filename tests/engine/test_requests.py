@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.sampling import RequestOutputKind, SamplingParams
 from tests.engine.conftest import run_all
 
 OK = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -69,3 +69,30 @@ def test_request_metrics(make_engine):
     assert m.time_to_first_token is not None and m.time_to_first_token > 0
     assert m.time_per_output_token is not None and m.time_per_output_token > 0
     assert m.num_preemptions == 0
+
+
+def test_output_kinds(make_engine):
+    """CUMULATIVE: an output every step, its tokens frozen as they were; FINAL_ONLY: one
+    output, when the request finishes, holding the same tokens."""
+    eng = make_engine()
+    eng.add_request("c", {"prompt_token_ids": [5, 6, 7, 8]},
+                    SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    eng.add_request("f", {"prompt_token_ids": [5, 6, 7, 8]},
+                    SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                   output_kind=RequestOutputKind.FINAL_ONLY))
+    seen: dict[str, list] = {"c": [], "f": []}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    assert [len(o.outputs[0].token_ids) for o in seen["c"]] == [1, 2, 3, 4, 5]
+    assert [o.finished for o in seen["f"]] == [True]
+    assert seen["f"][0].outputs[0].token_ids == seen["c"][-1].outputs[0].token_ids
+
+
+def test_token_ids_between_is_a_slice_of_all_token_ids():
+    from engine.request import Sequence
+
+    seq = Sequence("s", "r", 0, [1, 2, 3], None, output_token_ids=[4, 5])
+    for start in range(6):
+        for end in range(start, 7):
+            assert seq.token_ids_between(start, end) == seq.all_token_ids[start:end]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, greedy_batch, make_generator, sample, top_logprobs
+from engine.sampling import (
+    RequestOutputKind,
+    SamplingParams,
+    greedy_batch,
+    make_generator,
+    sample,
+    top_logprobs,
+)
 
 
 def test_defaults_are_vllms():
@@ -13,6 +20,11 @@ def test_defaults_are_vllms():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, 0, 0.0,
                                                                               16)
     assert p.stop == [] and p.stop_token_ids == [] and p.seed is None and not p.ignore_eos
+
+
+def test_output_kind_takes_vllms_values():
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
 
 
 def test_stop_accepts_str_or_list():
@@ -33,6 +45,8 @@ def test_unknown_argument_is_named():
     ({"seed": "x"}, "seed must be an int"), ({"stop": [""]}, "stop must be"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"logprobs": -1}, "logprobs must be"),
     ({"max_tokens": True}, "max_tokens must be"),
+    ({"output_kind": 1}, "output_kind must be one of"),  # vLLM's DELTA: not supported
+    ({"output_kind": True}, "output_kind must be one of"),
 ])
 def test_invalid_values_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
