@@ -39,6 +39,7 @@ from engine.sampling import (
     make_generator,
     prompt_logprobs,
     sample,
+    sample_batch,
     top_logprobs,
 )
 from engine.scheduler import Scheduler
@@ -450,8 +451,10 @@ class LLMEngine:
                     rows.append((child, r - 1))
         # Row by row, so that an exception one request causes (its parameters, its text)
         # fails that request only; each row draws from its own generator either way. Plain
-        # greedy rows (nothing banned, no top logprobs) read one batched argmax instead.
+        # rows (nothing banned, no top logprobs) are drawn in batches instead: greedy ones
+        # by one argmax over the step, tempered ones by ``sample_batch``.
         greedy: tuple[list[int], list[float]] | None = None
+        tempered = self._sample_tempered(rows, logits)
         for seq, row in rows:
             req = self.requests[seq.request_id]
             if req.error is not None:  # a sibling failed earlier in this step
@@ -464,6 +467,9 @@ class LLMEngine:
                         greedy = greedy_batch(logits)
                     tok = greedy[0][row]
                     done = state.add(tok, greedy[1][row], None)
+                elif seq.seq_id in tempered:
+                    tok, logprob = tempered[seq.seq_id]
+                    done = state.add(tok, logprob, None)
                 else:
                     row_logits = logits[row:row + 1]
                     token, logprob = sample(row_logits, [seq.params],
@@ -480,6 +486,30 @@ class LLMEngine:
             self.cache.append_token_ids(seq.seq_id, [tok])
             if done:
                 self.scheduler.finish(seq, req.completions[seq.seq_id].output.finish_reason)
+
+    def _sample_tempered(self, rows: list[tuple[Sequence, int]],
+                         logits: torch.Tensor) -> dict[str, tuple[int, float]]:
+        """(token, logprob) per sequence id for the rows that sample with a temperature,
+        ban nothing and want no top logprobs, in one ``sample_batch`` (the draws of each
+        row's own generator, as row by row). Empty when it fails: those rows then sample
+        one by one, so a fault stays with its own request."""
+        plain = []
+        for seq, row in rows:
+            req = self.requests[seq.request_id]
+            if not seq.params.greedy and seq.params.logprobs is None and req.error is None \
+                    and not req.completions[seq.seq_id].banned_token_ids():
+                plain.append((seq, row, req.generators[seq.seq_id]))
+        if not plain:
+            return {}
+        try:
+            index = torch.tensor([row for _, row, _ in plain], device=logits.device)
+            ids, logprobs = sample_batch(logits[index], [s.params for s, _, _ in plain],
+                                         [g for _, _, g in plain])
+        except Exception:  # noqa: BLE001 - row by row below isolates the culprit
+            log.exception("batched sampling failed; sampling row by row")
+            return {}
+        return {s.seq_id: (t, lp) for (s, _, _), t, lp in zip(plain, ids, logprobs,
+                                                              strict=True)}
 
     def _count_prefill(self, seq: Sequence, n: int) -> None:
         """Prefill and recomputed tokens, as engine.events.lifecycle counts them."""

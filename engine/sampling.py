@@ -1,8 +1,11 @@
 """SamplingParams (vLLM's names, defaults and validation) and the batched sampler.
 
-Reproducibility: each request samples with its own torch.Generator and draws exactly one
-vocabulary-sized block of random numbers per step, so a seeded request produces the same tokens
-whatever other requests share its batch.
+Reproducibility: each request samples with its own torch.Generator (on the CPU) and draws
+exactly one number from it per sampled token, so a seeded request produces the same tokens
+whatever other requests share its batch. The token is found by inverse transform: the first
+whose running probability sum exceeds that number times the total (``_inverse_cdf``), which
+costs one draw instead of a vocabulary's worth (an exponential race over 128k tokens drew
+128k numbers per token: 17 ns each on the development machine, 2 ms per sequence per step).
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     holds token ids that row may not sample (min_tokens); logprobs stay the raw ones.
 
     Greedy rows take the argmax (first index on ties, as HF). A non-greedy row needs a generator
-    (its only source of randomness) and draws exactly V numbers from it per call."""
+    (its only source of randomness) and draws exactly one number from it per call."""
     logits = logits.float()
     chosen: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
@@ -182,13 +185,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if gen is None:
             raise ValueError("a non-greedy request needs a torch.Generator")
         probs = torch.softmax(_filter_logits(row_logits, p), dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, using exactly V draws.
-        # Drawn on the generator's device (the engine's are CPU generators, so a run's
-        # samples do not depend on where the model runs), then moved to the logits.
-        noise = torch.empty(probs.shape, device=gen.device).exponential_(1.0, generator=gen)
-        noise = noise.to(probs.device)
-        noise.clamp_min_(1e-10)  # a 0 draw would make 0/0 = nan for a filtered-out token
-        chosen.append(int(torch.argmax(probs / noise)))
+        chosen.append(int(_inverse_cdf(probs[None], _draw([gen]))[0]))
     token_ids = torch.tensor(chosen, dtype=torch.long, device=logits.device)
     return token_ids, _raw_logprobs(logits, token_ids)
 
@@ -204,6 +201,44 @@ def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     both = torch.stack((token_ids.double(), _raw_logprobs(logits, token_ids).double()))
     ids, logprobs = both.tolist()
     return [int(t) for t in ids], logprobs
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+    """``sample`` for every row at once, for rows that sample with a temperature and ban
+    nothing: the same draw from each row's generator, so the same tokens and logprobs, but
+    one softmax, one search and one device read for the whole batch instead of a handful
+    of small ops and a sync per row. Rows with top-k/top-p/min-p are filtered one by one
+    first (``_filter_logits``)."""
+    if any(gen is None for gen in generators):
+        raise ValueError("a non-greedy request needs a torch.Generator")
+    logits = logits.float()
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                               device=logits.device)
+    scaled = logits / temperature[:, None]
+    for i, p in enumerate(params):
+        if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+            scaled[i] = _filter_logits(logits[i], p)
+    token_ids = _inverse_cdf(torch.softmax(scaled, dim=-1), _draw(generators))
+    both = torch.stack((token_ids.double(), _raw_logprobs(logits, token_ids).double()))
+    ids, logprobs = both.tolist()
+    return [int(t) for t in ids], logprobs
+
+
+def _draw(generators: list[torch.Generator]) -> torch.Tensor:
+    """One uniform [0, 1) number from each generator, as a CPU float32 tensor [R]."""
+    return torch.stack([torch.rand((), generator=gen) for gen in generators])
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` [R, V], the token i with c[i-1] <= u * c[-1] < c[i], c the
+    running sum: token i with probability p[i], never one of probability 0 (its c equals
+    the one before it). ``u`` [R] in [0, 1), on any device."""
+    c = torch.cumsum(probs, dim=-1)
+    # u < 1 in float32, so u * total rounds to below total (never up to it): the search
+    # stays within the row
+    target = u.to(c.device, c.dtype)[:, None] * c[:, -1:]
+    return torch.searchsorted(c, target, right=True)[:, 0]
 
 
 def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

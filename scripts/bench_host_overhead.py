@@ -2,7 +2,8 @@
 pass (scheduling, the cache manager, building the step's tensors, sampling, outputs), at
 hundreds of running sequences. On a GPU this is time the device waits for (a batch-256
 decode step of an 8B model is ~25 ms on an H100), so it is measured here with the forward
-replaced by fixed logits (greedy picks token 7 every step): dummy:tiny shapes, CPU.
+replaced by fixed logits (token 7 the likeliest): dummy:tiny shapes, CPU; greedy over its
+512-token vocabulary, or tempered (0.8) over SmolLM2's 49,152 tokens.
 
 This tree against an earlier commit (``--before``: its engine/ and kernels/ exported with
 ``git archive``), each in its own process, alternating rounds. ``output kind`` is how the
@@ -12,7 +13,7 @@ asks since RequestOutputKind; an earlier commit without it runs cumulative). Pri
 table; nothing is asserted.
 
     .venv/bin/python scripts/bench_host_overhead.py [--before REF] [--seqs 64,256]
-        [--tokens 16,1000] [--rounds 3]
+        [--tokens 16,1000] [--sampling greedy,tempered] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40  # timed steps per case
 
 
-def worker(root: str, seqs: int, tokens: int, final: bool) -> None:
-    """Time STEPS decode steps after every sequence has ``tokens`` outputs; print JSON."""
+def worker(root: str, seqs: int, tokens: int, final: bool, tempered: bool) -> None:
+    """Time STEPS decode steps after every sequence has ``tokens`` outputs; print JSON.
+    ``tempered``: the requests sample at temperature 0.8 over SmolLM2's 49,152-token
+    vocabulary (the draws are CPU work on any device); else greedy over dummy:tiny's 512."""
     sys.path.insert(0, root)
     import random
 
@@ -51,20 +54,28 @@ def worker(root: str, seqs: int, tokens: int, final: bool) -> None:
         except ImportError:  # an earlier commit: cumulative is all it has
             kind = None
     blocks = seqs * ((120 + tokens + STEPS + 16) // 16 + 1)
-    eng = LLMEngine(EngineConfig(model="dummy:tiny", device="cpu", dtype="float32",
+    from engine.model.dummy import PRESETS
+
+    shapes = {**PRESETS["tiny"], "vocab_size": 49152 if tempered else 512}
+    eng = LLMEngine(EngineConfig(model="tiny", load_format="dummy", hf_config=shapes,
+                                 device="cpu", dtype="float32",
                                  num_gpu_blocks=blocks, max_num_seqs=seqs,
                                  max_num_batched_tokens=max(2048, seqs * 130),
                                  max_model_len=2048))
     vocab = eng.model_config.vocab_size
 
+    made: dict[int, torch.Tensor] = {}
+
     def fixed_logits(batch, rows):
-        logits = torch.zeros(batch.sample_index.shape[0], vocab)
-        logits[:, 7] = 1.0
-        return logits, None
+        n = batch.sample_index.shape[0]
+        if n not in made:  # made once: allocating 256 x 49k floats is not the engine's cost
+            made[n] = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
+            made[n][:, 7] += 5.0
+        return made[n], None
 
     eng.runner.execute_keeping = fixed_logits
-    params = SamplingParams(temperature=0.0, max_tokens=tokens + STEPS + 8, ignore_eos=True,
-                            **(kind or {}))
+    params = SamplingParams(temperature=0.8 if tempered else 0.0,
+                            max_tokens=tokens + STEPS + 8, ignore_eos=True, **(kind or {}))
     rng = random.Random(0)
     for i in range(seqs):
         eng.add_request(str(i), {"prompt_token_ids": [rng.randrange(3, vocab) for _ in
@@ -87,11 +98,12 @@ def main() -> int:
     p.add_argument("--seqs", default="64,256")
     p.add_argument("--tokens", default="16,1000")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--sampling", default="greedy,tempered")
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        root, seqs, tokens, final = args.worker
-        worker(root, int(seqs), int(tokens), final == "final")
+        root, seqs, tokens, final, sampling = args.worker
+        worker(root, int(seqs), int(tokens), final == "final", sampling == "tempered")
         return 0
 
     roots = {"this tree": str(ROOT)}
@@ -103,8 +115,9 @@ def main() -> int:
         with tarfile.open(archive) as tar:
             tar.extractall(Path(tmp.name) / "before", filter="data")
         roots = {f"before ({args.before})": str(Path(tmp.name) / "before"), **roots}
-    cases = [(s, t, k) for s in map(int, args.seqs.split(","))
-             for t in map(int, args.tokens.split(",")) for k in ("cumulative", "final")]
+    cases = [(s, t, k, m) for m in args.sampling.split(",")
+             for s in map(int, args.seqs.split(",")) for t in map(int, args.tokens.split(","))
+             for k in ("cumulative", "final")]
     runs: dict[tuple, list[dict]] = {}
     for _ in range(args.rounds):
         for case in cases:
@@ -116,13 +129,14 @@ def main() -> int:
                     json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"host ms per decode step (forward replaced by fixed logits), median of {STEPS} "
           f"steps per round, {args.rounds} rounds")
-    print("| code | sequences | tokens so far | output kind | ms (best round) | medians |")
-    print("|---|---:|---:|---|---:|---|")
-    for (name, seqs, tokens, kind), rs in runs.items():
+    print("| code | sampling | sequences | tokens so far | output kind | ms (best round) | "
+          "medians |")
+    print("|---|---|---:|---:|---|---:|---|")
+    for (name, seqs, tokens, kind, sampling), rs in runs.items():
         shown = kind if not rs[0]["cumulative"] or kind == "cumulative" else \
             "final (runs cumulative)"
         medians = " ".join(f"{r['median_ms']:.2f}" for r in rs)
-        print(f"| {name} | {seqs} | {tokens} | {shown} | "
+        print(f"| {name} | {sampling} | {seqs} | {tokens} | {shown} | "
               f"{min(r['median_ms'] for r in rs):.2f} | {medians} |")
     tmp.cleanup()
     return 0

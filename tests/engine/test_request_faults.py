@@ -24,14 +24,31 @@ def test_one_request_failing_in_the_step_fails_only_it(make_engine, reference, m
             raise RuntimeError("injected per-request fault")
         return real_sample(logits, params, generators, banned)
 
+    real_sample_batch = engine_module.sample_batch
+
+    def sample_batch(logits, params, generators):
+        # the batch fails with the poisoned row in it; the engine then samples row by row
+        if any(p.seed == POISON_SEED for p in params):
+            raise RuntimeError("injected per-request fault")
+        return real_sample_batch(logits, params, generators)
+
     monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(engine_module, "sample_batch", sample_batch)
     eng = make_engine(model="smollm2", device="cpu", dtype="float32", num_gpu_blocks=64,
                       record_path=str(tmp_path / "faults.kvtrace"))
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"ok{i}", p, GREEDY)
     poison = SamplingParams(temperature=0.8, seed=POISON_SEED, max_tokens=10, n=2)
     eng.add_request("bad", PROMPTS[0] + " and", poison)
+    # a seeded tempered request sampled beside the poisoned one (in its failed batch, then
+    # row by row) draws what it draws alone
+    tempered = SamplingParams(temperature=0.8, seed=7, max_tokens=10)
+    eng.add_request("t", PROMPTS[1], tempered)
     done = run_all(eng)
+    alone = make_engine(model="smollm2", device="cpu", dtype="float32", num_gpu_blocks=64)
+    alone.add_request("t", PROMPTS[1], tempered)
+    assert done["t"].error is None
+    assert done["t"].outputs[0].token_ids == run_all(alone)["t"].outputs[0].token_ids
 
     assert done["bad"].error is not None and "injected" in done["bad"].error
     for i, p in enumerate(PROMPTS):

@@ -11,6 +11,7 @@ from engine.sampling import (
     greedy_batch,
     make_generator,
     sample,
+    sample_batch,
     top_logprobs,
 )
 
@@ -133,3 +134,34 @@ def test_greedy_batch_is_what_sample_returns_for_greedy_rows():
         assert logprobs[row] == pytest.approx(
             float(torch.log_softmax(logits[row], -1)[ids[row]]), abs=1e-5)
     assert ids[2] == 7
+
+
+@pytest.mark.parametrize("vocab", [50, 49152])
+def test_sample_batch_is_what_sample_returns_row_by_row(vocab):
+    """Same draws from each row's generator, so the same tokens and logprobs, bit for bit,
+    over several steps, with temperature alone and with each filter."""
+    logits = _logits(rows=16, vocab=vocab, seed=1)
+    kinds = [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
+             dict(temperature=0.5, top_p=0.9), dict(temperature=1.0, min_p=0.05)]
+    params = [SamplingParams(seed=i, **kinds[i % 4]) for i in range(16)]
+    one_by_one = [make_generator(i, 0, "cpu") for i in range(16)]
+    batched = [make_generator(i, 0, "cpu") for i in range(16)]
+    for _ in range(3):
+        expected = [sample(logits[i:i + 1], [p], [g]) for i, (p, g) in
+                    enumerate(zip(params, one_by_one, strict=True))]
+        ids, logprobs = sample_batch(logits, params, batched)
+        assert ids == [int(t[0]) for t, _ in expected]
+        assert logprobs == [float(lp[0]) for _, lp in expected]
+
+
+def test_inverse_cdf_never_picks_a_token_of_probability_zero():
+    """At the ends of [0, 1) and around zero-probability tokens (first, middle, last):
+    u = 0 takes the first possible token, the largest u below 1 the last possible one."""
+    from engine.sampling import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0]] * 4)
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    u = torch.stack([torch.tensor(0.0), torch.tensor(0.3), torch.tensor(0.74), below_one])
+    assert _inverse_cdf(probs, u).tolist() == [1, 3, 3, 4]
+    for total in (1.0, 3.0, 2.0 ** 20, 1e-30, 7.3e5):  # unnormalised rows too
+        assert _inverse_cdf(probs * total, below_one[None].expand(4)).tolist() == [4] * 4

@@ -20,7 +20,7 @@ def _inject() -> None:
     import engine.engine as engine_module
     from engine.runner import ModelRunner
 
-    real_sample = engine_module.sample
+    real_sample, real_sample_batch = engine_module.sample, engine_module.sample_batch
     real_execute = ModelRunner.execute_keeping
 
     def sample(logits, params, generators, banned=None):  # noqa: ANN001, ANN202
@@ -28,12 +28,19 @@ def _inject() -> None:
             raise RuntimeError("injected per-request fault")
         return real_sample(logits, params, generators, banned)
 
+    def sample_batch(logits, params, generators):  # noqa: ANN001, ANN202
+        # the batch fails with the poisoned row in it; the engine then samples row by row
+        if any(p.seed == POISON_SEED for p in params):
+            raise RuntimeError("injected per-request fault")
+        return real_sample_batch(logits, params, generators)
+
     def execute_keeping(self, batch, rows):  # noqa: ANN001, ANN202
         if bool((batch.input_ids == KILLER_TOKEN).any()):
             raise RuntimeError("injected engine fault (as a kernel error)")
         return real_execute(self, batch, rows)
 
     engine_module.sample = sample
+    engine_module.sample_batch = sample_batch
     ModelRunner.execute_keeping = execute_keeping
 
 
