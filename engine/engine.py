@@ -41,6 +41,7 @@ from engine.sampling import (
     sample,
     sample_batch,
     top_logprobs,
+    top_logprobs_batch,
 )
 from engine.scheduler import Scheduler
 
@@ -450,30 +451,24 @@ class LLMEngine:
                     self.scheduler.add_forked(seq, child)
                     rows.append((child, r - 1))
         # Row by row, so that an exception one request causes (its parameters, its text)
-        # fails that request only; each row draws from its own generator either way. Plain
-        # rows (nothing banned, no top logprobs) are drawn in batches instead: greedy ones
-        # by one argmax over the step, tempered ones by ``sample_batch``.
-        greedy: tuple[list[int], list[float]] | None = None
-        tempered = self._sample_tempered(rows, logits)
+        # fails that request only; each row draws from its own generator either way. Rows
+        # that ban nothing are drawn in one batch first (``_draw_batched``); a row it did
+        # not draw (banned tokens, or the batch failed) samples alone here.
+        drawn = self._draw_batched(rows, logits)
         for seq, row in rows:
             req = self.requests[seq.request_id]
             if req.error is not None:  # a sibling failed earlier in this step
                 continue
             state = req.completions[seq.seq_id]
             try:
-                banned = state.banned_token_ids()
-                if seq.params.greedy and seq.params.logprobs is None and not banned:
-                    if greedy is None:
-                        greedy = greedy_batch(logits)
-                    tok = greedy[0][row]
-                    done = state.add(tok, greedy[1][row], None)
-                elif seq.seq_id in tempered:
-                    tok, logprob = tempered[seq.seq_id]
-                    done = state.add(tok, logprob, None)
+                if seq.seq_id in drawn:
+                    tok, logprob, top = drawn[seq.seq_id]
+                    done = state.add(tok, logprob, top)
                 else:
                     row_logits = logits[row:row + 1]
                     token, logprob = sample(row_logits, [seq.params],
-                                            [req.generators[seq.seq_id]], [banned])
+                                            [req.generators[seq.seq_id]],
+                                            [state.banned_token_ids()])
                     top = top_logprobs(row_logits, [seq.params], token)[0]
                     tok = int(token[0])
                     done = state.add(tok, float(logprob[0]), top)
@@ -487,29 +482,44 @@ class LLMEngine:
             if done:
                 self.scheduler.finish(seq, req.completions[seq.seq_id].output.finish_reason)
 
-    def _sample_tempered(self, rows: list[tuple[Sequence, int]],
-                         logits: torch.Tensor) -> dict[str, tuple[int, float]]:
-        """(token, logprob) per sequence id for the rows that sample with a temperature,
-        ban nothing and want no top logprobs, in one ``sample_batch`` (the draws of each
-        row's own generator, as row by row). Empty when it fails: those rows then sample
-        one by one, so a fault stays with its own request."""
-        plain = []
+    def _draw_batched(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor
+                      ) -> dict[str, tuple[int, float, dict[int, float] | None]]:
+        """(token, logprob, top logprobs) per sequence id for the rows that ban nothing:
+        greedy ones by one argmax, tempered ones by one ``sample_batch`` (each row's own
+        generator, the same draw as row by row), the top logprobs of those that asked by
+        one ``top_logprobs_batch``: a few device reads a step, not a few per row. Empty
+        when any of it fails: every row then samples alone, so a fault stays with its own
+        request."""
+        greedy, tempered = [], []
         for seq, row in rows:
             req = self.requests[seq.request_id]
-            if not seq.params.greedy and seq.params.logprobs is None and req.error is None \
-                    and not req.completions[seq.seq_id].banned_token_ids():
-                plain.append((seq, row, req.generators[seq.seq_id]))
-        if not plain:
-            return {}
+            if req.error is None and not req.completions[seq.seq_id].banned_token_ids():
+                (greedy if seq.params.greedy else tempered).append((seq, row))
+        drawn: dict[str, tuple[int, float, dict[int, float] | None]] = {}
         try:
-            index = torch.tensor([row for _, row, _ in plain], device=logits.device)
-            ids, logprobs = sample_batch(logits[index], [s.params for s, _, _ in plain],
-                                         [g for _, _, g in plain])
-        except Exception:  # noqa: BLE001 - row by row below isolates the culprit
+            for part in (greedy, tempered):
+                if not part:
+                    continue
+                index = torch.tensor([row for _, row in part], device=logits.device)
+                if part is greedy:
+                    ids, logprobs = greedy_batch(logits[index])
+                else:
+                    ids, logprobs = sample_batch(
+                        logits[index], [s.params for s, _ in part],
+                        [self.requests[s.request_id].generators[s.seq_id] for s, _ in part])
+                drawn |= {s.seq_id: (t, lp, None) for (s, _), t, lp in
+                          zip(part, ids, logprobs, strict=True)}
+            asked = [(s, row) for s, row in greedy + tempered if s.params.logprobs is not None]
+            if asked:
+                tops = top_logprobs_batch(
+                    logits[torch.tensor([row for _, row in asked], device=logits.device)],
+                    [s.params.logprobs for s, _ in asked], [drawn[s.seq_id][0] for s, _ in asked])
+                for (s, _), top in zip(asked, tops, strict=True):
+                    drawn[s.seq_id] = (*drawn[s.seq_id][:2], top)
+        except Exception:  # noqa: BLE001 - row by row isolates the culprit
             log.exception("batched sampling failed; sampling row by row")
             return {}
-        return {s.seq_id: (t, lp) for (s, _, _), t, lp in zip(plain, ids, logprobs,
-                                                              strict=True)}
+        return drawn
 
     def _count_prefill(self, seq: Sequence, n: int) -> None:
         """Prefill and recomputed tokens, as engine.events.lifecycle counts them."""

@@ -268,6 +268,26 @@ def top_logprobs(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
+def top_logprobs_batch(logits: torch.Tensor, ks: list[int],
+                       token_ids: list[int]) -> list[dict[int, float]]:
+    """``top_logprobs`` for rows that all asked (``ks[row]`` = its ``logprobs`` >= 0), with
+    their chosen ``token_ids``: one log-softmax, one top-k and one device read for all."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(token_ids, dtype=torch.long, device=raw.device)
+    k = min(max(ks), raw.shape[-1])
+    values, ids = torch.topk(raw, k, dim=-1)
+    # one read: ids are exact in float64, float32 logprobs widen exactly
+    host = torch.cat((chosen[:, None].double(), raw.gather(1, chosen[:, None]).double(),
+                      ids.double(), values.double()), dim=1).tolist()
+    out = []
+    for row, want in zip(host, ks, strict=True):
+        n = min(want, k)
+        entry = {int(row[0]): row[1]}
+        entry |= {int(i): v for i, v in zip(row[2:2 + n], row[2 + k:2 + k + n], strict=True)}
+        out.append(entry)
+    return out
+
+
 def prompt_logprobs(logits: torch.Tensor, targets: list[int],
                     k: int) -> list[dict[int, float]]:
     """Teacher-forced logprobs: row i of ``logits`` [N, V] predicts ``targets[i]``. Per row

@@ -13,6 +13,7 @@ from engine.sampling import (
     sample,
     sample_batch,
     top_logprobs,
+    top_logprobs_batch,
 )
 
 
@@ -165,3 +166,15 @@ def test_inverse_cdf_never_picks_a_token_of_probability_zero():
     assert _inverse_cdf(probs, u).tolist() == [1, 3, 3, 4]
     for total in (1.0, 3.0, 2.0 ** 20, 1e-30, 7.3e5):  # unnormalised rows too
         assert _inverse_cdf(probs * total, below_one[None].expand(4)).tolist() == [4] * 4
+
+
+def test_top_logprobs_batch_is_what_top_logprobs_returns_row_by_row():
+    logits = _logits(rows=5, vocab=50, seed=2)
+    ks = [0, 1, 5, 50, 3]
+    params = [SamplingParams(temperature=0.0, logprobs=k) for k in ks]
+    chosen = [7, 0, 49, 12, 3]  # any token, not only the argmax
+    expected = [top_logprobs(logits[i:i + 1], [p], torch.tensor([t]))[0]
+                for i, (p, t) in enumerate(zip(params, chosen, strict=True))]
+    got = top_logprobs_batch(logits, ks, chosen)
+    assert got == expected
+    assert [list(e) for e in got] == [list(e) for e in expected]  # same order: chosen first
