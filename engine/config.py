@@ -56,11 +56,11 @@ class EngineConfig:
     # arrival order beside the running decodes, not all at once after a step boundary).
     max_prefill_tokens_with_decodes: int = 0
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
-    # vLLM's name: True runs the model eagerly. False: on CPU the decode forward is
-    # torch.compile'd per padded batch-size bucket (engine.model.compiled); on CUDA pure
-    # decode steps replay CUDA graphs per batch-size bucket (engine.model.cuda_graphs).
-    # The default stays eager until a device run has validated the graphs (docs/GPU.md).
-    enforce_eager: bool = True
+    # vLLM's name: True runs the model eagerly. None (the default): CUDA replays pure
+    # decode steps from CUDA graphs, one per batch-size bucket (engine.model.cuda_graphs),
+    # as vLLM does; CPU runs eagerly. False: CUDA graphs, and on CPU the decode forward
+    # torch.compile'd per bucket (engine.model.compiled; a compile of 15-50 s per bucket).
+    enforce_eager: bool | None = None
     # parallelism (vLLM's name): ranks that split the heads and the MLP (engine.distributed)
     tensor_parallel_size: int = 1
     # events

@@ -135,11 +135,12 @@ def keep_freed_memory() -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, *,
-                 kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool = True,
+                 kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256) -> None:
         self.model, self.cfg = model, model_config
-        # CPU: the torch.compile'd decode forward unless enforce_eager (engine.model.compiled)
-        self.compiled = maybe_compiled(model, device, enforce_eager)
+        # CPU: the torch.compile'd decode forward when asked (enforce_eager False;
+        # engine.model.compiled)
+        self.compiled = maybe_compiled(model, device, enforce_eager is not False)
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         if device.type == "cpu":
             keep_freed_memory()
@@ -155,11 +156,11 @@ class ModelRunner:
 
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
             self.attn = MixedPagedAttention(self.mixed_kv, model_config.head_dim ** -0.5)
-        # CUDA: pure decode steps replay captured graphs unless enforce_eager
+        # CUDA: pure decode steps replay captured graphs unless enforce_eager is True
         # (engine.model.cuda_graphs); not over the mixed arena, whose kernels were never
         # captured on a device.
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and not enforce_eager and mixed is None and \
+        if device.type == "cuda" and enforce_eager is not True and mixed is None and \
                 type(model) is LlamaModel:
             self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
                                              max_num_seqs)

@@ -508,10 +508,9 @@ def section_decode(ctx: Context) -> dict:
     free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.cuda else 1 << 34
     headroom = 8 << 30 if ctx.cuda else 0  # activations and logits at batch 256
     num_blocks = max(1, min(need, (free - headroom) // fmt.bytes_per_block))
-    # CUDA graphs for the decode step (engine.model.cuda_graphs); CPU (--smoke) measures the
-    # eager rows only (enforce_eager off there would torch.compile instead)
+    # the default: CUDA graphs for the decode step (engine.model.cuda_graphs); none on CPU
+    # (--smoke), which measures the eager rows only
     runner = ModelRunner(model, cfg, num_blocks, bs, ctx.device, dtype,
-                         enforce_eager=not ctx.cuda,
                          max_model_len=context, max_num_seqs=max(batches))
     graphs = runner.graphs
     for t in runner.kv.per_block_tensors:  # attention over random keys, never zeros
@@ -580,8 +579,8 @@ def section_syncs(ctx: Context) -> dict:
     name = TINY if ctx.smoke else BIG
     dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
     loaded = ctx.model(name, dtype)
-    # graphs: CUDA only (enforce_eager off on CPU would torch.compile instead)
-    modes = {mode: _decode_syncs(ctx, loaded, enforce_eager=mode == "eager")
+    # graphs (the default): CUDA only; on CPU the default is eager
+    modes = {mode: _decode_syncs(ctx, loaded, enforce_eager=True if mode == "eager" else None)
              for mode in (("eager", "graphs") if ctx.cuda else ("eager",))}
     return {"model": name, **modes,
             "goal": "no host sync inside the step except the sampled ids",
@@ -591,7 +590,7 @@ def section_syncs(ctx: Context) -> dict:
                 for mode, m in modes.items())}
 
 
-def _decode_syncs(ctx: Context, loaded, enforce_eager: bool) -> dict:
+def _decode_syncs(ctx: Context, loaded, enforce_eager: bool | None) -> dict:
     import warnings
     from collections import Counter
 

@@ -84,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stats", action="store_true", help="print load time and tokens/s")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the model eagerly (default); --no-enforce-eager: torch.compile "
-                        "the CPU decode forward (engine.model.compiled), replay CUDA graphs "
-                        "for GPU decode steps (engine.model.cuda_graphs)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the model eagerly; default: CUDA decode steps replay CUDA "
+                        "graphs, CPU runs eagerly. --no-enforce-eager: also torch.compile "
+                        "the CPU decode forward (engine.model.compiled)")
     p.set_defaults(func=_generate)

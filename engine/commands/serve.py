@@ -88,12 +88,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--max-num-batched-tokens, as vLLM)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
-    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the model eagerly (default). --no-enforce-eager: on CPU, "
-                        "torch.compile the decode forward per padded batch size (a one-off "
-                        "compile of ~15-50 s per batch-size bucket on first use); on CUDA, "
-                        "decode steps replay CUDA graphs, one captured per batch-size "
-                        "bucket on first use")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the model eagerly. Default: on CUDA, decode steps replay CUDA "
+                        "graphs (one captured per batch-size bucket on first use); on CPU, "
+                        "eager. --no-enforce-eager: on CPU too, torch.compile the decode "
+                        "forward per padded batch size (a one-off compile of ~15-50 s per "
+                        "bucket on first use)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (gloo on CPU, NCCL on CUDA)")
     p.set_defaults(func=_run)

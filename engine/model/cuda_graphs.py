@@ -28,8 +28,8 @@ than the largest bucket, a table wider than ``max_model_len`` allows, while fp8 
 still calibrate their scales on a first prefill (a capture would freeze the calibration),
 and every step after a capture failed (one warning; an error of the forward itself, in a
 warm-up, is the eager step's error too and says so again there).
-The runner decides when graphs apply at all: CUDA, ``enforce_eager`` off, a plain paged
-cache (not the mixed-precision arena), one rank.
+The runner decides when graphs apply at all: CUDA, ``enforce_eager`` not True (the
+default), a plain paged cache (not the mixed-precision arena), one rank.
 
 Invariant: for the real rows, a replayed step computes the same forward as the eager step
 on the same batch, writing the same K/V slots; the decode attention may split the keys

@@ -28,7 +28,7 @@ def _tiny(**kw) -> LLM:
 @pytest.fixture(scope="module")
 def eager_tokens() -> list[list[int]]:
     llm = _tiny()
-    assert llm.llm_engine.runner.compiled is None  # enforce_eager is the default
+    assert llm.llm_engine.runner.compiled is None  # CPU's default: eager
     return _greedy(llm)
 
 
@@ -71,6 +71,6 @@ def test_cli_switch():
     from engine.cli import build_parser
 
     for cmd in (["serve"], ["generate", "hi"]):
-        assert build_parser().parse_args(cmd).enforce_eager is True
+        assert build_parser().parse_args(cmd).enforce_eager is None  # the device's default
         assert build_parser().parse_args([*cmd, "--no-enforce-eager"]).enforce_eager is False
         assert build_parser().parse_args([*cmd, "--enforce-eager"]).enforce_eager is True

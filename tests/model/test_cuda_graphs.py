@@ -154,19 +154,20 @@ def test_buckets_cover_max_num_seqs(max_num_seqs, largest):
 def test_cpu_never_builds_cuda_graphs():
     """Only CUDA captures: on CPU enforce_eager=False means the compiled forward instead."""
     assert _tiny(enforce_eager=False).llm_engine.runner.graphs is None  # CPU: compile instead
+    assert _tiny().llm_engine.runner.graphs is None  # the default: eager on CPU
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_give_the_eager_tokens(dtype):
     """Real CUDA graphs on the device: the same greedy tokens as the eager GPU engine."""
-    def run(enforce_eager: bool) -> tuple[list[list[int]], LLM]:
+    def run(enforce_eager: bool | None) -> tuple[list[list[int]], LLM]:
         llm = LLM("dummy:smollm2-135m", device="cuda", dtype=dtype, seed=0,
                   num_gpu_blocks=512, enforce_eager=enforce_eager)
         return _greedy(llm), llm
 
     eager, _ = run(True)
-    graphed, llm = run(False)
+    graphed, llm = run(None)  # the default on CUDA
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
     assert graphs.replays == max(MAX_TOKENS) - 1
