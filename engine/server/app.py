@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling import RequestOutputKind, SamplingParams
 from engine.server import openai_format as fmt
 from engine.server.delivery import StepDelivery
 from engine.server.engine_loop import Aborted, EngineLoop, EngineUnavailable
@@ -255,8 +255,12 @@ def _tokenize_completion(state: ServerState, prompt: str | list[int]) -> tuple[s
 
 def _params(req: Any, max_tokens: int, logprobs: int | None,
             prompt_logprobs: int | None = None) -> SamplingParams:
+    # A response that is not streamed is built from each request's last output only: ask
+    # the engine for that one (no per-step copy of the tokens, no per-step delivery).
+    kind = RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY
     try:
-        return SamplingParams(**req.sampling_kwargs(max_tokens, logprobs, prompt_logprobs))
+        return SamplingParams(**req.sampling_kwargs(max_tokens, logprobs, prompt_logprobs),
+                              output_kind=kind)
     except (ValueError, TypeError) as e:
         msg = str(e).removeprefix("SamplingParams: ")
         param = msg.split(" ", 1)[0] if msg else None

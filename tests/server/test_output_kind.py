@@ -1,0 +1,25 @@
+"""A response that is not streamed asks the engine for each request's last output only
+(RequestOutputKind.FINAL_ONLY); a streamed one for every step's (CUMULATIVE), which its
+deltas are cut from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.sampling import RequestOutputKind
+from engine.server.app import _params
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+
+
+@pytest.mark.parametrize("stream, kind", [(False, RequestOutputKind.FINAL_ONLY),
+                                          (True, RequestOutputKind.CUMULATIVE)])
+def test_output_kind_follows_stream(stream, kind):
+    completion = parse(CompletionRequest, json.dumps(
+        {"model": "m", "prompt": "hi", "stream": stream}).encode())
+    chat = parse(ChatCompletionRequest, json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+         "stream": stream}).encode())
+    for req in (completion, chat):
+        assert _params(req, 8, None).output_kind is kind
