@@ -343,7 +343,7 @@ def _tokenizer() -> Any:
 def served_prompts(seed: int, n: int) -> list[list[int]]:
     """bench_vs_vllm's served prompts (n passages, each cut to 286 tokens), tokenized with
     the engine's own tokenizer (the same vocabulary as the HF copy the bench uses)."""
-    want = bench.SERVED["prompt_tokens"]
+    want = bench.SERVED["served"]["prompt_tokens"]
     tok = _tokenizer()
     texts = [" ".join(p.split() * 40) for p in bench.make_prompts(n, seed + 2)]
     return [tok.encode(t, add_special_tokens=False)[:want] for t in texts]
@@ -422,7 +422,8 @@ def run(args: argparse.Namespace) -> int:
             # the model's own step, once a pass (the engine code is the same in every column)
             off = offline_steps(ROOT, prompts[:args.concurrency], args, workdir)
             for n in trees:
-                r = asyncio.run(drive(servers[n]["url"], prompts, bench.SERVED["max_tokens"],
+                r = asyncio.run(drive(servers[n]["url"], prompts,
+                                      bench.SERVED["served"]["max_tokens"],
                                       args.concurrency))
                 runs[n].append((r, off))
                 wall = r["t1"] - r["t0"]
@@ -457,8 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'p0=--max-prefill-tokens-with-decodes 0'; leading NAME=value words "
                         "set the server's environment (repeatable)")
     p.add_argument("--passes", type=int, default=2)
-    p.add_argument("--requests", type=int, default=bench.SERVED["requests"])
-    p.add_argument("--concurrency", type=int, default=bench.SERVED["concurrency"])
+    p.add_argument("--requests", type=int, default=bench.SERVED["served"]["requests"])
+    p.add_argument("--concurrency", type=int, default=bench.SERVED["served"]["concurrency"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
