@@ -13,6 +13,11 @@ prefills first, then admissions, each prompt cut into even chunks (``_even_chunk
 tokens under P = 128 go as 96, 95, 95, not 128, 128, 30: as many steps, but the longest
 mixed step, which is the decodes' worst inter-token latency, a quarter shorter). A prompt
 starts only with a whole chunk, and none starts after one that stays unfinished.
+The cap grows with the queue: P more prompt tokens for every ``WAITING_PER_CAP`` requests
+waiting (``_prefill_cap``), so that under a load that keeps many requests queued,
+admissions keep pace with completions (a fixed P = 128 at 32 clients of 286-token prompts
+admitted a sequence every third step and kept the decode batch at 21 of 32); with a few
+waiting the cap stays P.
 Arrivals then reach the batch in arrival order, a chunk a step, each step stalling the
 running decodes for one short step instead of one long step that prefills every newcomer
 at once. (That long step also ends their prefills together,
@@ -47,6 +52,15 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.events import causes as C
 from engine.request import Sequence
+
+# Every this many waiting requests raise the prefill cap beside decodes by one more P.
+WAITING_PER_CAP = 4
+
+
+def _prefill_cap(cap: int, waiting: int, budget: int) -> int:
+    """The prompt tokens a step beside decodes may compute: ``cap`` (P), plus P for every
+    ``WAITING_PER_CAP`` requests waiting, at most the step's ``budget``."""
+    return min(budget, cap * (1 + waiting // WAITING_PER_CAP))
 
 
 def _even_chunk(tokens: int, cap: int) -> int:
@@ -160,8 +174,7 @@ class Scheduler:
         cap = self.config.max_prefill_tokens_with_decodes
         capped = bool(cap and self.config.enable_chunked_prefill
                       and any(_decodes(s) for s in self.running))
-        if not capped:
-            cap = budget
+        cap = _prefill_cap(cap, len(self.waiting), budget) if capped else budget
         prefill_left = cap
         # Beside decodes, once a prompt stays unfinished in this step no later prompt starts
         # (prompts go one after the other, in order).

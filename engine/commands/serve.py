@@ -84,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-prefill-tokens-with-decodes", type=int, default=128, metavar="P",
                    help="prompt tokens a step that also decodes may compute (default 128: "
                         "arrivals are prefilled in arrival order beside the running "
-                        "decodes, each in even chunks of at most P; 0: up to "
-                        "--max-num-batched-tokens, as vLLM)")
+                        "decodes, each in even chunks of at most P; P more for every 4 "
+                        "requests waiting; 0: up to --max-num-batched-tokens, as vLLM)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,

@@ -122,3 +122,37 @@ def test_no_cap_admits_everyone_beside_decodes(make_engine):
 def test_cap_must_not_be_negative(make_engine):
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
         make_engine(max_prefill_tokens_with_decodes=-1)
+
+
+def test_the_cap_grows_with_the_queue(make_engine):
+    """Beside decodes a step computes at most P prompt tokens, plus P for every
+    WAITING_PER_CAP requests waiting: with 9 queued (two more P), the first step takes up
+    to 3P; as the queue drains the steps shrink back to P."""
+    from engine.scheduler import WAITING_PER_CAP
+
+    cap = 4
+    eng = make_engine(max_prefill_tokens_with_decodes=cap)
+    eng.add_request("0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=80,
+                                                    ignore_eos=True))
+    eng.step()
+    for i in range(1, 10):
+        eng.add_request(str(i), PROMPTS[i % len(PROMPTS)], SamplingParams(
+            temperature=0.0, max_tokens=2, ignore_eos=True))
+    waiting_before, prompt_tokens = [], []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        waiting_before.append(len(eng.scheduler.waiting))
+        out = schedule()
+        prompt_tokens.append(sum(s.num_new_tokens for s in out.scheduled
+                                 if not (s.seq.output_token_ids and s.num_new_tokens == 1)))
+        return out
+
+    eng.scheduler.schedule = spy
+    run_all(eng)
+    assert waiting_before[0] == 9 and prompt_tokens[0] > cap
+    for waiting, tokens in zip(waiting_before, prompt_tokens, strict=True):
+        assert tokens <= cap * (1 + waiting // WAITING_PER_CAP)
+    assert max(prompt_tokens) > cap  # the queue did raise it
+    late = [t for w, t in zip(waiting_before, prompt_tokens, strict=True) if w < WAITING_PER_CAP]
+    assert late and max(late) <= cap
