@@ -54,7 +54,7 @@ class EngineConfig:
     # Prompt tokens a step may compute when it also decodes (0 = up to the step's budget,
     # as vLLM). `kvscope serve` uses 128 (engine.scheduler: arrivals are prefilled in
     # arrival order beside the running decodes, not all at once after a step boundary;
-    # P more for every 4 requests waiting, so admissions keep pace under a long queue).
+    # P more for every 2 requests waiting, so admissions keep pace under a long queue).
     max_prefill_tokens_with_decodes: int = 0
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
     # vLLM's name: True runs the model eagerly. None (the default): CUDA replays pure

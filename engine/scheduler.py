@@ -16,8 +16,10 @@ starts only with a whole chunk, and none starts after one that stays unfinished.
 The cap grows with the queue: P more prompt tokens for every ``WAITING_PER_CAP`` requests
 waiting (``_prefill_cap``), so that under a load that keeps many requests queued,
 admissions keep pace with completions (a fixed P = 128 at 32 clients of 286-token prompts
-admitted a sequence every third step and kept the decode batch at 21 of 32); with a few
-waiting the cap stays P.
+admitted a sequence every third step and kept the decode batch at 21 of 32), and a queued
+prompt goes in one step rather than two (each step that carries a chunk delays every
+decode: fewer, whole-prompt steps leave most steps pure decodes). With one waiting, as
+under a few clients, the cap stays P.
 Arrivals then reach the batch in arrival order, a chunk a step, each step stalling the
 running decodes for one short step instead of one long step that prefills every newcomer
 at once. (That long step also ends their prefills together,
@@ -54,7 +56,7 @@ from engine.events import causes as C
 from engine.request import Sequence
 
 # Every this many waiting requests raise the prefill cap beside decodes by one more P.
-WAITING_PER_CAP = 4
+WAITING_PER_CAP = 2
 
 
 def _prefill_cap(cap: int, waiting: int, budget: int) -> int:

@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-prefill-tokens-with-decodes", type=int, default=128, metavar="P",
                    help="prompt tokens a step that also decodes may compute (default 128: "
                         "arrivals are prefilled in arrival order beside the running "
-                        "decodes, each in even chunks of at most P; P more for every 4 "
+                        "decodes, each in even chunks of at most P; P more for every 2 "
                         "requests waiting; 0: up to --max-num-batched-tokens, as vLLM)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--kv-layout", default="paged", help="paged | contiguous (baseline)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import scheduler as scheduler_module
 from engine.sampling import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
@@ -45,11 +46,13 @@ LONG_THEN_SHORT = ["one two three four five six seven eight nine ten eleven twel
 @pytest.mark.parametrize("cap,arrivals", [(3, PROMPTS[1:]), (8, PROMPTS[1:]),
                                           (8, LONG_THEN_SHORT)], ids=["3", "8", "8-long-short"])
 def test_prompts_beside_decodes_go_in_order_and_in_even_chunks(make_engine, reference, loaded,
-                                                               cap, arrivals):
+                                                               cap, arrivals, monkeypatch):
     """Beside a decode, each step computes at most ``cap`` prompt tokens; the prompts go one
     after the other in arrival order (none starts while another is unfinished, not even a
     short one that would fit beside the long one's chunk), each in ceil(len / cap) chunks
-    whose sizes differ by at most one token."""
+    whose sizes differ by at most one token. (The cap's growth with the queue is off here:
+    ``test_the_cap_grows_with_the_queue``.)"""
+    monkeypatch.setattr(scheduler_module, "WAITING_PER_CAP", 10 ** 6)
     eng = make_engine(max_prefill_tokens_with_decodes=cap)
     # request 0 decodes through every step of the others' prefills
     eng.add_request("0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60,
@@ -126,8 +129,8 @@ def test_cap_must_not_be_negative(make_engine):
 
 def test_the_cap_grows_with_the_queue(make_engine):
     """Beside decodes a step computes at most P prompt tokens, plus P for every
-    WAITING_PER_CAP requests waiting: with 9 queued (two more P), the first step takes up
-    to 3P; as the queue drains the steps shrink back to P."""
+    WAITING_PER_CAP requests waiting: with 9 queued the first step takes more than P; as
+    the queue drains the steps shrink back to P."""
     from engine.scheduler import WAITING_PER_CAP
 
     cap = 4
