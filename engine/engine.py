@@ -489,7 +489,8 @@ class LLMEngine:
         generator, the same draw as row by row), the top logprobs of those that asked by
         one ``top_logprobs_batch``: a few device reads a step, not a few per row. Empty
         when any of it fails: every row then samples alone, so a fault stays with its own
-        request."""
+        request (a tempered row whose draw was already taken then draws again: its seed's
+        sequence shifts by one, in this fault path only)."""
         greedy, tempered = [], []
         for seq, row in rows:
             req = self.requests[seq.request_id]
