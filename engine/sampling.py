@@ -195,12 +195,7 @@ def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     returns for a greedy row with nothing banned (same argmax, same logprob formula), for
     the engine's common case without a per-row loop of small ops."""
     logits = logits.float()
-    token_ids = logits.argmax(dim=-1)
-    # One device-to-host read for both (on a GPU each read is a sync): ids are exact in
-    # float64, and a float32 logprob widened to float64 is the value .tolist() gives.
-    both = torch.stack((token_ids.double(), _raw_logprobs(logits, token_ids).double()))
-    ids, logprobs = both.tolist()
-    return [int(t) for t in ids], logprobs
+    return _read_chosen(logits, logits.argmax(dim=-1))
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
@@ -219,7 +214,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     for i, p in enumerate(params):
         if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
             scaled[i] = _filter_logits(logits[i], p)
-    token_ids = _inverse_cdf(torch.softmax(scaled, dim=-1), _draw(generators))
+    return _read_chosen(logits, _inverse_cdf(torch.softmax(scaled, dim=-1), _draw(generators)))
+
+
+def _read_chosen(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The chosen ids and their raw logprobs, on the host, in one device-to-host read (on a
+    GPU each read is a sync): ids are exact in float64, and a float32 logprob widened to
+    float64 is the value .tolist() gives."""
     both = torch.stack((token_ids.double(), _raw_logprobs(logits, token_ids).double()))
     ids, logprobs = both.tolist()
     return [int(t) for t in ids], logprobs

@@ -16,10 +16,11 @@ import json
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from before_tree import export_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -71,12 +72,8 @@ def main() -> int:
     roots = {"this tree": str(ROOT)}
     tmp = tempfile.TemporaryDirectory(prefix="kvscope-decode-")
     if args.before:
-        archive = Path(tmp.name) / "before.tar"
-        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), args.before,
-                        "kernels"], check=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(Path(tmp.name) / "before", filter="data")
-        roots = {f"before ({args.before})": str(Path(tmp.name) / "before"), **roots}
+        before = export_tree(args.before, Path(tmp.name) / "before", "kernels")
+        roots = {f"before ({args.before})": str(before), **roots}
     runs: dict[str, list[dict]] = {name: [] for name in roots}
     for _ in range(args.rounds):
         for name, root in roots.items():

@@ -23,10 +23,11 @@ import json
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from before_tree import export_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40  # timed steps per case
@@ -109,12 +110,8 @@ def main() -> int:
     roots = {"this tree": str(ROOT)}
     tmp = tempfile.TemporaryDirectory(prefix="kvscope-host-")
     if args.before:
-        archive = Path(tmp.name) / "before.tar"
-        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), args.before,
-                        "engine", "kernels"], check=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(Path(tmp.name) / "before", filter="data")
-        roots = {f"before ({args.before})": str(Path(tmp.name) / "before"), **roots}
+        before = export_tree(args.before, Path(tmp.name) / "before", "engine", "kernels")
+        roots = {f"before ({args.before})": str(before), **roots}
     cases = [(s, t, k, m) for m in args.sampling.split(",")
              for s in map(int, args.seqs.split(",")) for t in map(int, args.tokens.split(","))
              for k in ("cumulative", "final")]

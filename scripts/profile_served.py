@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import bench_vs_vllm as bench  # noqa: E402  (sibling script: prompts, server command line)
+from before_tree import export_tree  # noqa: E402
 
 OFFLINE_STEPS = 24  # decode steps of the offline reference batch
 
@@ -349,12 +350,6 @@ def served_prompts(seed: int, n: int) -> list[list[int]]:
     return [tok.encode(t, add_special_tokens=False)[:want] for t in texts]
 
 
-def export_tree(rev: str, dest: Path) -> None:
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-
-
 @contextlib.contextmanager
 def traced_server(name: str, root: Path, args: argparse.Namespace, workdir: Path,
                   flags: list[str], extra_env: dict[str, str]):
@@ -397,7 +392,6 @@ def run(args: argparse.Namespace) -> int:
     trees: dict[str, tuple[Path, list[str], dict[str, str]]] = {}
     if args.before:
         before = workdir / "before"
-        before.mkdir()
         export_tree(args.before, before)
         trees[f"before ({args.before})"] = (before, [], {})
     trees["after"] = (ROOT, [], {})
