@@ -78,8 +78,15 @@ class Publisher:
         self._router.setsockopt(zmq.SNDHWM, replay_size + 16)
         try:
             self.endpoint = _bind(self._pub, endpoint)
-            self.snapshot_endpoint = _bind(
-                self._router, snapshot_endpoint or snapshot_endpoint_for(endpoint))
+            try:
+                self.snapshot_endpoint = _bind(
+                    self._router, snapshot_endpoint or snapshot_endpoint_for(endpoint))
+            except OSError as e:
+                if snapshot_endpoint:
+                    raise
+                # the derived port is the one a user did not choose: say where it came from
+                raise OSError(f"{e} (the snapshot/replay endpoint is the event port + 1; "
+                              "leave a free port after each event port)") from e
         except BaseException:
             self.close()
             raise

@@ -190,7 +190,8 @@ def run_daemon(config: Any, settings: Any, host: str, port: int,
 
         try:
             engine = build_engine(LLMEngine, config)
-        except (ValueError, ModelLoadError) as e:
+        except (ValueError, ModelLoadError, OSError) as e:
+            # OSError: an event endpoint already bound, a recording path not writable
             print(f"kvscope serve: {e}", file=sys.stderr)
             return 2
         state = build_state(engine, settings)
