@@ -3,11 +3,17 @@ request proxied to the replica the policy picks, with an async HTTP client.
 
 - Bodies and answers pass through unchanged (streams chunk by chunk), so the API, the
   errors and streaming are exactly the replica's.
-- A request that cannot reach its replica (connection refused: nothing was sent) is
-  retried once on another replica. One whose replica fails after it was sent (the
-  connection drops, the replica answers 5xx) fails with a clear ``replica_failed``
-  error (a stream gets an error event, then ``[DONE]``); nobody else is affected, and
-  the replica leaves the rotation until its /health answers 200 again.
+- A request is retried once on another replica when its replica is lost before the
+  client has seen a byte of the answer: the connection is refused, or it drops before
+  the whole body (a stream: before its first chunk) came back. Generation has no side
+  effects, so the client just gets its answer from the other replica (vLLM-world routers
+  such as SGLang's retry the same way). Once only, so a request that itself brought a
+  replica down cannot walk through the fleet.
+- A request whose replica fails later (a stream that already sent chunks), answers 5xx,
+  or times out fails with a clear ``replica_failed`` error (a stream gets an error event,
+  then ``[DONE]``); nobody else is affected.
+- A replica that drops or refuses a connection leaves the rotation until its /health
+  answers 200 again.
 - ``/health``: 200 while at least one replica is in rotation, else 503.
 - ``/metrics``: see ``engine.router.metrics``; ``/router/replicas``: the same as JSON.
 """
@@ -49,7 +55,10 @@ class Router:
     """Replicas, the policy, the tokenizer, the HTTP client and the health loop."""
 
     def __init__(self, replicas: list[Replica], policy: Policy, tokenizer: Any = None, *,
-                 health_interval_s: float = 0.5, request_timeout_s: float = 600.0) -> None:
+                 health_interval_s: float = 0.5, request_timeout_s: float = 600.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        # transport: how requests reach the replicas (None: the network); tests hand in
+        # a simulated fleet (httpx.MockTransport)
         if not replicas:
             raise ValueError("the router needs at least one replica")
         self.replicas = replicas
@@ -61,6 +70,7 @@ class Router:
         self.unroutable = 0
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
+        self._transport = transport
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -68,7 +78,8 @@ class Router:
             r.start()
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.request_timeout_s, connect=2.0), limits=limits)
+            timeout=httpx.Timeout(self.request_timeout_s, connect=2.0), limits=limits,
+            transport=self._transport)
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -197,7 +208,7 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
     token_ids = prompt_token_ids(router.tokenizer, path, body)
     stream = _wants_stream(body)
     tried: Replica | None = None
-    for _attempt in range(2):
+    for attempt in range(2):
         d = router.choose(token_ids, exclude=tried)
         if d is None:
             router.unroutable += 1
@@ -213,21 +224,35 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
             continue  # nothing was sent: safe to try another replica
         except httpx.HTTPError as e:
             _count(router, d)
+            if _dropped(e) and attempt == 0:
+                _lost(r, e, retried=True)
+                tried = r
+                continue
             return _replica_failed(router, r, e)
         _count(router, d)
         r.in_flight += 1
+        first = b""
+        try:
+            if stream and resp.status_code == 200:
+                chunks = resp.aiter_raw()
+                first = await anext(chunks, b"")
+            else:
+                content = await resp.aread()
+        except httpx.HTTPError as e:
+            r.in_flight -= 1
+            await resp.aclose()
+            if _dropped(e) and attempt == 0:
+                _lost(r, e, retried=True)
+                tried = r
+                continue
+            return _replica_failed(router, r, e)
         if stream and resp.status_code == 200:
-            return StreamingResponse(_relay(router, d, resp), status_code=200,
+            return StreamingResponse(_relay(router, d, resp, first, chunks), status_code=200,
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Kvscope-Replica": r.name})
-        try:
-            content = await resp.aread()
-        except httpx.HTTPError as e:
-            return _replica_failed(router, r, e)
-        finally:
-            r.in_flight -= 1
-            await resp.aclose()
+        r.in_flight -= 1
+        await resp.aclose()
         if resp.status_code >= 500:
             r.counters.failed += 1
         elif resp.status_code == 200:
@@ -241,24 +266,44 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
                   "service_unavailable")
 
 
+def _dropped(e: httpx.HTTPError) -> bool:
+    """The replica's connection broke (it died or was killed), as opposed to a timeout or
+    a bad answer: the failures after which another replica may safely take the request."""
+    return isinstance(e, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError)
+
+
+def _lost(r: Replica, e: Exception, retried: bool = False) -> None:
+    r.counters.failed += 1
+    r.counters.retried += retried
+    r.healthy, r.health_error = False, f"failed a request: {type(e).__name__}"
+
+
 def _count(router: Router, d: Decision) -> None:
     d.replica.counters.routed += 1
     router.decisions[(d.replica.name, d.reason)] += 1
 
 
 def _replica_failed(router: Router, r: Replica, e: Exception) -> JSONResponse:
-    r.counters.failed += 1
-    r.healthy, r.health_error = False, f"failed a request: {type(e).__name__}"
+    _lost(r, e)
     return _error(502, f"replica {r.name} ({r.url}) failed during the request: "
                   f"{type(e).__name__}: {e}", "replica_failed")
 
 
-async def _relay(router: Router, d: Decision, resp: httpx.Response) -> AsyncIterator[bytes]:
-    """Pass the replica's SSE stream through; read its usage chunk on the way."""
+async def _relay(router: Router, d: Decision, resp: httpx.Response, first: bytes,
+                 rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Pass the replica's SSE stream through (``first``, already read, then ``rest``); read
+    its usage chunk on the way."""
     r, pending = d.replica, b""
     t0 = time.monotonic()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        if first:
+            yield first
+        async for chunk in rest:
+            yield chunk
+
     try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in chunks():
             yield chunk
             pending += chunk
             *lines, pending = pending.split(b"\n")
@@ -268,8 +313,7 @@ async def _relay(router: Router, d: Decision, resp: httpx.Response) -> AsyncIter
                         router.note_usage(r, d.predicted_cached_tokens,
                                           json.loads(line[6:]).get("usage"))
     except httpx.HTTPError as e:
-        r.counters.failed += 1
-        r.healthy, r.health_error = False, f"failed a request: {type(e).__name__}"
+        _lost(r, e)
         yield _sse_error(f"replica {r.name} ({r.url}) failed during the request after "
                          f"{time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}",
                          "replica_failed")

@@ -30,6 +30,9 @@ class _Collector:
             "requests": ("requests routed to the replica", lambda c: c.routed),
             "failed_requests": ("requests that failed because the replica failed",
                                 lambda c: c.failed),
+            "retried_requests": ("of those, requests lost before any answer reached the "
+                                 "client and sent again to another replica",
+                                 lambda c: c.retried),
             "prompt_tokens": ("prompt tokens of requests whose usage came back",
                               lambda c: c.prompt_tokens),
             "predicted_cached_tokens": ("cached prompt tokens the router predicted, over "

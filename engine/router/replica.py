@@ -32,6 +32,7 @@ def parse_replica(spec: str) -> tuple[str, str | None, str | None]:
 class ReplicaCounters:
     routed: int = 0  # routing decisions that picked this replica
     failed: int = 0  # requests that failed because the replica did (connection lost, 5xx)
+    retried: int = 0  # of those, lost before any answer and sent again to another replica
     prompt_tokens: int = 0  # from usage, for requests that reported it
     predicted_cached_tokens: int = 0
     actual_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
@@ -139,7 +140,7 @@ class Replica:
                 "stream": self.stream_status, "epoch": self.epoch,
                 "restarts": self.restarts(), "block_size": self.block_size,
                 "cached_blocks": self.cached_blocks(), "in_flight": self.in_flight,
-                "load": self.load, "routed": c.routed, "failed": c.failed,
+                "load": self.load, "routed": c.routed, "failed": c.failed, "retried": c.retried,
                 "prompt_tokens": c.prompt_tokens,
                 "predicted_cached_tokens": c.predicted_reported,
                 "actual_cached_tokens": c.actual_cached_tokens,

@@ -1,0 +1,165 @@
+"""The router retries a request once on another replica when its replica is lost before the
+client saw a byte of the answer, and only then. A simulated fleet (httpx.MockTransport
+behind the router's client) plays replicas that drop connections at chosen points; the
+router's app is called in process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+
+from engine.router.app import Router, create_app
+from engine.router.policy import Policy
+from engine.router.replica import Replica
+
+ANSWER = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
+          "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+BODY = {"model": "m", "prompt": "Hello", "max_tokens": 1}
+
+
+class _Stream(httpx.AsyncByteStream):
+    """Yields ``chunks``, then breaks the connection if ``then_drop``."""
+
+    def __init__(self, chunks: list[bytes], then_drop: bool) -> None:
+        self.chunks, self.then_drop = chunks, then_drop
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for c in self.chunks:
+            yield c
+        if self.then_drop:
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+
+def _sse(*objs: object) -> list[bytes]:
+    return [f"data: {json.dumps(o)}\n\n".encode() for o in objs] + [b"data: [DONE]\n\n"]
+
+
+# how each replica answers a completion: "ok", or how it fails
+Behaviour = Callable[[httpx.Request], httpx.Response]
+
+
+def _ok(req: httpx.Request) -> httpx.Response:
+    if json.loads(req.content).get("stream"):
+        return httpx.Response(200, stream=_Stream(_sse(ANSWER), False),
+                              headers={"content-type": "text/event-stream"})
+    return httpx.Response(200, json=ANSWER)
+
+
+def _dies_before_headers(req: httpx.Request) -> httpx.Response:
+    raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+
+def _dies_mid_body(req: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, stream=_Stream([b'{"id": "cm'], True),
+                          headers={"content-type": "application/json"})
+
+
+def _dies_before_first_chunk(req: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, stream=_Stream([], True),
+                          headers={"content-type": "text/event-stream"})
+
+
+def _dies_after_first_chunk(req: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, stream=_Stream(_sse(ANSWER)[:1], True),
+                          headers={"content-type": "text/event-stream"})
+
+
+def _answers_500(req: httpx.Request) -> httpx.Response:
+    return httpx.Response(500, json={"error": {"message": "engine failed"}})
+
+
+def _times_out(req: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("timed out")
+
+
+def _fleet(*behaviours: Behaviour) -> tuple[Router, list[int]]:
+    """A router over replicas r0, r1, ... (round-robin, starting at r0) and the number
+    of completion requests each received."""
+    replicas = [Replica(f"r{i}", f"http://replica{i}") for i in range(len(behaviours))]
+    hits = [0] * len(behaviours)
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        i = int(req.url.host.removeprefix("replica"))
+        if req.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        hits[i] += 1
+        return behaviours[i](req)
+
+    router = Router(replicas, Policy("round-robin"), health_interval_s=3600,
+                    transport=httpx.MockTransport(handler))
+    return router, hits
+
+
+def _post(router: Router, body: dict) -> tuple[httpx.Response, bytes]:
+    async def go() -> tuple[httpx.Response, bytes]:
+        await router.start()
+        try:
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router)),
+                                       base_url="http://router")
+            async with client:
+                r = await client.post("/v1/completions", json=body)
+                return r, r.content
+        finally:
+            await router.close()
+
+    return asyncio.run(go())
+
+
+def test_a_replica_that_dies_before_answering_is_retried_on_another():
+    router, hits = _fleet(_dies_before_headers, _ok)
+    r, _ = _post(router, BODY)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+    assert r.headers["x-kvscope-replica"] == "r1" and hits == [1, 1]
+    r0, r1 = router.replicas
+    assert (r0.counters.failed, r0.counters.retried, r0.healthy) == (1, 1, False)
+    assert (r1.counters.failed, r1.counters.routed, r1.in_flight) == (0, 1, 0)
+    assert r0.in_flight == 0
+
+
+def test_a_body_cut_short_is_retried():
+    router, hits = _fleet(_dies_mid_body, _ok)
+    r, _ = _post(router, BODY)
+    assert r.status_code == 200 and r.headers["x-kvscope-replica"] == "r1" and hits == [1, 1]
+    assert router.replicas[0].counters.retried == 1 and router.replicas[0].in_flight == 0
+
+
+def test_a_stream_lost_before_its_first_chunk_is_retried():
+    router, hits = _fleet(_dies_before_first_chunk, _ok)
+    r, content = _post(router, {**BODY, "stream": True})
+    assert r.status_code == 200 and hits == [1, 1]
+    lines = [ln for ln in content.decode().split("\n") if ln.startswith("data: ")]
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == "ok"
+    assert lines[-1] == "data: [DONE]" and "error" not in content.decode()
+    assert [x.in_flight for x in router.replicas] == [0, 0]
+
+
+def test_a_stream_lost_after_its_first_chunk_is_not_retried():
+    router, hits = _fleet(_dies_after_first_chunk, _ok)
+    r, content = _post(router, {**BODY, "stream": True})
+    lines = [ln for ln in content.decode().split("\n") if ln.startswith("data: ")]
+    assert hits == [1, 0]  # the client already holds a chunk from r0
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == "ok"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "replica_failed"
+    assert lines[-1] == "data: [DONE]"
+    assert (router.replicas[0].counters.failed, router.replicas[0].counters.retried) == (1, 0)
+    assert router.replicas[0].in_flight == 0
+
+
+def test_only_one_retry():
+    router, hits = _fleet(_dies_before_headers, _dies_before_headers)
+    r, _ = _post(router, BODY)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "replica_failed"
+    assert hits == [1, 1]  # a request that kills replicas does not walk the fleet
+    assert [x.counters.retried for x in router.replicas] == [1, 0]
+    assert [x.counters.failed for x in router.replicas] == [1, 1]
+
+
+def test_an_answer_or_a_timeout_is_not_retried():
+    for behaviour, status in ((_answers_500, 500), (_times_out, 502)):
+        router, hits = _fleet(behaviour, _ok)
+        r, _ = _post(router, BODY)
+        assert r.status_code == status and hits == [1, 0], behaviour.__name__
+        assert router.replicas[0].counters.retried == 0
