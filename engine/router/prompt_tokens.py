@@ -37,7 +37,7 @@ def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: bytes) -> lis
             from engine.server.protocol import ChatCompletionRequest, parse
 
             req = parse(ChatCompletionRequest, body)
-            text = tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
+            text = req.prompt_text(tokenizer)
             return tokenizer.encode(text, add_special_tokens=False)
         prompt: Any = json.loads(body).get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

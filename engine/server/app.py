@@ -159,8 +159,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("this model has no tokenizer (a dummy model): chat needs one; "
                               "send token ids to /v1/completions", "messages")
         try:
-            text = state.tokenizer.apply_chat_template(req.conversation(),
-                                                       add_generation_prompt=True)
+            text = req.prompt_text(state.tokenizer)
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         ids = state.tokenizer.encode(text, add_special_tokens=False)

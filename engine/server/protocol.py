@@ -96,7 +96,7 @@ class _Sampling(_Strict):
         if self.logit_bias:
             raise bad_request("'logit_bias' is not supported by kvscope", "logit_bias")
         for name in ("tools", "functions"):
-            if getattr(self, name) is not None:
+            if getattr(self, name):  # an empty list offers nothing to call: a no-op
                 raise bad_request(f"'{name}' (tool calling) is not supported by kvscope", name)
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
@@ -209,9 +209,17 @@ class TextPart(_Strict):
     text: str
 
 
+class OtherPart(BaseModel):
+    """A content part of another type (image_url, input_audio, file, ...): parsed only to be
+    refused by name in ``ChatCompletionRequest.unsupported``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -219,7 +227,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class ChatCompletionRequest(_Sampling):
@@ -228,12 +236,28 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's chat-template extras: end the prompt with the assistant's turn header (the
+    # default), or continue the final message as written (an assistant prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def logprob_counts(self) -> dict[str, int | None]:
         return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
 
     def unsupported(self) -> None:
         super().unsupported()
+        for i, m in enumerate(self.messages):
+            for part in m.content if isinstance(m.content, list) else ():
+                if isinstance(part, OtherPart):
+                    raise bad_request(f"messages[{i}].content: parts of type '{part.type}' are "
+                                      "not supported by kvscope (text only)", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("'continue_final_message' needs 'add_generation_prompt': false "
+                              "(the final message is continued, no new turn is opened)",
+                              "continue_final_message")
+        if self.continue_final_message and not self.messages[-1].text():
+            raise bad_request("'continue_final_message' needs a final message with text",
+                              "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if self.prompt_logprobs is not None:
@@ -244,6 +268,30 @@ class ChatCompletionRequest(_Sampling):
         # "developer" is OpenAI's newer name for the system role.
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+    def prompt_text(self, tokenizer: Any) -> str:
+        """The conversation through the model's chat template, as the engine's prompt.
+        With ``continue_final_message`` the text ends where the final message's content
+        does (its end-of-turn markup cut off), as transformers and vLLM do it: a marker
+        appended to the content is rendered and cut at, and when the template trims the
+        content (the marker's trailing space is gone) the cut is trimmed too. Template
+        errors raise ValueError."""
+        conv = self.conversation()
+        if self.continue_final_message:
+            conv[-1]["content"] += _CONTINUE_MARK
+        text = tokenizer.apply_chat_template(conv, add_generation_prompt=self.add_generation_prompt)
+        if not self.continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_MARK.rstrip())
+        if at < 0:
+            raise ValueError("the chat template drops the final message's text, so it cannot "
+                             "be continued")
+        trimmed = not text.startswith(_CONTINUE_MARK, at)
+        return text[:at].rstrip() if trimmed else text[:at]
+
+
+# appended to a message to be continued, to find where its content ends once rendered
+_CONTINUE_MARK = "KVSCOPE_CONTINUE_FINAL_MESSAGE "
 
 
 def parse(model: type[_Strict], body: bytes) -> Any:

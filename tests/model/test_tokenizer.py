@@ -82,6 +82,21 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer, conversatio
     assert ids == hf_tokenizer.encode(theirs, add_special_tokens=False)
 
 
+@pytest.mark.parametrize("final", ["The capital of France is", "Sure, here it is: ",
+                                   "1, 2, 3.\n\n", "x"])
+def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, final):
+    """A chat request's assistant prefill (vLLM's ``continue_final_message``) renders as
+    transformers' ``apply_chat_template(..., continue_final_message=True)``."""
+    from engine.server.protocol import ChatCompletionRequest
+
+    conv = [*CONVERSATIONS[2], {"role": "assistant", "content": final}]
+    req = ChatCompletionRequest.model_validate(
+        {"messages": conv, "add_generation_prompt": False, "continue_final_message": True})
+    theirs = hf_tokenizer.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert req.prompt_text(tokenizer) == theirs
+    assert theirs.endswith(final)  # this template keeps the content as written
+
+
 def test_default_system_prompt(tokenizer):
     text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")

@@ -53,6 +53,27 @@ def test_what_would_change_the_output_is_refused(daemon: Daemon, path, body, par
     assert r.json()["error"]["param"] == param
 
 
+def test_assistant_prefill_and_no_op_tools(daemon: Daemon):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's message (no
+    end-of-turn, no new turn header), so it is shorter than the default rendering; an empty
+    tools list changes nothing; an image part is refused by name."""
+    conv = [*HI, {"role": "assistant", "content": "Hello! My name is"}]
+    base = {"messages": conv, "max_tokens": 4, "temperature": 0}
+    opened = _post(daemon, CHAT, base)
+    cont = _post(daemon, CHAT, base | {"add_generation_prompt": False,
+                                       "continue_final_message": True})
+    assert opened.status_code == cont.status_code == 200, cont.text
+    assert cont.json()["usage"]["prompt_tokens"] < opened.json()["usage"]["prompt_tokens"]
+    plain = _post(daemon, CHAT, {"messages": HI, "max_tokens": 6, "temperature": 0})
+    tools = _post(daemon, CHAT, {"messages": HI, "max_tokens": 6, "temperature": 0,
+                                 "tools": [], "tool_choice": "none"})
+    assert tools.status_code == 200, tools.text
+    assert tools.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    r = _post(daemon, CHAT, {"messages": image, "max_tokens": 1})
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+
+
 def test_continuous_usage_stats_put_usage_in_every_chunk(daemon: Daemon):
     body = {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True, "min_tokens": 5,
             "stream": True,

@@ -1,0 +1,75 @@
+"""How a chat request becomes the engine's prompt (``ChatCompletionRequest.prompt_text``):
+vLLM's ``add_generation_prompt`` / ``continue_final_message`` and what is refused. The
+real template against transformers is in tests/model/test_tokenizer.py; here a stand-in
+template trims contents, as many do."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.server.errors import APIError
+from engine.server.protocol import ChatCompletionRequest, parse
+
+
+class TrimmingTemplate:
+    def apply_chat_template(self, conv: list[dict], add_generation_prompt: bool) -> str:
+        text = "".join(f"<{m['role']}>{m['content'].strip()}</{m['role']}>\n" for m in conv)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class DroppingTemplate:  # renders roles only
+    def apply_chat_template(self, conv: list[dict], add_generation_prompt: bool) -> str:
+        return "".join(f"<{m['role']}>" for m in conv)
+
+
+def _req(**body: object) -> ChatCompletionRequest:
+    import json
+
+    return parse(ChatCompletionRequest, json.dumps(body).encode())
+
+
+CONV = [{"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "My favourite is  "}]
+
+
+def test_generation_prompt_by_default_and_off_on_request():
+    assert _req(messages=CONV[:1]).prompt_text(TrimmingTemplate()) == \
+        "<user>Name a colour.</user>\n<assistant>"
+    assert _req(messages=CONV[:1], add_generation_prompt=False).prompt_text(
+        TrimmingTemplate()) == "<user>Name a colour.</user>\n"
+
+
+def test_continue_final_message_cuts_after_the_trimmed_content():
+    text = _req(messages=CONV, add_generation_prompt=False,
+                continue_final_message=True).prompt_text(TrimmingTemplate())
+    assert text == "<user>Name a colour.</user>\n<assistant>My favourite is"
+
+
+def test_a_template_that_drops_the_content_cannot_be_continued():
+    req = _req(messages=CONV, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot be continued"):
+        req.prompt_text(DroppingTemplate())
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"messages": CONV, "continue_final_message": True}, "add_generation_prompt"),
+    ({"messages": [*CONV[:1], {"role": "assistant", "content": ""}],
+      "add_generation_prompt": False, "continue_final_message": True}, "final message"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "'image_url' are not supported"),
+])
+def test_refused_with_a_clear_message(body, words):
+    with pytest.raises(APIError) as e:
+        _req(**body)
+    assert words in str(e.value.message)
+
+
+def test_text_parts_and_an_empty_tools_list_are_accepted():
+    req = _req(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]}],
+               tools=[], tool_choice="none")
+    assert req.conversation() == [{"role": "user", "content": "ab"}]
+    with pytest.raises(APIError):
+        _req(messages=CONV[:1], tools=[{"type": "function", "function": {"name": "f"}}])
