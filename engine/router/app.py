@@ -238,9 +238,11 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
                 first = await anext(chunks, b"")
             else:
                 content = await resp.aread()
-        except httpx.HTTPError as e:
+        except BaseException as e:  # cancelled too: the replica's request must not leak
             r.in_flight -= 1
             await resp.aclose()
+            if not isinstance(e, httpx.HTTPError):
+                raise
             if _dropped(e) and attempt == 0:
                 _lost(r, e, retried=True)
                 tried = r

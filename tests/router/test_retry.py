@@ -6,6 +6,7 @@ router's app is called in process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -163,3 +164,38 @@ def test_an_answer_or_a_timeout_is_not_retried():
         r, _ = _post(router, BODY)
         assert r.status_code == status and hits == [1, 0], behaviour.__name__
         assert router.replicas[0].counters.retried == 0
+
+
+def test_a_request_cancelled_while_waiting_for_the_first_chunk_is_released():
+    """The router holds a stream's answer until its first chunk; if the request is cancelled
+    meanwhile (its client left, the router stops), the replica's request is closed and
+    the replica's in-flight count comes back down."""
+    started, closed = asyncio.Event(), []
+
+    class Hanging(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            started.set()
+            await asyncio.Event().wait()  # prefill that never ends
+            yield b""
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    router, _ = _fleet(lambda req: httpx.Response(200, stream=Hanging()))
+
+    async def go() -> None:
+        await router.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router)),
+                                   base_url="http://router")
+        async with client:
+            task = asyncio.create_task(client.post("/v1/completions", json={**BODY,
+                                                                             "stream": True}))
+            await asyncio.wait_for(started.wait(), 5)
+            assert router.replicas[0].in_flight == 1
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await router.close()
+
+    asyncio.run(go())
+    assert router.replicas[0].in_flight == 0 and closed == [True]
