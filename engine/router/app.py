@@ -14,6 +14,8 @@ request proxied to the replica the policy picks, with an async HTTP client.
   then ``[DONE]``); nobody else is affected.
 - A replica that drops or refuses a connection leaves the rotation until its /health
   answers 200 again.
+- A client that disconnects while its answer is computed gets its replica request closed
+  (the replica then aborts it, as for a direct client), not left running for nobody.
 - ``/health``: 200 while at least one replica is in rotation, else 503.
 - ``/metrics``: see ``engine.router.metrics``; ``/router/replicas``: the same as JSON.
 """
@@ -38,6 +40,7 @@ from engine.router.prompt_tokens import prompt_token_ids
 from engine.router.replica import Replica
 
 MAX_BODY_BYTES = 4 << 20
+DISCONNECT_POLL_S = 0.5  # how often a request waiting on its replica checks its client
 FORWARD_HEADERS = ("authorization", "content-type", "accept")
 
 
@@ -235,12 +238,14 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
         try:
             if stream and resp.status_code == 200:
                 chunks = resp.aiter_raw()
-                first = await anext(chunks, b"")
+                first = await _unless_client_left(request, anext(chunks, b""))
             else:
-                content = await resp.aread()
+                content = await _unless_client_left(request, resp.aread())
         except BaseException as e:  # cancelled too: the replica's request must not leak
             r.in_flight -= 1
-            await resp.aclose()
+            await resp.aclose()  # the replica sees its client go and aborts the request
+            if isinstance(e, _ClientLeft):
+                return Response(status_code=499)  # nobody reads it
             if not isinstance(e, httpx.HTTPError):
                 raise
             if _dropped(e) and attempt == 0:
@@ -266,6 +271,28 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
     router.unroutable += 1
     return _error(503, "no replica is available (connections refused)", "no_replica",
                   "service_unavailable")
+
+
+class _ClientLeft(Exception):
+    """The router's client disconnected while its answer was still being computed."""
+
+
+async def _unless_client_left(request: Request, awaitable: Any) -> Any:
+    """``await awaitable``, checking every ``DISCONNECT_POLL_S`` that the client is still
+    there; if it left, cancel it and raise _ClientLeft (the daemon does the same)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise _ClientLeft
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def _dropped(e: httpx.HTTPError) -> bool:

@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 import httpx
+import pytest
 
 from engine.router.app import Router, create_app
 from engine.router.policy import Policy
@@ -199,3 +200,54 @@ def test_a_request_cancelled_while_waiting_for_the_first_chunk_is_released():
 
     asyncio.run(go())
     assert router.replicas[0].in_flight == 0 and closed == [True]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_releases_its_replica(stream: bool, monkeypatch) -> None:  # noqa: ANN001
+    """A client that disconnects while its answer is computed (a non-streamed request, or a
+    stream before its first chunk): the router closes the replica's request (the replica
+    then aborts it, as for a direct client) instead of waiting for an answer nobody reads."""
+    import engine.router.app as app_module
+
+    monkeypatch.setattr(app_module, "DISCONNECT_POLL_S", 0.01)
+    started, closed = asyncio.Event(), []
+
+    class Hanging(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            started.set()
+            await asyncio.Event().wait()  # a long generation
+            yield b""
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    router, _ = _fleet(lambda req: httpx.Response(200, stream=Hanging()))
+    app = create_app(router)
+    body = json.dumps({**BODY, "stream": stream}).encode()
+    received: list[bool] = []
+
+    async def receive() -> dict:
+        if not received:
+            received.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await started.wait()  # the client leaves once the replica is at work
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "path": "/v1/completions", "raw_path": b"",
+             "query_string": b"", "root_path": "", "scheme": "http",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("router", 80)}
+
+    async def go() -> None:
+        await router.start()
+        try:
+            await asyncio.wait_for(app(scope, receive, send), 10)
+        finally:
+            await router.close()
+
+    asyncio.run(go())
+    assert closed and router.replicas[0].in_flight == 0
