@@ -219,23 +219,13 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
         r = d.replica
         req = router.client.build_request("POST", r.url + path, content=body,
                                           headers=_headers(request))
-        try:
-            resp = await router.client.send(req, stream=True)
-        except httpx.ConnectError:
-            r.healthy, r.health_error = False, "connection refused"
-            tried = r
-            continue  # nothing was sent: safe to try another replica
-        except httpx.HTTPError as e:
-            _count(router, d)
-            if _dropped(e) and attempt == 0:
-                _lost(r, e, retried=True)
-                tried = r
-                continue
-            return _replica_failed(router, r, e)
-        _count(router, d)
+        # Open from the moment it is sent: a non-streamed answer's headers come only when
+        # it is complete, and the next routing decision must already count it.
         r.in_flight += 1
-        first = b""
+        resp: httpx.Response | None = None
+        first, content = b"", b""
         try:
+            resp = await _unless_client_left(request, router.client.send(req, stream=True))
             if stream and resp.status_code == 200:
                 chunks = resp.aiter_raw()
                 first = await _unless_client_left(request, anext(chunks, b""))
@@ -243,16 +233,23 @@ async def _proxy(router: Router, request: Request, path: str) -> Response:
                 content = await _unless_client_left(request, resp.aread())
         except BaseException as e:  # cancelled too: the replica's request must not leak
             r.in_flight -= 1
-            await resp.aclose()  # the replica sees its client go and aborts the request
+            if resp is not None:
+                await resp.aclose()  # the replica sees its client go and aborts the request
             if isinstance(e, _ClientLeft):
                 return Response(status_code=499)  # nobody reads it
+            if isinstance(e, httpx.ConnectError):
+                r.healthy, r.health_error = False, "connection refused"
+                tried = r
+                continue  # nothing was sent: safe to try another replica
             if not isinstance(e, httpx.HTTPError):
                 raise
+            _count(router, d)
             if _dropped(e) and attempt == 0:
                 _lost(r, e, retried=True)
                 tried = r
                 continue
             return _replica_failed(router, r, e)
+        _count(router, d)
         if stream and resp.status_code == 200:
             return StreamingResponse(_relay(router, d, resp, first, chunks), status_code=200,
                                      media_type="text/event-stream",
@@ -286,7 +283,7 @@ async def _unless_client_left(request: Request, awaitable: Any) -> Any:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 return task.result()
-            if await request.is_disconnected():
+            if await request.is_disconnected() and not task.done():
                 raise _ClientLeft
     finally:
         if not task.done():

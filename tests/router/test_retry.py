@@ -202,11 +202,15 @@ def test_a_request_cancelled_while_waiting_for_the_first_chunk_is_released():
     assert router.replicas[0].in_flight == 0 and closed == [True]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_releases_its_replica(stream: bool, monkeypatch) -> None:  # noqa: ANN001
-    """A client that disconnects while its answer is computed (a non-streamed request, or a
-    stream before its first chunk): the router closes the replica's request (the replica
-    then aborts it, as for a direct client) instead of waiting for an answer nobody reads."""
+@pytest.mark.parametrize(("stream", "headers_first"),
+                         [(False, False), (False, True), (True, True)])
+def test_a_client_that_leaves_releases_its_replica(stream: bool, headers_first: bool,
+                                                   monkeypatch) -> None:  # noqa: ANN001
+    """A client that disconnects while its answer is computed: the router closes the
+    replica's request (the replica then aborts it, as for a direct client) instead of
+    waiting for an answer nobody reads. The daemon sends a non-streamed answer's headers
+    only when it is complete (headers_first False); a stream's right away. Meanwhile the
+    request counts as in flight on its replica."""
     import engine.router.app as app_module
 
     monkeypatch.setattr(app_module, "DISCONNECT_POLL_S", 0.01)
@@ -221,7 +225,18 @@ def test_a_client_that_leaves_releases_its_replica(stream: bool, monkeypatch) ->
         async def aclose(self) -> None:
             closed.append(True)
 
-    router, _ = _fleet(lambda req: httpx.Response(200, stream=Hanging()))
+    async def answer(req: httpx.Request) -> httpx.Response:
+        if headers_first:
+            return httpx.Response(200, stream=Hanging())
+        started.set()
+        try:
+            await asyncio.Event().wait()  # the whole answer, headers included, comes later
+        except asyncio.CancelledError:
+            closed.append(True)
+            raise
+        raise AssertionError("unreachable")
+
+    router, _ = _fleet(answer)
     app = create_app(router)
     body = json.dumps({**BODY, "stream": stream}).encode()
     received: list[bool] = []
@@ -231,6 +246,7 @@ def test_a_client_that_leaves_releases_its_replica(stream: bool, monkeypatch) ->
             received.append(True)
             return {"type": "http.request", "body": body, "more_body": False}
         await started.wait()  # the client leaves once the replica is at work
+        assert router.replicas[0].in_flight == 1
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
