@@ -1,5 +1,6 @@
 """Real clients against a real daemon (issue 19): each client runs unmodified, offline,
-against ``kvscope serve`` on the embedded model. (lm-eval lives in
+against ``kvscope serve`` on the embedded model, and against ``kvscope route`` in front of
+it (``target``: the router must pass everything through unchanged). (lm-eval lives in
 tests/model/test_lm_eval_parity.py, beside the transformers model it compares with.)
 guidellm loads a tokenizer through transformers: one is written once per session from
 the GGUF itself, so no client downloads anything."""
@@ -66,3 +67,22 @@ def daemon() -> Iterator[Daemon]:
                      "--max-num-seqs", "8", "--served-model-name", MODEL_NAME)
     yield d
     stop_daemon(d)
+
+
+@pytest.fixture(scope="package")
+def router(daemon: Daemon) -> Iterator[str]:
+    """``kvscope route`` with the daemon as its one replica; its URL."""
+    import sys
+
+    from tests.router.conftest import launch, wait_ready
+
+    p = wait_ready(*launch([sys.executable, "-m", "engine.cli", "route", "--port", "0",
+                            "--replica", daemon.url]))
+    yield p.url
+    p.stop()
+
+
+@pytest.fixture(scope="package", params=["daemon", "router"])
+def target(request: pytest.FixtureRequest, daemon: Daemon) -> str:
+    """The URL a client is pointed at: the daemon itself, or the router in front of it."""
+    return daemon.url if request.param == "daemon" else request.getfixturevalue("router")

@@ -11,7 +11,6 @@ from openai.types.chat import ChatCompletionChunk
 from pydantic import BaseModel
 
 from tests.clients.conftest import MODEL_NAME
-from tests.server.conftest import Daemon
 
 COMMON = {"store": False, "metadata": {"suite": "kvscope"}, "service_tier": "auto",
           "user": "tester", "parallel_tool_calls": False,
@@ -19,8 +18,8 @@ COMMON = {"store": False, "metadata": {"suite": "kvscope"}, "service_tier": "aut
 
 
 @pytest.fixture(scope="module")
-def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
+def client(target: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=target + "/v1", api_key="unused", max_retries=0,
                          timeout=120)
 
 

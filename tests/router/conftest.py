@@ -1,6 +1,8 @@
 """Router tests run REAL processes on loopback: `kvscope serve` replicas with event streams
-and a `kvscope route` in front (never mocks). Small KV pools, one thread per replica and
-short answers keep them cheap on a 2-core machine."""
+and a `kvscope route` in front. Small KV pools, one thread per replica and short answers
+keep them cheap on a 2-core machine. Only the failure points that a real process cannot
+hit on cue (a replica dying before its headers, mid-body, before a stream's first chunk)
+are played by a simulated fleet (test_retry.py)."""
 
 from __future__ import annotations
 
