@@ -157,6 +157,14 @@ def create_app(router: Router) -> FastAPI:
     async def models(request: Request) -> Response:
         return await _forward_simple(router, request, "GET", "/v1/models")
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _forward_simple(router, request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _forward_simple(router, request, "POST", "/detokenize")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _proxy(router, request, "/v1/completions")
@@ -173,11 +181,16 @@ def _headers(request: Request) -> dict[str, str]:
 
 
 async def _forward_simple(router: Router, request: Request, method: str, path: str) -> Response:
+    """A request any replica answers alike (the model list, tokenizing): to one in rotation."""
+    body = await _read_body(request)
+    if body is None:
+        return _error(413, f"request body is larger than {MAX_BODY_BYTES} bytes",
+                      "request_too_large", "invalid_request_error")
     d = router.choose(None)
     if d is None:
         return _error(503, "no replica is available", "no_replica", "service_unavailable")
     try:
-        resp = await router.client.request(method, d.replica.url + path,
+        resp = await router.client.request(method, d.replica.url + path, content=body or None,
                                            headers=_headers(request))
     except httpx.HTTPError as e:
         return _error(502, f"replica {d.replica.name} ({d.replica.url}) failed: {e}",

@@ -33,7 +33,11 @@ from engine.server.openapi import install as install_openapi
 from engine.server.openapi import request_body
 from engine.server.protocol import (
     ChatCompletionRequest,
+    ChatPrompt,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     check_max_tokens,
     parse,
 )
@@ -86,7 +90,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvscope", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.kv = state
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
+                          DetokenizeRequest])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -155,13 +160,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         req.check_limits(state.settings.max_logprobs, state.vocab_size)
         _check_n(state, req.n)
-        if state.tokenizer is None:  # a dummy model (random weights): token ids only
-            raise bad_request("this model has no tokenizer (a dummy model): chat needs one; "
-                              "send token ids to /v1/completions", "messages")
-        try:
-            text = req.prompt_text(state.tokenizer)
-        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        text = _chat_prompt(state, req)
         ids = state.tokenizer.encode(text, add_special_tokens=False)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise bad_request("give max_tokens or max_completion_tokens, not both",
@@ -178,7 +177,63 @@ def create_app(state: ServerState) -> FastAPI:
         outs = await _collect(state, request, job)
         return JSONResponse(_chat_body(state, job, req, outs))
 
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeCompletionRequest))
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's /tokenize: a text (``prompt``) or a conversation (``messages``, rendered
+        as a chat completion would be) as the model's token ids."""
+        _authorize(state, request)
+        body = await _read_body(state, request)
+        req = parse(TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest,
+                    body)
+        _check_model(state, req.model)
+        if isinstance(req, TokenizeChatRequest):
+            text = _chat_prompt(state, req)
+        else:
+            text = req.prompt
+            _tokenizer(state, "prompt")
+        ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
+                             "tokens": ids,
+                             "token_strs": state.tokenizer.convert_ids_to_tokens(ids)
+                             if req.return_token_strs else None})
+
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> JSONResponse:
+        """vLLM's /detokenize: token ids as text, special tokens kept."""
+        _authorize(state, request)
+        req = parse(DetokenizeRequest, await _read_body(state, request))
+        _check_model(state, req.model)
+        _tokenizer(state, "tokens")
+        if any(t < 0 or t >= state.vocab_size for t in req.tokens):
+            raise bad_request(f"'tokens' must be in [0, {state.vocab_size})", "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens,
+                                                              skip_special_tokens=False)})
+
     return app
+
+
+def _has_messages(body: bytes) -> bool:
+    try:
+        return "messages" in json.loads(body)
+    except (ValueError, TypeError):
+        return False  # the text form's parse reports it
+
+
+def _tokenizer(state: ServerState, param: str) -> Any:
+    if state.tokenizer is None:  # a dummy model (random weights): token ids only
+        raise bad_request("this model has no tokenizer (a dummy model): send token ids to "
+                          "/v1/completions", param)
+    return state.tokenizer
+
+
+def _chat_prompt(state: ServerState, req: ChatPrompt) -> str:
+    """The conversation as the prompt text, through the model's chat template."""
+    try:
+        return req.prompt_text(_tokenizer(state, "messages"))
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
 
 # ------------------------------------------------------------------ checks

@@ -29,6 +29,9 @@ from engine.server.errors import APIError, bad_request
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    def unsupported(self) -> None:
+        """Refuse valid-typed values the server cannot honour (a 400 naming the field)."""
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -87,6 +90,8 @@ class _Sampling(_Strict):
 
     def unsupported(self) -> None:
         """Refuse values the engine cannot honour rather than ignore them."""
+        if self.n < 1:
+            raise bad_request(f"'n' must be >= 1, got {self.n}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise bad_request(f"'{name}' is not supported by kvscope (only 0)", name)
@@ -230,22 +235,16 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatPrompt(_Strict):
+    """A conversation and how it becomes a prompt: chat completions and /tokenize's chat
+    form. vLLM's chat-template extras: end the prompt with the assistant's turn header
+    (the default), or continue the final message as written (an assistant prefill)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    # vLLM's chat-template extras: end the prompt with the assistant's turn header (the
-    # default), or continue the final message as written (an assistant prefill)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def logprob_counts(self) -> dict[str, int | None]:
-        return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
-
     def unsupported(self) -> None:
-        super().unsupported()
         for i, m in enumerate(self.messages):
             for part in m.content if isinstance(m.content, list) else ():
                 if isinstance(part, OtherPart):
@@ -258,11 +257,6 @@ class ChatCompletionRequest(_Sampling):
         if self.continue_final_message and not self.messages[-1].text():
             raise bad_request("'continue_final_message' needs a final message with text",
                               "continue_final_message")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if self.prompt_logprobs is not None:
-            raise bad_request("'prompt_logprobs' on chat is not supported by kvscope; use "
-                              "/v1/completions", "prompt_logprobs")
 
     def conversation(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role.
@@ -290,6 +284,49 @@ class ChatCompletionRequest(_Sampling):
         return text[:at].rstrip() if trimmed else text[:at]
 
 
+class ChatCompletionRequest(_Sampling, ChatPrompt):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_counts(self) -> dict[str, int | None]:
+        return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    def unsupported(self) -> None:
+        _Sampling.unsupported(self)
+        ChatPrompt.unsupported(self)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if self.prompt_logprobs is not None:
+            raise bad_request("'prompt_logprobs' on chat is not supported by kvscope; use "
+                              "/v1/completions", "prompt_logprobs")
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's POST /tokenize, text form."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPrompt):
+    """vLLM's POST /tokenize, chat form (the prompt a chat completion would get)."""
+
+    model: str | None = None
+    add_special_tokens: bool = False  # the template holds them
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # appended to a message to be continued, to find where its content ends once rendered
 _CONTINUE_MARK = "KVSCOPE_CONTINUE_FINAL_MESSAGE "
 
@@ -312,8 +349,6 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         raise bad_request(f"invalid '{param}': {err['msg']}"
                           + (f" (at {'.'.join(loc)})" if len(loc) > 1 else ""),
                           param) from None
-    if req.n < 1:
-        raise bad_request(f"'n' must be >= 1, got {req.n}", "n")
     req.unsupported()
     return req
 

@@ -95,6 +95,19 @@ def test_fleet_view_of_the_routers_replicas(cluster: Cluster, qapp) -> None:  # 
         win.close()
 
 
+def test_tokenize_and_detokenize_pass_through(cluster: Cluster) -> None:
+    body = {"messages": _chat("What is a hash table?")["messages"]}
+    via_router = httpx.post(cluster.router.url + "/tokenize", json=body, timeout=30)
+    direct = httpx.post(cluster.specs[0].url + "/tokenize", json=body, timeout=30)
+    assert via_router.status_code == direct.status_code == 200, via_router.text
+    assert via_router.json() == direct.json()
+    ids = direct.json()["tokens"]
+    back = httpx.post(cluster.router.url + "/detokenize", json={"tokens": ids}, timeout=30)
+    assert back.status_code == 200 and "hash table" in back.json()["prompt"]
+    bad = httpx.post(cluster.router.url + "/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 def test_killed_replica_fails_its_requests_and_rejoins(cluster: Cluster) -> None:
     url = cluster.router.url
     body = {"prompt": "Count slowly from one to one hundred:", "max_tokens": 400,
