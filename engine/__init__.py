@@ -1,4 +1,5 @@
-"""kvscope's engine. `from engine import LLM, SamplingParams` is the offline API.
+"""kvscope's engine. `from engine import LLM, SamplingParams, StructuredOutputsParams` is
+the offline API.
 
 Exports are lazy (module __getattr__) so that `import engine.events` never imports torch."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from engine.sampling import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from engine.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

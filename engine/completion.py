@@ -6,15 +6,21 @@ text is. Stops, first that applies: EOS (unless ignore_eos), a stop token id, a 
 string found in the incrementally detokenized text (trimmed from the text unless
 ``include_stop_str_in_output``), then ``budget`` tokens reached ("length"). Before
 ``params.min_tokens`` tokens no stop rule applies (vLLM's min_tokens), and
-``banned_token_ids`` tells the sampler to keep EOS and the stop token ids out.
+``banned_token_ids`` tells the sampler to keep EOS and the stop token ids out. With
+``params.structured_outputs`` a grammar matcher follows the tokens: ``allowed_mask`` is the
+next token's constraint, and the completion stops ("stop") once the grammar is complete,
+whatever min_tokens says (only EOS could follow).
 """
 
 from __future__ import annotations
+
+import torch
 
 from engine.model.detokenizer import IncrementalDetokenizer
 from engine.model.tokenizer import Tokenizer
 from engine.outputs import CompletionOutput
 from engine.sampling import SamplingParams
+from engine.structured import GrammarMatcher
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
@@ -44,6 +50,8 @@ class CompletionState:
         self.detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              params.skip_special_tokens)
                       if tokenizer is not None else None)
+        self.matcher = (GrammarMatcher(params.structured_outputs, tokenizer)
+                        if params.structured_outputs is not None else None)
         self.text = ""
         self.output = CompletionOutput(index=index, text="", token_ids=[],
                                        cumulative_logprob=0.0,
@@ -59,9 +67,15 @@ class CompletionState:
             return set()
         return self.eos_ids | self.stop_ids
 
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor | None:
+        """Bool [vocab_size] of the tokens the next sample may take; None: unconstrained."""
+        return self.matcher.allowed(vocab_size) if self.matcher is not None else None
+
     def add(self, token: int, logprob: float, top: dict[int, float] | None = None) -> bool:
         """Record a sampled token; returns True when it ended the completion."""
         out = self.output
+        if self.matcher is not None:
+            self.matcher.accept(token)  # first: a token it refuses records nothing
         out.token_ids.append(token)
         out.cumulative_logprob += logprob
         if out.logprobs is not None:
@@ -69,9 +83,7 @@ class CompletionState:
         if len(out.token_ids) < min(self.params.min_tokens, self.budget):  # no stop yet (vLLM)
             if self.detok is not None:
                 self.text += self.detok.add(token)
-            out.text = self.text
-            return False
-        if token in self.eos_ids:
+        elif token in self.eos_ids:
             out.finish_reason = "stop"
         elif token in self.stop_ids:
             # As vLLM: a stop token's text stays in the output unless it is a special token.
@@ -89,5 +101,7 @@ class CompletionState:
                     out.finish_reason, out.stop_reason = "stop", stop
             if out.finish_reason is None and len(out.token_ids) >= self.budget:
                 out.finish_reason = "length"
+        if out.finish_reason is None and self.matcher is not None and self.matcher.stopped:
+            out.finish_reason = "stop"  # the grammar is complete: only EOS could follow
         out.text = self.text
         return out.finish_reason is not None

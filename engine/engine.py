@@ -453,7 +453,7 @@ class LLMEngine:
         # Row by row, so that an exception one request causes (its parameters, its text)
         # fails that request only; each row draws from its own generator either way. Rows
         # that ban nothing are drawn in one batch first (``_draw_batched``); a row it did
-        # not draw (banned tokens, or the batch failed) samples alone here.
+        # not draw (banned tokens, a grammar, or the batch failed) samples alone here.
         drawn = self._draw_batched(rows, logits)
         for seq, row in rows:
             req = self.requests[seq.request_id]
@@ -468,7 +468,8 @@ class LLMEngine:
                     row_logits = logits[row:row + 1]
                     token, logprob = sample(row_logits, [seq.params],
                                             [req.generators[seq.seq_id]],
-                                            [state.banned_token_ids()])
+                                            [state.banned_token_ids()],
+                                            [state.allowed_mask(row_logits.shape[-1])])
                     top = top_logprobs(row_logits, [seq.params], token)[0]
                     tok = int(token[0])
                     done = state.add(tok, float(logprob[0]), top)
@@ -484,7 +485,8 @@ class LLMEngine:
 
     def _draw_batched(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor
                       ) -> dict[str, tuple[int, float, dict[int, float] | None]]:
-        """(token, logprob, top logprobs) per sequence id for the rows that ban nothing:
+        """(token, logprob, top logprobs) per sequence id for the rows that ban nothing and
+        follow no grammar:
         greedy ones by one argmax, tempered ones by one ``sample_batch`` (each row's own
         generator, the same draw as row by row), the top logprobs of those that asked by
         one ``top_logprobs_batch``: a few device reads a step, not a few per row. Empty
@@ -494,7 +496,8 @@ class LLMEngine:
         greedy, tempered = [], []
         for seq, row in rows:
             req = self.requests[seq.request_id]
-            if req.error is None and not req.completions[seq.seq_id].banned_token_ids():
+            state = req.completions[seq.seq_id]
+            if req.error is None and not state.banned_token_ids() and state.matcher is None:
                 (greedy if seq.params.greedy else tempered).append((seq, row))
         drawn: dict[str, tuple[int, float, dict[int, float] | None]] = {}
         try:

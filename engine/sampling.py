@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.structured import StructuredOutputsParams
+
 
 class RequestOutputKind(IntEnum):
     """Which steps return a request's output (vLLM's enum and values). CUMULATIVE: every
@@ -36,7 +38,8 @@ class SamplingParams:
     `prompt_logprobs` = k returns, per prompt token after the first, its logprob given the
     tokens before it plus the k most likely (vLLM's; the first prompt token's entry is None).
     `min_tokens`: EOS and stop token ids cannot be sampled, and no stop rule applies, before
-    that many tokens (vLLM's semantics)."""
+    that many tokens (vLLM's semantics). `structured_outputs`: the completion is constrained
+    to a grammar (engine.structured)."""
 
     n: int
     temperature: float
@@ -54,6 +57,7 @@ class SamplingParams:
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     output_kind: RequestOutputKind
+    structured_outputs: StructuredOutputsParams | None
 
     def __init__(self, **kwargs: Any) -> None:
         defaults: dict[str, Any] = {
@@ -61,7 +65,7 @@ class SamplingParams:
             "stop": None, "stop_token_ids": None, "max_tokens": 16, "ignore_eos": False,
             "logprobs": None, "prompt_logprobs": None, "min_tokens": 0,
             "skip_special_tokens": True, "include_stop_str_in_output": False,
-            "output_kind": RequestOutputKind.CUMULATIVE,
+            "output_kind": RequestOutputKind.CUMULATIVE, "structured_outputs": None,
         }
         unknown = sorted(set(kwargs) - set(defaults))
         if unknown:
@@ -114,6 +118,10 @@ class SamplingParams:
              set(RequestOutputKind), f"output_kind must be one of "
              f"{[k.name for k in RequestOutputKind]}, got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
+        need(self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be None or a StructuredOutputsParams, got "
+             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -163,11 +171,15 @@ def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
-           banned: list[set[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           banned: list[set[int]] | None = None,
+           allowed: list[torch.Tensor | None] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], one row per sequence to sample; params/generators per row.
     Returns (token_ids LongTensor [B], their logprobs FloatTensor [B] under the raw
     distribution, before temperature/filters, as vLLM reports them). ``banned`` (per row)
-    holds token ids that row may not sample (min_tokens); logprobs stay the raw ones.
+    holds token ids that row may not sample (min_tokens); ``allowed`` (per row, a bool [V]
+    or None) the only ones it may (a grammar's mask), and wins where the two leave nothing;
+    logprobs stay the raw ones.
 
     Greedy rows take the argmax (first index on ties, as HF). A non-greedy row needs a generator
     (its only source of randomness) and draws exactly one number from it per call."""
@@ -175,10 +187,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     chosen: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         row_logits = logits[row]
+        keep = allowed[row] if allowed is not None else None
+        if keep is not None:
+            keep = keep.to(logits.device)
         if banned is not None and banned[row]:
             ids = torch.tensor(sorted(t for t in banned[row] if t < logits.shape[-1]),
                                dtype=torch.long, device=logits.device)
-            row_logits = row_logits.index_fill(0, ids, float("-inf"))
+            unbanned = (torch.ones_like(row_logits, dtype=torch.bool) if keep is None
+                        else keep.clone()).index_fill(0, ids, False)
+            if keep is None or bool(unbanned.any()):
+                keep = unbanned
+        if keep is not None:
+            row_logits = row_logits.masked_fill(~keep, float("-inf"))
         if p.greedy:
             chosen.append(int(torch.argmax(row_logits)))
             continue

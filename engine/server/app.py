@@ -41,6 +41,7 @@ from engine.server.protocol import (
     check_max_tokens,
     parse,
 )
+from engine.structured import compile_grammar
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is there
 
@@ -138,6 +139,7 @@ def create_app(state: ServerState) -> FastAPI:
         req.check_limits(state.settings.max_logprobs, state.vocab_size)
         prompts = req.prompts()
         _check_n(state, req.n * len(prompts))
+        await _check_structured(state, req)
         tokenized = [_tokenize_completion(state, p) for p in prompts]
         # max_tokens 0 with echo scores the prompt only: generate one token and drop it
         # (vLLM does the same; that token comes with the prefill, at no extra step).
@@ -162,6 +164,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_n(state, req.n)
         text = _chat_prompt(state, req)
         ids = state.tokenizer.encode(text, add_special_tokens=False)
+        await _check_structured(state, req)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise bad_request("give max_tokens or max_completion_tokens, not both",
                               "max_completion_tokens")
@@ -305,6 +308,20 @@ def _tokenize_completion(state: ServerState, prompt: str | list[int]) -> tuple[s
     if any(t < 0 or t >= state.vocab_size for t in prompt):
         raise bad_request(f"'prompt' token ids must be in [0, {state.vocab_size})", "prompt")
     return None, list(prompt)
+
+
+async def _check_structured(state: ServerState, req: Any) -> None:
+    """An output constraint that does not compile against the model's tokenizer is a 400
+    (compiled off the event loop: a large schema can take a while)."""
+    constraint = req.structured()
+    if constraint is None:
+        return
+    try:
+        await asyncio.to_thread(compile_grammar, constraint, state.tokenizer)
+    except ValueError as e:
+        param = "structured_outputs" if req.structured_outputs is not None \
+            else "response_format"
+        raise bad_request(str(e), param) from None
 
 
 def _params(req: Any, max_tokens: int, logprobs: int | None,

@@ -3,12 +3,13 @@
 The compatibility policy (README "Compatibility"), field by field:
 - honoured: OpenAI's sampling fields and vLLM's extensions that clients send (top_k,
   min_p, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs,
-  stream_options.continuous_usage_stats, ...).
+  stream_options.continuous_usage_stats, ...), structured outputs (response_format's
+  json_object and json_schema, vLLM's structured_outputs: engine.structured).
 - accepted and ignored (``IGNORED``): fields that do not change what is generated
   (store, metadata, service_tier, user, reasoning_effort, parallel_tool_calls without
   tools, response_format of type "text").
 - refused with a 400 naming the field: what would change the output and is not
-  supported (penalties other than 0, logit_bias, tools, JSON mode, suffix, ...).
+  supported (penalties other than 0, logit_bias, tools, suffix, ...).
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
   fields known to be harmless are listed above instead.
@@ -24,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.server.errors import APIError, bad_request
+from engine.structured import StructuredOutputsParams
 
 
 class _Strict(BaseModel):
@@ -39,9 +41,28 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # OpenAI: padding against side channels; ignored
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # kvscope always holds the output to the schema
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` request field (one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 # Accepted and ignored: they do not change what is generated (README "Compatibility").
@@ -64,6 +85,7 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -106,10 +128,33 @@ class _Sampling(_Strict):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise bad_request(f"'{name}' (tool calling) is not supported by kvscope", name)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"'response_format' of type '{self.response_format.type}' "
-                              "(JSON mode) is not supported by kvscope; only 'text'",
-                              "response_format")
+        self.structured()  # a malformed constraint is a 400 here, before the tokenizer
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint: OpenAI's ``response_format`` (json_object, json_schema) or
+        vLLM's ``structured_outputs``; None for plain text. Whether it compiles against the
+        model's tokenizer is checked by the handler (``compile_grammar``)."""
+        fmt, vllm = self.response_format, self.structured_outputs
+        wants_format = fmt is not None and fmt.type != "text"
+        if wants_format and vllm is not None:
+            raise bad_request("give 'response_format' or 'structured_outputs', not both",
+                              "structured_outputs")
+        try:
+            if wants_format:
+                if fmt.type == "json_object":
+                    return StructuredOutputsParams(json_object=True)
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise bad_request("'response_format' of type 'json_schema' needs "
+                                      "json_schema.schema", "response_format")
+                return StructuredOutputsParams(json=fmt.json_schema.schema_)
+            if vllm is not None:
+                return StructuredOutputsParams(json=vllm.json_, regex=vllm.regex,
+                                               choice=vllm.choice, grammar=vllm.grammar,
+                                               json_object=bool(vllm.json_object))
+        except ValueError as e:
+            raise bad_request(str(e), "response_format" if wants_format
+                              else "structured_outputs") from None
+        return None
 
     def check_limits(self, max_logprobs: int, vocab_size: int) -> None:
         """Server and model limits of the sampling fields (each a 400 naming its field)."""
@@ -141,7 +186,8 @@ class _Sampling(_Strict):
                     "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
                     "skip_special_tokens": self.skip_special_tokens,
                     "include_stop_str_in_output": self.include_stop_str_in_output,
-                    "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+                    "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                    "structured_outputs": self.structured()}
         kw.update({k: v for k, v in optional.items() if v is not None})
         return kw
 

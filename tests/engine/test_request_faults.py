@@ -19,10 +19,10 @@ def test_one_request_failing_in_the_step_fails_only_it(make_engine, reference, m
                                                        tmp_path):
     real_sample = engine_module.sample
 
-    def sample(logits, params, generators, banned=None):
+    def sample(logits, params, generators, banned=None, allowed=None):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
-        return real_sample(logits, params, generators, banned)
+        return real_sample(logits, params, generators, banned, allowed)
 
     real_sample_batch = engine_module.sample_batch
 

@@ -36,9 +36,14 @@ def test_ignored_fields_do_not_change_the_output(daemon: Daemon):
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
-    (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    (CMPL, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs"),
+    (CMPL, {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    (CMPL, {"prompt": "x", "structured_outputs": {"choice": ["a"]},
+            "response_format": {"type": "json_object"}}, "structured_outputs"),
+    (CMPL, {"prompt": "x", "guided_json": {}}, "guided_json"),  # vLLM's old name: unknown
     (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, "tools"),
     (CHAT, {"messages": HI, "tool_choice": "auto"}, "tool_choice"),
     (CMPL, {"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
