@@ -453,7 +453,7 @@ class LLMEngine:
         # Row by row, so that an exception one request causes (its parameters, its text)
         # fails that request only; each row draws from its own generator either way. Rows
         # that ban nothing are drawn in one batch first (``_draw_batched``); a row it did
-        # not draw (banned tokens, a grammar, or the batch failed) samples alone here.
+        # not draw (banned tokens, or the batch failed) samples alone here.
         drawn = self._draw_batched(rows, logits)
         for seq, row in rows:
             req = self.requests[seq.request_id]
@@ -485,8 +485,8 @@ class LLMEngine:
 
     def _draw_batched(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor
                       ) -> dict[str, tuple[int, float, dict[int, float] | None]]:
-        """(token, logprob, top logprobs) per sequence id for the rows that ban nothing and
-        follow no grammar:
+        """(token, logprob, top logprobs) per sequence id for the rows that ban nothing (a
+        grammar's mask, which allows rather than bans, goes with the batch):
         greedy ones by one argmax, tempered ones by one ``sample_batch`` (each row's own
         generator, the same draw as row by row), the top logprobs of those that asked by
         one ``top_logprobs_batch``: a few device reads a step, not a few per row. Empty
@@ -496,8 +496,7 @@ class LLMEngine:
         greedy, tempered = [], []
         for seq, row in rows:
             req = self.requests[seq.request_id]
-            state = req.completions[seq.seq_id]
-            if req.error is None and not state.banned_token_ids() and state.matcher is None:
+            if req.error is None and not req.completions[seq.seq_id].banned_token_ids():
                 (greedy if seq.params.greedy else tempered).append((seq, row))
         drawn: dict[str, tuple[int, float, dict[int, float] | None]] = {}
         try:
@@ -505,12 +504,14 @@ class LLMEngine:
                 if not part:
                     continue
                 rows_logits = self._rows(logits, [row for _, row in part])
+                allowed = self._grammar_masks(part, rows_logits.shape[-1])
                 if part is greedy:
-                    ids, logprobs = greedy_batch(rows_logits)
+                    ids, logprobs = greedy_batch(rows_logits, allowed)
                 else:
                     ids, logprobs = sample_batch(
                         rows_logits, [s.params for s, _ in part],
-                        [self.requests[s.request_id].generators[s.seq_id] for s, _ in part])
+                        [self.requests[s.request_id].generators[s.seq_id] for s, _ in part],
+                        allowed)
                 drawn |= {s.seq_id: (t, lp, None) for (s, _), t, lp in
                           zip(part, ids, logprobs, strict=True)}
             asked = [(s, row) for s, row in greedy + tempered if s.params.logprobs is not None]
@@ -524,6 +525,17 @@ class LLMEngine:
             log.exception("batched sampling failed; sampling row by row")
             return {}
         return drawn
+
+    def _grammar_masks(self, part: list[tuple[Sequence, int]], vocab: int
+                       ) -> torch.Tensor | None:
+        """Bool [len(part), vocab]: each row's grammar mask (all True for a row without
+        one); None when no row follows a grammar."""
+        states = [self.requests[s.request_id].completions[s.seq_id] for s, _ in part]
+        if all(st.matcher is None for st in states):
+            return None
+        everything = torch.ones(vocab, dtype=torch.bool)
+        return torch.stack([everything if st.matcher is None else st.allowed_mask(vocab)
+                            for st in states])
 
     @staticmethod
     def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -210,31 +210,42 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return token_ids, _raw_logprobs(logits, token_ids)
 
 
-def greedy_batch(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+def greedy_batch(logits: torch.Tensor, allowed: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[float]]:
     """Every row's greedy token and its raw logprob, in a few batched ops: what ``sample``
     returns for a greedy row with nothing banned (same argmax, same logprob formula), for
-    the engine's common case without a per-row loop of small ops."""
+    the engine's common case without a per-row loop of small ops. ``allowed`` (bool [R, V]),
+    the rows' grammar masks, as ``sample``'s."""
     logits = logits.float()
-    return _read_chosen(logits, logits.argmax(dim=-1))
+    return _read_chosen(logits, _masked(logits, allowed).argmax(dim=-1))
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+                 generators: list[torch.Generator], allowed: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[float]]:
     """``sample`` for every row at once, for rows that sample with a temperature and ban
     nothing: the same draw from each row's generator, so the same tokens and logprobs, but
     one softmax, one search and one device read for the whole batch instead of a handful
     of small ops and a sync per row. Rows with top-k/top-p/min-p are filtered one by one
-    first (``_filter_logits``)."""
+    first (``_filter_logits``). ``allowed`` as in ``greedy_batch``."""
     if any(gen is None for gen in generators):
         raise ValueError("a non-greedy request needs a torch.Generator")
     logits = logits.float()
+    base = _masked(logits, allowed)
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                device=logits.device)
-    scaled = logits / temperature[:, None]
+    scaled = base / temperature[:, None]
     for i, p in enumerate(params):
         if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
-            scaled[i] = _filter_logits(logits[i], p)
+            scaled[i] = _filter_logits(base[i], p)
     return _read_chosen(logits, _inverse_cdf(torch.softmax(scaled, dim=-1), _draw(generators)))
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` with every token outside ``allowed`` at -inf (``logits`` itself if None)."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _read_chosen(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[list[int], list[float]]:

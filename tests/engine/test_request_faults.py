@@ -26,11 +26,11 @@ def test_one_request_failing_in_the_step_fails_only_it(make_engine, reference, m
 
     real_sample_batch = engine_module.sample_batch
 
-    def sample_batch(logits, params, generators):
+    def sample_batch(logits, params, generators, allowed=None):
         # the batch fails with the poisoned row in it; the engine then samples row by row
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
-        return real_sample_batch(logits, params, generators)
+        return real_sample_batch(logits, params, generators, allowed)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     monkeypatch.setattr(engine_module, "sample_batch", sample_batch)

@@ -155,6 +155,34 @@ def test_sample_batch_is_what_sample_returns_row_by_row(vocab):
         assert logprobs == [float(lp[0]) for _, lp in expected]
 
 
+def test_batched_draws_with_grammar_masks_are_what_sample_returns_row_by_row():
+    """Rows that follow a grammar go through the batched draws with their masks: the same
+    tokens and raw logprobs as ``sample(..., allowed=...)`` row by row, each filter
+    applied to the masked row, and never a token outside the mask."""
+    logits = _logits(rows=8, vocab=300, seed=3)
+    g = torch.Generator().manual_seed(4)
+    allowed = torch.rand(8, 300, generator=g) < 0.1
+    allowed[0] = True  # an unconstrained row in the same batch
+    ids, logprobs = greedy_batch(logits, allowed)
+    for row in range(8):
+        want_id, want_lp = sample(logits[row:row + 1], [SamplingParams(temperature=0.0)],
+                                  [None], allowed=[allowed[row]])
+        assert (ids[row], logprobs[row]) == (int(want_id[0]), float(want_lp[0]))
+        assert allowed[row, ids[row]]
+    kinds = [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
+             dict(temperature=0.5, top_p=0.9), dict(temperature=1.0, min_p=0.05)]
+    params = [SamplingParams(seed=i, **kinds[i % 4]) for i in range(8)]
+    one_by_one = [make_generator(i, 0, "cpu") for i in range(8)]
+    batched = [make_generator(i, 0, "cpu") for i in range(8)]
+    for _ in range(3):
+        expected = [sample(logits[i:i + 1], [p], [gen], allowed=[allowed[i]]) for i, (p, gen)
+                    in enumerate(zip(params, one_by_one, strict=True))]
+        ids, logprobs = sample_batch(logits, params, batched, allowed)
+        assert ids == [int(t[0]) for t, _ in expected]
+        assert logprobs == [float(lp[0]) for _, lp in expected]
+        assert all(allowed[row, t] for row, t in enumerate(ids))
+
+
 def test_inverse_cdf_never_picks_a_token_of_probability_zero():
     """At the ends of [0, 1) and around zero-probability tokens (first, middle, last):
     u = 0 takes the first possible token, the largest u below 1 the last possible one."""

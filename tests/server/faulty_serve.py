@@ -28,11 +28,11 @@ def _inject() -> None:
             raise RuntimeError("injected per-request fault")
         return real_sample(logits, params, generators, banned, allowed)
 
-    def sample_batch(logits, params, generators):  # noqa: ANN001, ANN202
+    def sample_batch(logits, params, generators, allowed=None):  # noqa: ANN001, ANN202
         # the batch fails with the poisoned row in it; the engine then samples row by row
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
-        return real_sample_batch(logits, params, generators)
+        return real_sample_batch(logits, params, generators, allowed)
 
     def execute_keeping(self, batch, rows):  # noqa: ANN001, ANN202
         if bool((batch.input_ids == KILLER_TOKEN).any()):
