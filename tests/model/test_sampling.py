@@ -137,14 +137,17 @@ def test_greedy_batch_is_what_sample_returns_for_greedy_rows():
     assert ids[2] == 7
 
 
+# temperature alone, then with each filter
+FILTERS = [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
+           dict(temperature=0.5, top_p=0.9), dict(temperature=1.0, min_p=0.05)]
+
+
 @pytest.mark.parametrize("vocab", [50, 49152])
 def test_sample_batch_is_what_sample_returns_row_by_row(vocab):
     """Same draws from each row's generator, so the same tokens and logprobs, bit for bit,
     over several steps, with temperature alone and with each filter."""
     logits = _logits(rows=16, vocab=vocab, seed=1)
-    kinds = [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
-             dict(temperature=0.5, top_p=0.9), dict(temperature=1.0, min_p=0.05)]
-    params = [SamplingParams(seed=i, **kinds[i % 4]) for i in range(16)]
+    params = [SamplingParams(seed=i, **FILTERS[i % 4]) for i in range(16)]
     one_by_one = [make_generator(i, 0, "cpu") for i in range(16)]
     batched = [make_generator(i, 0, "cpu") for i in range(16)]
     for _ in range(3):
@@ -169,9 +172,7 @@ def test_batched_draws_with_grammar_masks_are_what_sample_returns_row_by_row():
                                   [None], allowed=[allowed[row]])
         assert (ids[row], logprobs[row]) == (int(want_id[0]), float(want_lp[0]))
         assert allowed[row, ids[row]]
-    kinds = [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
-             dict(temperature=0.5, top_p=0.9), dict(temperature=1.0, min_p=0.05)]
-    params = [SamplingParams(seed=i, **kinds[i % 4]) for i in range(8)]
+    params = [SamplingParams(seed=i, **FILTERS[i % 4]) for i in range(8)]
     one_by_one = [make_generator(i, 0, "cpu") for i in range(8)]
     batched = [make_generator(i, 0, "cpu") for i in range(8)]
     for _ in range(3):

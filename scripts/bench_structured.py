@@ -1,0 +1,68 @@
+"""What structured outputs cost (engine.structured): the grammar mask per token, and the
+decode step of a batch whose rows all follow a JSON schema against the same batch
+unconstrained, on the embedded model (SmolLM2, CPU), side by side in one process,
+alternating rounds, best round. Prints the numbers; nothing is asserted.
+
+    .venv/bin/python scripts/bench_structured.py [--rows 4,32] [--rounds 3] [--tokens 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"type": "string"}}}}
+PROMPT = "Describe a person as JSON with a name, an age and tags:\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="4,32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=40)
+    args = ap.parse_args()
+
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from engine.structured import GrammarMatcher, StructuredOutputsParams
+
+    llm = LLM("smollm2")
+    tok = llm.tokenizer
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    t0 = time.perf_counter()
+    matcher = GrammarMatcher(constraint, tok)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    GrammarMatcher(constraint, tok)
+    again = time.perf_counter() - t0
+    masks = []
+    for token in tok.encode('{"name": "Alice Smith", "age": 42, "tags": ["a", "bb", "ccc"]}',
+                            add_special_tokens=False):
+        t0 = time.perf_counter()
+        matcher.allowed(llm.model_config.vocab_size)
+        masks.append(time.perf_counter() - t0)
+        matcher.accept(token)
+    print(f"matcher: first {first * 1e3:.0f} ms (builds the tokenizer's index), then "
+          f"{again * 1e3:.1f} ms; mask per token: median {statistics.median(masks) * 1e6:.0f} "
+          f"us, max {max(masks) * 1e6:.0f} us over {len(masks)} tokens")
+    for rows in (int(r) for r in args.rows.split(",")):
+        best = {"unconstrained": float("inf"), "json schema": float("inf")}
+        for _ in range(args.rounds):
+            for label in best:
+                params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True,
+                                        structured_outputs=constraint
+                                        if label == "json schema" else None)
+                t0 = time.perf_counter()
+                outs = llm.generate([PROMPT] * rows, params, use_tqdm=False)
+                steps = max(len(o.outputs[0].token_ids) for o in outs)
+                best[label] = min(best[label], (time.perf_counter() - t0) / steps)
+        base = best["unconstrained"]
+        print(f"{rows} rows: " + ", ".join(f"{k} {v * 1e3:.2f} ms/step" for k, v in best.items())
+              + f" ({(best['json schema'] / base - 1) * 100:+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
