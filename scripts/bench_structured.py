@@ -42,7 +42,7 @@ def main() -> None:
     for token in tok.encode('{"name": "Alice Smith", "age": 42, "tags": ["a", "bb", "ccc"]}',
                             add_special_tokens=False):
         t0 = time.perf_counter()
-        matcher.allowed(llm.model_config.vocab_size)
+        matcher.allowed(llm.config.vocab_size)
         masks.append(time.perf_counter() - t0)
         matcher.accept(token)
     print(f"matcher: first {first * 1e3:.0f} ms (builds the tokenizer's index), then "
