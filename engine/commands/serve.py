@@ -1,6 +1,6 @@
 """`kvscope serve`: the headless daemon with an OpenAI-compatible HTTP API.
 
-    kvscope serve [--model smollm2] [--host 127.0.0.1] [--port 8000]
+    kvscope serve [MODEL | --model smollm2] [--host 127.0.0.1] [--port 8000]
                   [--events tcp://127.0.0.1:5557] [--record run.kvtrace] [engine flags]
                   [--kv-events-config '{"enable_kv_cache_events": true, ...}']  (vLLM's)
                   [--metrics-prefix kvscope|vllm]
@@ -17,9 +17,13 @@ import os
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the engine as an OpenAI-compatible HTTP daemon")
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2', a .gguf file, an HF dir or dummy:<preset> (random weights: "
-                        "dummy:smollm2-135m, dummy:llama-3-8b; token-id prompts only)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, given as vLLM's `vllm serve MODEL` takes it (same as "
+                        "--model)")
+    p.add_argument("--model", default=None,
+                   help="'smollm2' (the default), a .gguf file, an HF dir or dummy:<preset> "
+                        "(random weights: dummy:smollm2-135m, dummy:llama-3-8b; token-id "
+                        "prompts only)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1",
@@ -107,6 +111,15 @@ ENGINE_FLAGS = ("model", "load_format", "device", "dtype", "seed", "block_size",
                 "max_prefill_tokens_with_decodes", "enforce_eager")
 
 
+def model_of(args: argparse.Namespace) -> str:
+    """The model to serve: the positional MODEL (vLLM's form) or --model, not two different
+    ones; smollm2 when neither is given."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given ({args.model_tag!r} and --model {args.model!r}); "
+                         "give one")
+    return args.model_tag or args.model or "smollm2"
+
+
 def _run(args: argparse.Namespace) -> int:
     import sys
 
@@ -114,6 +127,11 @@ def _run(args: argparse.Namespace) -> int:
     from engine.server.app import ServerSettings
     from engine.server.daemon import run_daemon
 
+    try:
+        args.model = model_of(args)
+    except ValueError as e:
+        print(f"kvscope serve: {e}", file=sys.stderr)
+        return 2
     try:
         config = EngineConfig.from_kwargs(
             **{k: getattr(args, k) for k in ENGINE_FLAGS},

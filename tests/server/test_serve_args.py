@@ -1,0 +1,34 @@
+"""`kvscope serve MODEL` (vLLM's positional form) means `--model MODEL`; two different
+models are refused before anything loads; data-parallel replicas get --model, never the
+positional."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cli import build_parser, main
+from engine.commands.serve import model_of
+from engine.router.data_parallel import replica_argv
+
+
+@pytest.mark.parametrize(("argv", "model"), [(["serve"], "smollm2"),
+                                             (["serve", "dummy:tiny"], "dummy:tiny"),
+                                             (["serve", "--model", "dummy:tiny"], "dummy:tiny"),
+                                             (["serve", "x", "--model", "x"], "x")])
+def test_the_model_comes_from_either_form(argv, model):
+    assert model_of(build_parser().parse_args(argv)) == model
+
+
+def test_two_different_models_are_refused(capsys):
+    assert main(["serve", "dummy:tiny", "--model", "smollm2"]) == 2
+    assert "two models" in capsys.readouterr().err
+
+
+def test_replicas_get_the_model_as_a_flag():
+    args = build_parser().parse_args(["serve", "dummy:tiny", "--data-parallel-size", "2",
+                                      "--max-num-seqs", "4"])
+    args.model = model_of(args)
+    argv = replica_argv(args)
+    assert "--model-tag" not in argv and argv[argv.index("--model") + 1] == "dummy:tiny"
+    again = build_parser().parse_args(argv[3:])  # after "python -m engine.cli"
+    assert model_of(again) == "dummy:tiny" and again.max_num_seqs == 4
