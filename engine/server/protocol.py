@@ -373,6 +373,11 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+# vLLM's removed guided-decoding fields: refused like any unknown field, saying where they went
+_RENAMED = {f"guided_{k}": f"vLLM's old name; send \"structured_outputs\": {{\"{k}\": ...}}"
+            for k in ("json", "regex", "choice", "grammar")}
+
+
 # appended to a message to be continued, to find where its content ends once rendered
 _CONTINUE_MARK = "KVSCOPE_CONTINUE_FINAL_MESSAGE "
 
@@ -388,8 +393,9 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         loc = [str(p) for p in err["loc"] if isinstance(p, (str, int))]
         param = loc[0] if loc else None
         if err["type"] == "extra_forbidden":
-            raise bad_request(f"unrecognized request argument '{'.'.join(loc)}'",
-                              param) from None
+            hint = _RENAMED.get(".".join(loc))
+            raise bad_request(f"unrecognized request argument '{'.'.join(loc)}'"
+                              + (f" ({hint})" if hint else ""), param) from None
         if err["type"] == "missing":
             raise bad_request(f"missing required argument '{'.'.join(loc)}'", param) from None
         raise bad_request(f"invalid '{param}': {err['msg']}"

@@ -56,6 +56,8 @@ def test_what_would_change_the_output_is_refused(daemon: Daemon, path, body, par
     r = _post(daemon, path, body | {"max_tokens": 1})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    if param == "guided_json":
+        assert '"structured_outputs": {"json"' in r.json()["error"]["message"]
 
 
 def test_assistant_prefill_and_no_op_tools(daemon: Daemon):
