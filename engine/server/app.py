@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.outputs import RequestOutput
 from engine.sampling import RequestOutputKind, SamplingParams
 from engine.server import openai_format as fmt
+from engine.server import tools
 from engine.server.delivery import StepDelivery
 from engine.server.engine_loop import Aborted, EngineLoop, EngineUnavailable
 from engine.server.errors import APIError, bad_request, unavailable
@@ -319,8 +320,9 @@ async def _check_structured(state: ServerState, req: Any) -> None:
     try:
         await asyncio.to_thread(compile_grammar, constraint, state.tokenizer)
     except ValueError as e:
-        param = "structured_outputs" if req.structured_outputs is not None \
-            else "response_format"
+        param = ("tools" if req.tool_choice_made is not None
+                 else "structured_outputs" if req.structured_outputs is not None
+                 else "response_format")
         raise bad_request(str(e), param) from None
 
 
@@ -512,7 +514,7 @@ def _chat_body(state: ServerState, job: _Job, req: ChatCompletionRequest,
                outs: list[RequestOutput]) -> dict[str, Any]:
     text_of = fmt.TokenText(state.tokenizer)
     choices = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
+        "index": c.index, "message": _chat_message(req, c.text),
         "logprobs": (fmt.chat_logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0, text_of)
                      if req.logprobs else None),
         "finish_reason": c.finish_reason} for out in outs for c in out.outputs]
@@ -521,19 +523,38 @@ def _chat_body(state: ServerState, job: _Job, req: ChatCompletionRequest,
             "usage": fmt.usage(outs)}
 
 
+def _chat_message(req: ChatCompletionRequest, text: str) -> dict[str, Any]:
+    """The answer as a chat message: its tool calls when the request made the model call
+    one (content null, as OpenAI), else the text (also a tool call cut short)."""
+    choice = req.tool_choice_made
+    calls = tools.tool_calls(text, choice) if choice is not None else None
+    if calls is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
 def _stream_chat(state: ServerState, request: Request, job: _Job,
                  req: ChatCompletionRequest) -> AsyncIterator[str]:
     text_of = fmt.TokenText(state.tokenizer)
     created = int(time.time())
     model = state.settings.served_model_name
     started: set[int] = set()
+    named = req.tool_choice_made  # a named function streams its arguments ("required": 400)
 
     def chunk(choice: int, c: Any, text: str, t0: int, t1: int, done: bool) -> dict:
         delta: dict[str, Any] = {}
-        if choice not in started:  # OpenAI's first delta carries the role
+        first = choice not in started
+        if first:  # OpenAI's first delta carries the role
             started.add(choice)
             delta["role"] = "assistant"
-        if text or not done:
+        if named is not None:
+            # the call's id, type and name come first, then its arguments piece by piece
+            piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if first:
+                piece = {**tools.call(named["name"], text), "index": 0}
+            if text or first:
+                delta["tool_calls"] = [piece]
+        elif text or not done:
             delta["content"] = text
         lp = (fmt.chat_logprobs(c, t0, t1, req.top_logprobs or 0, text_of)
               if req.logprobs else None)

@@ -4,12 +4,13 @@ The compatibility policy (README "Compatibility"), field by field:
 - honoured: OpenAI's sampling fields and vLLM's extensions that clients send (top_k,
   min_p, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs,
   stream_options.continuous_usage_stats, ...), structured outputs (response_format's
-  json_object and json_schema, vLLM's structured_outputs: engine.structured).
+  json_object and json_schema, vLLM's structured_outputs: engine.structured), function
+  calling with tool_choice "required" or a named function (engine.server.tools).
 - accepted and ignored (``IGNORED``): fields that do not change what is generated
-  (store, metadata, service_tier, user, reasoning_effort, parallel_tool_calls without
-  tools, response_format of type "text").
+  (store, metadata, service_tier, user, reasoning_effort, parallel_tool_calls unless
+  tool_choice is "required", response_format of type "text").
 - refused with a 400 naming the field: what would change the output and is not
-  supported (penalties other than 0, logit_bias, tools, suffix, ...).
+  supported (penalties other than 0, logit_bias, tool_choice "auto", suffix, ...).
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
   fields known to be harmless are listed above instead.
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.server import tools
 from engine.server.errors import APIError, bad_request
 from engine.structured import StructuredOutputsParams
 
@@ -53,6 +55,29 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(_Strict):
+    """OpenAI's ``tools[].function``."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # kvscope always holds the arguments to the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StructuredOutputs(_Strict):
@@ -86,8 +111,8 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     # accepted and ignored (IGNORED)
@@ -122,13 +147,26 @@ class _Sampling(_Strict):
                               "repetition_penalty")
         if self.logit_bias:
             raise bad_request("'logit_bias' is not supported by kvscope", "logit_bias")
-        for name in ("tools", "functions"):
-            if getattr(self, name):  # an empty list offers nothing to call: a no-op
-                raise bad_request(f"'{name}' (tool calling) is not supported by kvscope", name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise bad_request(f"'{name}' (tool calling) is not supported by kvscope", name)
+        if self.functions:  # OpenAI's deprecated form; an empty list offers nothing
+            raise bad_request("'functions' is not supported by kvscope; use 'tools'",
+                              "functions")
+        if self.function_call not in (None, "none"):
+            raise bad_request("'function_call' is not supported by kvscope; use "
+                              "'tool_choice'", "function_call")
+        self.check_tools()
         self.structured()  # a malformed constraint is a 400 here, before the tokenizer
+
+    def check_tools(self) -> None:
+        """Completions call no tools: only an empty list, or tool_choice "none"."""
+        if self.tools:
+            raise bad_request("'tools' needs /v1/chat/completions", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+
+    @property
+    def tool_choice_made(self) -> str | dict[str, Any] | None:
+        """"required" or {"name": f} when the answer is a tool call, else None."""
+        return None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The output constraint: OpenAI's ``response_format`` (json_object, json_schema) or
@@ -136,6 +174,16 @@ class _Sampling(_Strict):
         model's tokenizer is checked by the handler (``compile_grammar``)."""
         fmt, vllm = self.response_format, self.structured_outputs
         wants_format = fmt is not None and fmt.type != "text"
+        choice = self.tool_choice_made
+        if choice is not None:
+            if wants_format or vllm is not None:
+                raise bad_request("a tool call's arguments follow the tool's schema: give "
+                                  "'tool_choice' or an output format, not both", "tool_choice")
+            try:
+                return tools.constraint([t.function.model_dump() for t in self.tools], choice,
+                                        parallel=self.parallel_tool_calls is not False)
+            except ValueError as e:
+                raise bad_request(str(e), "tools") from None
         if wants_format and vllm is not None:
             raise bad_request("give 'response_format' or 'structured_outputs', not both",
                               "structured_outputs")
@@ -272,6 +320,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -304,10 +354,22 @@ class ChatPrompt(_Strict):
             raise bad_request("'continue_final_message' needs a final message with text",
                               "continue_final_message")
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for the system role.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                       "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(tools.template_message(message))
+        return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools shown to the model through the chat template (None: no tools)."""
+        return None
 
     def prompt_text(self, tokenizer: Any) -> str:
         """The conversation through the model's chat template, as the engine's prompt.
@@ -319,7 +381,9 @@ class ChatPrompt(_Strict):
         conv = self.conversation()
         if self.continue_final_message:
             conv[-1]["content"] += _CONTINUE_MARK
-        text = tokenizer.apply_chat_template(conv, add_generation_prompt=self.add_generation_prompt)
+        shown = self.template_tools()
+        text = tokenizer.apply_chat_template(conv, add_generation_prompt=self.add_generation_prompt,
+                                             **({"tools": shown} if shown else {}))
         if not self.continue_final_message:
             return text
         at = text.rfind(_CONTINUE_MARK.rstrip())
@@ -338,6 +402,40 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
 
     def logprob_counts(self) -> dict[str, int | None]:
         return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    def check_tools(self) -> None:
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+            return
+        if choice is None or choice == "auto":
+            raise bad_request("tool_choice 'auto' (the model decides whether to call) needs a "
+                              "tool-call parser for the model's family, which kvscope does not "
+                              "have; send tool_choice 'required', a named function or 'none'",
+                              "tool_choice")
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise bad_request("two tools share a name", "tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in "
+                              "'tools'", "tool_choice")
+        if choice == "required" and self.stream:
+            raise bad_request("streaming with tool_choice 'required' is not supported by "
+                              "kvscope (a named function streams)", "tool_choice")
+
+    @property
+    def tool_choice_made(self) -> str | dict[str, Any] | None:
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return {"name": self.tool_choice.function.name}
+        return "required"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if self.tool_choice_made is None:
+            return None  # tool_choice "none": the model is not told about them
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def unsupported(self) -> None:
         _Sampling.unsupported(self)

@@ -126,3 +126,24 @@ def test_a_bad_constraint_is_a_value_error_at_add(make_engine, loaded):
     with pytest.raises(ValueError, match="structured outputs"):
         eng.add_request("bad", as_prompt(loaded, ASK), bad)
     assert not eng.has_unfinished_requests()
+
+
+def test_parallel_tool_calls_false_allows_exactly_one_call(loaded):
+    """tool_choice "required" (engine.server.tools): an array of calls; with
+    parallel_tool_calls false the grammar refuses a second call."""
+    from engine.server.tools import constraint
+    from engine.structured import GrammarMatcher
+
+    tok = loaded[1]
+    fns = [{"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}]
+    two = '[{"name": "f", "parameters": {"x": 1}}, {"name": "f", "parameters": {"x": 2}}]'
+    for parallel, accepted in ((True, True), (False, False)):
+        m = GrammarMatcher(constraint(fns, "required", parallel=parallel), tok)
+        try:
+            for t in tok.encode(two, add_special_tokens=False):
+                m.accept(t)
+            ok = True
+        except ValueError:
+            ok = False
+        assert ok is accepted

@@ -73,3 +73,27 @@ def test_text_parts_and_an_empty_tools_list_are_accepted():
     assert req.conversation() == [{"role": "user", "content": "ab"}]
     with pytest.raises(APIError):
         _req(messages=CONV[:1], tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+class ToolsTemplate:
+    """Shows what a tool-aware template receives."""
+
+    def apply_chat_template(self, conv: list[dict], add_generation_prompt: bool,
+                            tools: list | None = None) -> str:
+        shown = ",".join(t["function"]["name"] for t in tools or [])
+        calls = [c["function"]["arguments"] for m in conv for c in m.get("tool_calls") or []]
+        return f"tools[{shown}] calls{calls} " + " | ".join(str(m["content"]) for m in conv)
+
+
+def test_the_template_sees_tools_only_when_a_call_is_asked_for():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    earlier = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    named = {"type": "function", "function": {"name": "f"}}
+    text = _req(messages=earlier, tools=[tool], tool_choice=named).prompt_text(ToolsTemplate())
+    assert text.startswith("tools[f] calls[{'x': 1}]")  # arguments parsed, as templates expect
+    none = _req(messages=earlier, tools=[tool], tool_choice="none").prompt_text(ToolsTemplate())
+    assert none.startswith("tools[] ")

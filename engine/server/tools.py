@@ -1,0 +1,82 @@
+"""Function calling that works with any model: OpenAI's ``tool_choice`` "required" or a named
+function, by holding the answer to the tools' parameter schemas (structured outputs, as vLLM
+does it) and returning it as ``tool_calls``.
+
+- named (``{"type": "function", "function": {"name": f}}``): the answer is f's arguments, a
+  JSON value of f's ``parameters`` schema;
+- "required": the answer is a JSON array of one or more ``{"name": ..., "parameters": ...}``
+  objects, each naming one of the tools with arguments of its schema;
+- "none": the tools are not shown to the model; a plain answer.
+"auto" (the model decides whether to call) needs a parser of each model family's own
+tool-call syntax; kvscope has none, so it is refused with a clear 400.
+
+Only plain data crosses this module's edge (the request models live in protocol.py).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from engine.structured import StructuredOutputsParams
+
+ANY_OBJECT = {"type": "object"}  # a function declared without parameters
+
+
+def constraint(tools: list[dict[str, Any]], choice: str | dict[str, Any],
+               parallel: bool = True) -> StructuredOutputsParams:
+    """The output constraint of ``choice`` ("required" or a named function) over ``tools``
+    (OpenAI's ``function`` objects: name, description, parameters); without ``parallel``
+    (OpenAI's ``parallel_tool_calls: false``) "required" makes exactly one call."""
+    if choice == "required":
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "parameters"],
+                  "properties": {"name": {"const": t["name"]},
+                                 "parameters": t.get("parameters") or ANY_OBJECT}}
+                 for t in tools]
+        return StructuredOutputsParams(json={"type": "array", "minItems": 1,
+                                             **({} if parallel else {"maxItems": 1}),
+                                             "items": {"anyOf": calls}})
+    tool = next(t for t in tools if t["name"] == choice["name"])
+    return StructuredOutputsParams(json=tool.get("parameters") or ANY_OBJECT)
+
+
+def tool_calls(text: str, choice: str | dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The answer's ``tool_calls`` (OpenAI's shape, arguments as JSON text); None when the
+    text is not a complete call (the answer was cut short): it is then returned as content."""
+    if choice == "required":
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return None
+        return [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                for c in calls]
+    try:
+        json.loads(text)
+    except ValueError:
+        return None
+    return [call(choice["name"], text)]
+
+
+def call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A conversation message as chat templates expect it: an assistant's earlier
+    ``tool_calls`` with their JSON-text arguments parsed (templates iterate over them)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass  # left as text; the template gets what the client sent
+        parsed.append({**c, "function": fn})
+    return {**message, "tool_calls": parsed}
