@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one constraint (vLLM's names): ``json`` (a JSON schema, as a dict or its
-    text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
-    or ``grammar`` (Lark syntax, llguidance's dialect)."""
+    text; an object that lists its properties admits no others unless it says so:
+    ``closed_objects``), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
+    these strings) or ``grammar`` (Lark syntax, llguidance's dialect)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -70,7 +71,7 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict):
                 raise ValueError("structured outputs: a JSON schema must be an object")
             try:
-                return LLMatcher.grammar_from_json_schema(schema)
+                return LLMatcher.grammar_from_json_schema(closed_objects(schema))
             except ValueError as e:
                 raise ValueError(f"structured outputs: {e}") from None
         if self.regex is not None:
@@ -79,6 +80,22 @@ class StructuredOutputsParams:
             return LLMatcher.grammar_from_regex("|".join(_regex_literal(c)
                                                          for c in self.choice))
         return LLMatcher.grammar_from_lark(self.grammar or "")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and says nothing about others: what vLLM's default backend (xgrammar's
+    strict mode) and OpenAI's strict schemas do. Pydantic's schemas leave it out, and a
+    model held to a schema that allows any extra key tends to keep adding keys."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _regex_literal(text: str) -> str:

@@ -147,3 +147,36 @@ def test_parallel_tool_calls_false_allows_exactly_one_call(loaded):
         except ValueError:
             ok = False
         assert ok is accepted
+
+
+def test_objects_admit_only_their_listed_properties_unless_they_say_otherwise(loaded):
+    """As vLLM's default backend (xgrammar's strict mode) and OpenAI's strict schemas: a
+    pydantic-style schema without additionalProperties gets no extra keys (a small model
+    held to an open object keeps adding keys until max_tokens); one that allows them,
+    nested or not, keeps them."""
+    from engine.structured import GrammarMatcher
+
+    tok = loaded[1]
+    inner = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    pydantic_like = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array", "items": inner}}}
+    texts = {"extra key": '{"a": 1, "zz": 2}', "nested extra": '{"a": 1, "b": [{"n": 1, "m": 2}]}',
+             "listed only": '{"a": 1, "b": [{"n": 1}]}'}
+
+    def accepts(schema: dict, text: str) -> bool:
+        m = GrammarMatcher(StructuredOutputsParams(json=schema), tok)
+        try:
+            for t in tok.encode(text, add_special_tokens=False):
+                m.accept(t)
+        except ValueError:
+            return False
+        return True
+
+    assert not accepts(pydantic_like, texts["extra key"])
+    assert not accepts(pydantic_like, texts["nested extra"])
+    assert accepts(pydantic_like, texts["listed only"])
+    open_ = {**pydantic_like, "additionalProperties": True,
+             "properties": {**pydantic_like["properties"],
+                            "b": {"type": "array", "items": {**inner,
+                                                             "additionalProperties": True}}}}
+    assert accepts(open_, texts["extra key"]) and accepts(open_, texts["nested extra"])
