@@ -71,7 +71,8 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict):
                 raise ValueError("structured outputs: a JSON schema must be an object")
             try:
-                return LLMatcher.grammar_from_json_schema(closed_objects(schema))
+                return LLMatcher.grammar_from_json_schema(closed_objects(schema),
+                                                          defaults=JSON_LAYOUT)
             except ValueError as e:
                 raise ValueError(f"structured outputs: {e}") from None
         if self.regex is not None:
@@ -80,6 +81,14 @@ class StructuredOutputsParams:
             return LLMatcher.grammar_from_regex("|".join(_regex_literal(c)
                                                          for c in self.choice))
         return LLMatcher.grammar_from_lark(self.grammar or "")
+
+
+# JSON comes out compact, `{"a": 1, "b": [2, 3]}` (xgrammar's layout without any_whitespace),
+# not with free whitespace: held to a grammar that allows any whitespace between tokens,
+# SmolLM2 at temperature 1 filled max_tokens with blank lines in half of its answers (4/8
+# complete within 80 tokens, 8/8 compact: scripts/bench_structured.py, docs/BENCHMARKS.md).
+# A schema's own "x-guidance" options still override this.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def closed_objects(schema: Any) -> Any:

@@ -32,6 +32,7 @@ def _params(constraint: StructuredOutputsParams, **kw: object) -> SamplingParams
 
 def _fits_person(text: str) -> None:
     obj = json.loads(text)
+    assert text == json.dumps(obj, ensure_ascii=False), text  # compact: JSON_LAYOUT
     assert set(obj) == {"name", "age"} and isinstance(obj["name"], str)
     assert len(obj["name"]) <= 12 and isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
 
@@ -67,7 +68,7 @@ def test_paged_engine_equals_plain_generation_under_a_grammar(make_engine, loade
     ids = prompt_ids(tok, ASK, cfg.vocab_size)
     want = [[generate_reference(model, tok, ids, p, index=i).token_ids for i in range(p.n)]
             for p in params]
-    eng = make_engine(block_size=4, num_gpu_blocks=16, watermark=0.0)
+    eng = make_engine(block_size=4, num_gpu_blocks=10, watermark=0.0)
     for i, p in enumerate(params):
         eng.add_request(str(i), {"prompt_token_ids": ids}, p)
     out = run_all(eng)
