@@ -26,7 +26,9 @@ DRAIN_S = 6
 @pytest.fixture(scope="module")
 def lifecycle(tmp_path_factory) -> Iterator[Daemon]:
     record = Path(tmp_path_factory.mktemp("rec")) / "run.kvtrace"
-    d = start_daemon("--num-gpu-blocks", "64", "--max-model-len", "512",
+    # room for a 4,000-token answer: the drain test's long request must not be able to
+    # finish inside the drain window however fast decoding gets (470 tokens once did)
+    d = start_daemon("--num-gpu-blocks", "300", "--max-model-len", "4500",
                      "--events", "tcp://127.0.0.1:*", "--drain-timeout", str(DRAIN_S),
                      record=record)
     yield d
@@ -66,7 +68,7 @@ def test_sigterm_drains_and_recording_is_complete(lifecycle: Daemon) -> None:
     # short one could finish between two polls once decode got faster), short enough to
     # finish inside the drain window.
     short = threading.Thread(target=run, args=("short", _stream_body("Say hi.", 16)))
-    long = threading.Thread(target=run, args=("long", _stream_body("Write an essay.", 470)))
+    long = threading.Thread(target=run, args=("long", _stream_body("Write an essay.", 4000)))
     long.start()
     short.start()
     end = time.monotonic() + 120
