@@ -539,7 +539,9 @@ def _stream_chat(state: ServerState, request: Request, job: _Job,
     created = int(time.time())
     model = state.settings.served_model_name
     started: set[int] = set()
-    named = req.tool_choice_made  # a named function streams its arguments ("required": 400)
+    made = req.tool_choice_made
+    named = made if isinstance(made, dict) else None  # streams its arguments piece by piece
+    required: dict[int, tools.RequiredCallStream] = {}  # "required": each call once closed
 
     def chunk(choice: int, c: Any, text: str, t0: int, t1: int, done: bool) -> dict:
         delta: dict[str, Any] = {}
@@ -547,7 +549,14 @@ def _stream_chat(state: ServerState, request: Request, job: _Job,
         if first:  # OpenAI's first delta carries the role
             started.add(choice)
             delta["role"] = "assistant"
-        if named is not None:
+        if made == "required":
+            calls = required.setdefault(choice, tools.RequiredCallStream())
+            closed = calls.feed(text)
+            if closed:
+                delta["tool_calls"] = closed
+            elif done and calls.count == 0:
+                delta["content"] = calls.text  # cut short before any call closed
+        elif named is not None:
             # the call's id, type and name come first, then its arguments piece by piece
             piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if first:

@@ -420,9 +420,6 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in "
                               "'tools'", "tool_choice")
-        if choice == "required" and self.stream:
-            raise bad_request("streaming with tool_choice 'required' is not supported by "
-                              "kvscope (a named function streams)", "tool_choice")
 
     @property
     def tool_choice_made(self) -> str | dict[str, Any] | None:

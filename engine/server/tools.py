@@ -7,6 +7,8 @@ does it) and returning it as ``tool_calls``.
 - "required": the answer is a JSON array of one or more ``{"name": ..., "parameters": ...}``
   objects, each naming one of the tools with arguments of its schema;
 - "none": the tools are not shown to the model; a plain answer.
+Streamed, a named function's arguments go out piece by piece, and "required" sends each call
+whole once its object closes (``RequiredCallStream``).
 "auto" (the model decides whether to call) needs a parser of each model family's own
 tool-call syntax; kvscope has none, so it is refused with a clear 400.
 
@@ -80,3 +82,34 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
                 pass  # left as text; the template gets what the client sent
         parsed.append({**c, "function": fn})
     return {**message, "tool_calls": parsed}
+
+
+class RequiredCallStream:
+    """One streamed choice of a "required" answer: each call goes out as one
+    ``tool_calls`` delta (id, name and whole arguments) as soon as its object is complete;
+    ``text`` is everything received, for an answer cut short before any call closed."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0  # where the next call object may start
+        self.count = 0
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        out = []
+        while True:
+            i = self.pos
+            while i < len(self.text) and self.text[i] in "[, \n\r\t":
+                i += 1
+            if i >= len(self.text) or self.text[i] != "{":
+                return out
+            try:
+                obj, end = self._decoder.raw_decode(self.text, i)
+            except ValueError:  # not closed yet
+                return out
+            out.append({**call(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False)),
+                        "index": self.count})
+            self.count += 1
+            self.pos = end
+

@@ -97,3 +97,21 @@ def test_the_template_sees_tools_only_when_a_call_is_asked_for():
     assert text.startswith("tools[f] calls[{'x': 1}]")  # arguments parsed, as templates expect
     none = _req(messages=earlier, tools=[tool], tool_choice="none").prompt_text(ToolsTemplate())
     assert none.startswith("tools[] ")
+
+
+def test_required_calls_stream_whole_once_each_closes():
+    from engine.server.tools import RequiredCallStream
+
+    text = '[{"name": "f", "parameters": {"s": "a}b", "n": [1, {"x": 2}]}}, {"name": "g", ' \
+           '"parameters": {}}]'
+    stream, seen = RequiredCallStream(), []
+    for i, ch in enumerate(text):
+        for call in stream.feed(ch):
+            seen.append((i, call["index"], call["function"]["name"],
+                         call["function"]["arguments"]))
+    first_close = text.index("}}") + 1
+    assert seen == [(first_close, 0, "f", '{"s": "a}b", "n": [1, {"x": 2}]}'),
+                    (len(text) - 2, 1, "g", "{}")]
+    cut = RequiredCallStream()
+    assert cut.feed('[{"name": "f", "param') == [] and cut.count == 0
+    assert cut.text == '[{"name": "f", "param'

@@ -1,7 +1,7 @@
 """Function calling through the official openai client: a named function or "required"
-holds the answer to the tools' schemas and returns it as tool_calls (streamed for a named
-function); "auto" and malformed tool requests are 400s naming the field; a conversation
-that carries earlier tool calls and tool results is accepted."""
+holds the answer to the tools' schemas and returns it as tool_calls, streamed or not; "auto"
+and malformed tool requests are 400s naming the field; a conversation that carries earlier
+tool calls and tool results is accepted."""
 
 from __future__ import annotations
 
@@ -88,6 +88,19 @@ def test_a_named_function_streams_its_arguments(client):
     _fits("add", arguments)
 
 
+def test_required_streams_each_call_once_it_closes(client):
+    kw = dict(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+              max_tokens=120, temperature=0.8, seed=5)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    streamed: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            assert tc.index not in streamed  # each call whole, once
+            streamed[tc.index] = {"name": tc.function.name, "arguments": tc.function.arguments}
+    assert [streamed[i] for i in range(len(streamed))] == \
+        [{"name": c.function.name, "arguments": c.function.arguments} for c in whole]
+
+
 def test_a_conversation_with_earlier_calls_and_results(client):
     turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
         "id": "call1", "type": "function", "function": {
@@ -104,7 +117,6 @@ def test_a_conversation_with_earlier_calls_and_results(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
