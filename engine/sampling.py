@@ -187,16 +187,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     chosen: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         row_logits = logits[row]
-        keep = allowed[row] if allowed is not None else None
-        if keep is not None:
-            keep = keep.to(logits.device)
+        keep = allowed[row].to(logits.device) if allowed is not None and \
+            allowed[row] is not None else None
         if banned is not None and banned[row]:
             ids = torch.tensor(sorted(t for t in banned[row] if t < logits.shape[-1]),
                                dtype=torch.long, device=logits.device)
-            unbanned = (torch.ones_like(row_logits, dtype=torch.bool) if keep is None
-                        else keep.clone()).index_fill(0, ids, False)
-            if keep is None or bool(unbanned.any()):
-                keep = unbanned
+            if keep is None:
+                row_logits = row_logits.index_fill(0, ids, float("-inf"))
+            else:
+                unbanned = keep.index_fill(0, ids, False)
+                if bool(unbanned.any()):  # else the grammar's mask alone: it wins
+                    keep = unbanned
         if keep is not None:
             row_logits = row_logits.masked_fill(~keep, float("-inf"))
         if p.greedy:

@@ -144,8 +144,12 @@ class GrammarMatcher:
     def __init__(self, params: StructuredOutputsParams, tokenizer: Any) -> None:
         from llguidance import LLMatcher
 
-        grammar = compile_grammar(params, tokenizer)
-        self._m = LLMatcher(_ll_tokenizer(tokenizer), grammar, log_level=0)
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer (a dummy model "
+                             "has none)")
+        # built straight from the grammar: an invalid one puts the matcher in its error
+        # state (checked below), so no separate validation pass (compile_grammar's) is paid
+        self._m = LLMatcher(_ll_tokenizer(tokenizer), params.grammar_text(), log_level=0)
         self._error()
 
     def _error(self) -> None:

@@ -184,8 +184,7 @@ async def _forward_simple(router: Router, request: Request, method: str, path: s
     """A request any replica answers alike (the model list, tokenizing): to one in rotation."""
     body = await _read_body(request)
     if body is None:
-        return _error(413, f"request body is larger than {MAX_BODY_BYTES} bytes",
-                      "request_too_large", "invalid_request_error")
+        return _too_large()
     d = router.choose(None)
     if d is None:
         return _error(503, "no replica is available", "no_replica", "service_unavailable")
@@ -209,6 +208,11 @@ async def _read_body(request: Request) -> bytes | None:
     return b"".join(chunks)
 
 
+def _too_large() -> JSONResponse:
+    return _error(413, f"request body is larger than {MAX_BODY_BYTES} bytes",
+                  "request_too_large", "invalid_request_error")
+
+
 def _wants_stream(body: bytes) -> bool:
     try:
         return json.loads(body).get("stream") is True
@@ -219,8 +223,7 @@ def _wants_stream(body: bytes) -> bool:
 async def _proxy(router: Router, request: Request, path: str) -> Response:
     body = await _read_body(request)
     if body is None:
-        return _error(413, f"request body is larger than {MAX_BODY_BYTES} bytes",
-                      "request_too_large", "invalid_request_error")
+        return _too_large()
     token_ids = prompt_token_ids(router.tokenizer, path, body)
     stream = _wants_stream(body)
     tried: Replica | None = None
