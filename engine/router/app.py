@@ -120,12 +120,13 @@ class Router:
         return self.policy.choose(pool, token_ids)
 
     def note_usage(self, replica: Replica, predicted: int, usage: Any) -> None:
+        """One answer's usage: chat's and completions' names, or the Responses API's."""
         if not isinstance(usage, dict):
             return
-        details = usage.get("prompt_tokens_details") or {}
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
         c = replica.counters
         c.reported += 1
-        c.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+        c.prompt_tokens += int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
         c.actual_cached_tokens += int(details.get("cached_tokens") or 0)
         c.predicted_reported += predicted
 
@@ -172,6 +173,10 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await _proxy(router, request, "/v1/chat/completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _proxy(router, request, "/v1/responses")
 
     return app
 
@@ -331,6 +336,15 @@ def _replica_failed(router: Router, r: Replica, e: Exception) -> JSONResponse:
                   f"{type(e).__name__}: {e}", "replica_failed")
 
 
+def _final_usage(event: dict[str, Any]) -> Any:
+    """A stream's closing usage, or None: chat's and completions' usage chunk (no choices:
+    with vLLM's continuous_usage_stats every chunk carries the usage so far, and only this
+    one is final) or the Responses API's completed/incomplete event."""
+    if event.get("type") in ("response.completed", "response.incomplete"):
+        return event["response"].get("usage")
+    return event.get("usage") if event.get("choices") == [] else None
+
+
 async def _relay(router: Router, d: Decision, resp: httpx.Response, first: bytes,
                  rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Pass the replica's SSE stream through (``first``, already read, then ``rest``); read
@@ -351,9 +365,9 @@ async def _relay(router: Router, d: Decision, resp: httpx.Response, first: bytes
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 if line.startswith(b"data: {") and b'"usage"' in line:
-                    with contextlib.suppress(ValueError, AttributeError):
+                    with contextlib.suppress(ValueError, AttributeError, TypeError):
                         router.note_usage(r, d.predicted_cached_tokens,
-                                          json.loads(line[6:]).get("usage"))
+                                          _final_usage(json.loads(line[6:])))
     except httpx.HTTPError as e:
         _lost(r, e)
         yield _sse_error(f"replica {r.name} ({r.url}) failed during the request after "

@@ -33,10 +33,12 @@ def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: bytes) -> lis
     if tokenizer is None:
         return None
     try:
-        if path.endswith("/chat/completions"):
+        if path.endswith(("/chat/completions", "/responses")):
             from engine.server.protocol import ChatCompletionRequest, parse
+            from engine.server.responses_protocol import ResponsesRequest
 
-            req = parse(ChatCompletionRequest, body)
+            req = (parse(ChatCompletionRequest, body) if path.endswith("/chat/completions")
+                   else parse(ResponsesRequest, body).chat_request())
             text = req.prompt_text(tokenizer)
             return tokenizer.encode(text, add_special_tokens=False)
         prompt: Any = json.loads(body).get("prompt")

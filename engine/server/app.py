@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.outputs import RequestOutput
 from engine.sampling import RequestOutputKind, SamplingParams
 from engine.server import openai_format as fmt
+from engine.server import responses_format as rfmt
 from engine.server import tools
 from engine.server.delivery import StepDelivery
 from engine.server.engine_loop import Aborted, EngineLoop, EngineUnavailable
@@ -42,6 +43,7 @@ from engine.server.protocol import (
     check_max_tokens,
     parse,
 )
+from engine.server.responses_protocol import ResponsesRequest, responses_names
 from engine.structured import compile_grammar
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is there
@@ -92,8 +94,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvscope", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.kv = state
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
-                          DetokenizeRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest,
+                          TokenizeCompletionRequest, DetokenizeRequest])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -161,25 +163,28 @@ def create_app(state: ServerState) -> FastAPI:
         req: ChatCompletionRequest = parse(ChatCompletionRequest,
                                            await _read_body(state, request))
         _check_model(state, req.model)
-        req.check_limits(state.settings.max_logprobs, state.vocab_size)
-        _check_n(state, req.n)
-        text = _chat_prompt(state, req)
-        ids = state.tokenizer.encode(text, add_special_tokens=False)
-        await _check_structured(state, req)
-        if req.max_tokens is not None and req.max_completion_tokens is not None:
-            raise bad_request("give max_tokens or max_completion_tokens, not both",
-                              "max_completion_tokens")
-        budget = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
-        top = req.top_logprobs or 0
-        params = _params(req, check_max_tokens(budget, len(ids), state.max_model_len, param,
-                                               "messages"),
-                         top if req.logprobs else None)
-        job = await _submit(state, "chatcmpl", [(text, ids)], [params])
+        job = await _submit_chat(state, req)
         if req.stream:
             return _sse(_stream_chat(state, request, job, req), state, job)
         outs = await _collect(state, request, job)
         return JSONResponse(_chat_body(state, job, req, outs))
+
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless: the request runs as the chat completion it
+        translates to (responses_protocol.py) and is answered as a Response object or its
+        event stream (responses_format.py)."""
+        _admit(state, request)
+        rreq: ResponsesRequest = parse(ResponsesRequest, await _read_body(state, request))
+        _check_model(state, rreq.model)
+        with responses_names():
+            req = rreq.chat_request()
+            job = await _submit_chat(state, req)
+        shape = rfmt.ResponseShape(rreq.echo(), state.settings.served_model_name)
+        if req.stream:
+            return _sse(_stream_response(state, job, req, shape), state, job)
+        outs = await _collect(state, request, job)
+        return JSONResponse(_response_body(state, req, shape, outs))
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeCompletionRequest))
     async def tokenize(request: Request) -> JSONResponse:
@@ -326,6 +331,25 @@ async def _check_structured(state: ServerState, req: Any) -> None:
         raise bad_request(str(e), param) from None
 
 
+async def _submit_chat(state: ServerState, req: ChatCompletionRequest) -> _Job:
+    """Check a chat request against the server and model, render its prompt, submit it."""
+    req.check_limits(state.settings.max_logprobs, state.vocab_size)
+    _check_n(state, req.n)
+    text = _chat_prompt(state, req)
+    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    await _check_structured(state, req)
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise bad_request("give max_tokens or max_completion_tokens, not both",
+                          "max_completion_tokens")
+    budget = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+    param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+    top = req.top_logprobs or 0
+    params = _params(req, check_max_tokens(budget, len(ids), state.max_model_len, param,
+                                           "messages"),
+                     top if req.logprobs else None)
+    return await _submit(state, "chatcmpl", [(text, ids)], [params])
+
+
 def _params(req: Any, max_tokens: int, logprobs: int | None,
             prompt_logprobs: int | None = None) -> SamplingParams:
     # A response that is not streamed is built from each request's last output only: ask
@@ -417,30 +441,36 @@ def _data(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+async def _deltas(job: _Job, stops: list[str]) -> AsyncIterator[tuple[int, Any, str, int,
+                                                                     int, bool]]:
+    """Each choice's new text as it comes: (choice, output, text, first token, end token,
+    finished); an aborted request raises its APIError."""
+    tracker = fmt.DeltaTracker(stops)
+    while not job.finished:
+        out = _take(job, await job.queue.get())
+        k = job.rids.index(out.request_id)
+        for c in out.outputs:
+            choice = k * job.n + c.index
+            d = tracker.delta(choice, c)
+            if d is not None:
+                yield (choice, c, *d)
+
+
 async def _stream(state: ServerState, job: _Job, stops: list[str],
                   make_chunk: Any, include_usage: bool, usage_chunk: Any,
                   continuous_usage: bool = False) -> AsyncIterator[str]:
-    """Shared SSE loop: deltas per choice, optional usage chunk, [DONE]. Leaving early
-    (the client disconnected: Starlette cancels us) aborts what is left. With vLLM's
-    ``continuous_usage`` every chunk also carries the usage so far."""
-    tracker = fmt.DeltaTracker(stops)
+    """Shared SSE loop of completions and chat: deltas per choice, optional usage chunk,
+    [DONE]. Leaving early (the client disconnected: Starlette cancels us) aborts what is
+    left. With vLLM's ``continuous_usage`` every chunk also carries the usage so far."""
     try:
-        while not job.finished:
-            item = await job.queue.get()
-            try:
-                out = _take(job, item)
-            except APIError as e:
-                yield _data(e.body())
-                break
-            k = job.rids.index(out.request_id)
-            for c in out.outputs:
-                choice = k * job.n + c.index
-                d = tracker.delta(choice, c)
-                if d is not None:
-                    body = make_chunk(choice, c, *d)
-                    if continuous_usage:
-                        body["usage"] = fmt.usage(list(job.last.values()))
-                    yield _data(body)
+        try:
+            async for choice, c, text, t0, t1, done in _deltas(job, stops):
+                body = make_chunk(choice, c, text, t0, t1, done)
+                if continuous_usage:
+                    body["usage"] = fmt.usage(list(job.last.values()))
+                yield _data(body)
+        except APIError as e:
+            yield _data(e.body())
         else:
             if include_usage:
                 yield _data(usage_chunk(fmt.usage([job.last[r] for r in job.rids])))
@@ -579,3 +609,42 @@ def _stream_chat(state: ServerState, request: Request, job: _Job,
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return _stream(state, job, stops, chunk, req.include_usage, usage_chunk,
                    req.continuous_usage)
+
+
+# ---------------------------------------------------------------- responses
+def _response_body(state: ServerState, req: ChatCompletionRequest, shape: rfmt.ResponseShape,
+                   outs: list[RequestOutput]) -> dict[str, Any]:
+    c = outs[0].outputs[0]
+    lps = (fmt.chat_logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0,
+                             fmt.TokenText(state.tokenizer))["content"]
+           if req.logprobs else None)
+    status = rfmt.status_of(c.finish_reason)
+    return shape.body(status, rfmt.output_items(c.text, req.tool_choice_made, status, lps),
+                      usage=rfmt.usage(outs))
+
+
+async def _stream_response(state: ServerState, job: _Job, req: ChatCompletionRequest,
+                           shape: rfmt.ResponseShape) -> AsyncIterator[str]:
+    """The Responses API's event stream (responses_format.ResponseEvents); no [DONE]."""
+    events = rfmt.ResponseEvents(shape, req.tool_choice_made)
+    text_of = fmt.TokenText(state.tokenizer)
+    try:
+        for e in events.start():
+            yield e
+        last = None
+        try:
+            async for _choice, c, text, t0, t1, _done in _deltas(job, []):
+                lps = (fmt.chat_logprobs(c, t0, t1, req.top_logprobs or 0, text_of)["content"]
+                       if req.logprobs else None)
+                for e in events.feed(text, lps):
+                    yield e
+                last = c
+        except APIError as err:
+            for e in events.fail(err):
+                yield e
+            return
+        for e in events.finish(last.finish_reason if last else None,
+                               rfmt.usage([job.last[r] for r in job.rids])):
+            yield e
+    finally:
+        _abort_rest(state, job)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from engine.server import tools
 from engine.server.errors import APIError, bad_request
@@ -134,6 +134,8 @@ class _Sampling(_Strict):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
+    # the Responses API's max_tool_calls (responses_protocol.py); chat has no such field
+    _max_tool_calls: int | None = PrivateAttr(default=None)
 
     def unsupported(self) -> None:
         """Refuse values the engine cannot honour rather than ignore them."""
@@ -180,8 +182,9 @@ class _Sampling(_Strict):
                 raise bad_request("a tool call's arguments follow the tool's schema: give "
                                   "'tool_choice' or an output format, not both", "tool_choice")
             try:
+                most = 1 if self.parallel_tool_calls is False else self._max_tool_calls
                 return tools.constraint([t.function.model_dump() for t in self.tools], choice,
-                                        parallel=self.parallel_tool_calls is not False)
+                                        max_calls=most)
             except ValueError as e:
                 raise bad_request(str(e), "tools") from None
         if wants_format and vllm is not None:
@@ -482,22 +485,26 @@ def parse(model: type[_Strict], body: bytes) -> Any:
     try:
         req = model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        if err["type"] == "json_invalid":
-            raise bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json") from None
-        loc = [str(p) for p in err["loc"] if isinstance(p, (str, int))]
-        param = loc[0] if loc else None
-        if err["type"] == "extra_forbidden":
-            hint = _RENAMED.get(".".join(loc))
-            raise bad_request(f"unrecognized request argument '{'.'.join(loc)}'"
-                              + (f" ({hint})" if hint else ""), param) from None
-        if err["type"] == "missing":
-            raise bad_request(f"missing required argument '{'.'.join(loc)}'", param) from None
-        raise bad_request(f"invalid '{param}': {err['msg']}"
-                          + (f" (at {'.'.join(loc)})" if len(loc) > 1 else ""),
-                          param) from None
+        raise refusal(e) from None
     req.unsupported()
     return req
+
+
+def refusal(e: ValidationError) -> APIError:
+    """A validation error as the 400 that names its field."""
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json")
+    loc = [str(p) for p in err["loc"] if isinstance(p, (str, int))]
+    param = loc[0] if loc else None
+    if err["type"] == "extra_forbidden":
+        hint = _RENAMED.get(".".join(loc))
+        return bad_request(f"unrecognized request argument '{'.'.join(loc)}'"
+                           + (f" ({hint})" if hint else ""), param)
+    if err["type"] == "missing":
+        return bad_request(f"missing required argument '{'.'.join(loc)}'", param)
+    return bad_request(f"invalid '{param}': {err['msg']}"
+                       + (f" (at {'.'.join(loc)})" if len(loc) > 1 else ""), param)
 
 
 def check_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int,

@@ -27,18 +27,18 @@ ANY_OBJECT = {"type": "object"}  # a function declared without parameters
 
 
 def constraint(tools: list[dict[str, Any]], choice: str | dict[str, Any],
-               parallel: bool = True) -> StructuredOutputsParams:
+               max_calls: int | None = None) -> StructuredOutputsParams:
     """The output constraint of ``choice`` ("required" or a named function) over ``tools``
-    (OpenAI's ``function`` objects: name, description, parameters); without ``parallel``
-    (OpenAI's ``parallel_tool_calls: false``) "required" makes exactly one call."""
+    (OpenAI's ``function`` objects: name, description, parameters); "required" makes at
+    most ``max_calls`` calls (1 for OpenAI's ``parallel_tool_calls: false``)."""
     if choice == "required":
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "parameters"],
                   "properties": {"name": {"const": t["name"]},
                                  "parameters": t.get("parameters") or ANY_OBJECT}}
                  for t in tools]
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1,
-                                             **({} if parallel else {"maxItems": 1}),
+        most = {} if max_calls is None else {"maxItems": max_calls}
+        return StructuredOutputsParams(json={"type": "array", "minItems": 1, **most,
                                              "items": {"anyOf": calls}})
     tool = next(t for t in tools if t["name"] == choice["name"])
     return StructuredOutputsParams(json=tool.get("parameters") or ANY_OBJECT)

@@ -34,17 +34,18 @@ def _strict(obj: BaseModel) -> None:
             if choice.get("finish_reason", "") is None:
                 choice["finish_reason"] = "length"
     type(obj).model_validate(data, strict=True)
+    _known_fields(obj)
 
-    def walk(m: object) -> None:
-        if isinstance(m, BaseModel):
-            assert not m.model_extra, f"{type(m).__name__} has unknown fields {m.model_extra}"
-            for name in type(m).model_fields:
-                walk(getattr(m, name))
-        elif isinstance(m, list):
-            for x in m:
-                walk(x)
 
-    walk(obj)
+def _known_fields(m: object) -> None:
+    """No field the client's models do not know, anywhere in ``m``."""
+    if isinstance(m, BaseModel):
+        assert not m.model_extra, f"{type(m).__name__} has unknown fields {m.model_extra}"
+        for name in type(m).model_fields:
+            _known_fields(getattr(m, name))
+    elif isinstance(m, list):
+        for x in m:
+            _known_fields(x)
 
 
 def test_streaming_chat_with_common_fields(client: openai.OpenAI):
@@ -88,3 +89,29 @@ def test_streaming_completion_and_echo_logprobs(client: openai.OpenAI):
     lp = scored.choices[0].logprobs
     assert scored.choices[0].text == "The capital of France is"
     assert lp.token_logprobs[0] is None and all(x < 0 for x in lp.token_logprobs[1:])
+
+
+def test_responses_api_streamed_and_not(client: openai.OpenAI):
+    """/v1/responses (the API the openai-agents SDK and Codex speak): every event is a type
+    the client knows with no unknown field, and the streamed text equals the unstreamed.
+    (Not strict-validated: this client's usage model requires OpenAI's newer
+    ``cache_write_tokens``, which kvscope does not count.)"""
+    kw = dict(model=MODEL_NAME, input="Name a colour.", max_output_tokens=12, temperature=0,
+              store=False, metadata={"suite": "kvscope"}, user="tester",
+              service_tier="auto", prompt_cache_key="k", safety_identifier="s")
+    whole = client.responses.create(**kw)
+    _known_fields(whole)
+    events = list(client.responses.create(stream=True, **kw))
+    for ev in events:
+        _known_fields(ev)
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.status == whole.status
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == whole.output_text
+    tool = {"type": "function", "name": "pick", "parameters": {
+        "type": "object", "properties": {"colour": {"type": "string", "maxLength": 10}},
+        "required": ["colour"]}}
+    called = client.responses.create(model=MODEL_NAME, input="Pick a colour.", tools=[tool],
+                                     tool_choice="required", max_output_tokens=40,
+                                     temperature=0)
+    assert called.output[0].type == "function_call" and called.output[0].name == "pick"

@@ -129,9 +129,9 @@ def test_a_bad_constraint_is_a_value_error_at_add(make_engine, loaded):
     assert not eng.has_unfinished_requests()
 
 
-def test_parallel_tool_calls_false_allows_exactly_one_call(loaded):
-    """tool_choice "required" (engine.server.tools): an array of calls; with
-    parallel_tool_calls false the grammar refuses a second call."""
+def test_max_calls_bounds_a_required_answer(loaded):
+    """tool_choice "required" (engine.server.tools): an array of calls; at most max_calls
+    of them (1 for parallel_tool_calls false, the Responses API's max_tool_calls)."""
     from engine.server.tools import constraint
     from engine.structured import GrammarMatcher
 
@@ -139,8 +139,8 @@ def test_parallel_tool_calls_false_allows_exactly_one_call(loaded):
     fns = [{"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}]
     two = '[{"name": "f", "parameters": {"x": 1}}, {"name": "f", "parameters": {"x": 2}}]'
-    for parallel, accepted in ((True, True), (False, False)):
-        m = GrammarMatcher(constraint(fns, "required", parallel=parallel), tok)
+    for most, accepted in ((None, True), (1, False), (2, True)):
+        m = GrammarMatcher(constraint(fns, "required", max_calls=most), tok)
         try:
             for t in tok.encode(two, add_special_tokens=False):
                 m.accept(t)

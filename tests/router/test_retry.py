@@ -95,14 +95,15 @@ def _fleet(*behaviours: Behaviour) -> tuple[Router, list[int]]:
     return router, hits
 
 
-def _post(router: Router, body: dict) -> tuple[httpx.Response, bytes]:
+def _post(router: Router, body: dict, path: str = "/v1/completions"
+          ) -> tuple[httpx.Response, bytes]:
     async def go() -> tuple[httpx.Response, bytes]:
         await router.start()
         try:
             client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router)),
                                        base_url="http://router")
             async with client:
-                r = await client.post("/v1/completions", json=body)
+                r = await client.post(path, json=body)
                 return r, r.content
         finally:
             await router.close()
@@ -267,3 +268,35 @@ def test_a_client_that_leaves_releases_its_replica(stream: bool, headers_first: 
 
     asyncio.run(go())
     assert closed and router.replicas[0].in_flight == 0
+
+
+def _streams(*objs: object) -> Behaviour:
+    def answer(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=_Stream(_sse(*objs), False),
+                              headers={"content-type": "text/event-stream"})
+    return answer
+
+
+def test_a_streams_usage_is_counted_once():
+    """With vLLM's continuous_usage_stats (guidellm sends it) every chunk carries the usage
+    so far: only the closing usage chunk counts. The Responses API's usage comes in its
+    response.completed event."""
+    so_far = {"prompt_tokens": 3, "completion_tokens": 1,
+              "prompt_tokens_details": {"cached_tokens": 2}}
+    router, _ = _fleet(_streams(
+        {"choices": [{"index": 0, "text": "o"}], "usage": so_far},
+        {"choices": [{"index": 0, "text": "k"}], "usage": {**so_far, "completion_tokens": 2}},
+        {"choices": [], "usage": {**so_far, "completion_tokens": 2}}))
+    r, _ = _post(router, {**BODY, "stream": True})
+    c = router.replicas[0].counters
+    assert r.status_code == 200 and (c.reported, c.prompt_tokens, c.actual_cached_tokens) == (
+        1, 3, 2)
+    usage = {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 4},
+             "output_tokens": 1, "total_tokens": 6}
+    router, _ = _fleet(_streams(
+        {"type": "response.created", "response": {"usage": None}},
+        {"type": "response.completed", "response": {"usage": usage}}))
+    r, _ = _post(router, {"input": "Hello", "stream": True}, "/v1/responses")
+    c = router.replicas[0].counters
+    assert r.status_code == 200 and (c.reported, c.prompt_tokens, c.actual_cached_tokens) == (
+        1, 5, 4)

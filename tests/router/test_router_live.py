@@ -55,6 +55,15 @@ def test_prefix_routing_predicts_the_replicas_cache(cluster: Cluster) -> None:
     # the prediction from the event stream is exactly what the replica then served
     assert values["kvscope:router_predicted_cached_tokens_total"] == \
         values["kvscope:router_actual_cached_tokens_total"]
+    # a Responses API request with the same instructions goes home too, as predicted
+    resp = httpx.post(url + "/v1/responses", timeout=120, json={
+        "instructions": SYSTEM, "input": "What is a queue?", "max_output_tokens": 4,
+        "temperature": 0.0})
+    assert resp.status_code == 200 and resp.headers["x-kvscope-replica"] == home, resp.text
+    assert resp.json()["usage"]["input_tokens_details"]["cached_tokens"] >= 32
+    values = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+    assert values["kvscope:router_predicted_cached_tokens_total"] == \
+        values["kvscope:router_actual_cached_tokens_total"]
     # the API is the replicas' own: errors pass through unchanged
     bad = httpx.post(url + "/v1/chat/completions", json={"messages": [], "max_tokens": 1},
                      timeout=30)
