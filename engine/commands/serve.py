@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.server.tool_parsers import PARSERS as TOOL_PARSERS  # json only: no server stack
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the engine as an OpenAI-compatible HTTP daemon")
@@ -51,6 +53,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask "
                         "for (vLLM's name and default); more is a 400")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="let tool_choice 'auto' through (OpenAI's default once tools are "
+                        "given): the model decides whether to call, and --tool-call-parser "
+                        "reads its calls (vLLM's flags)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model family's tool-call syntax: hermes (Qwen2/2.5, Hermes: "
+                        "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.1+: "
+                        '{"name": ..., "parameters": ...})')
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
     d = p.add_argument_group("data parallel (kvscope route in front of N replicas)")
@@ -145,6 +156,10 @@ def _run(args: argparse.Namespace) -> int:
         print("kvscope serve: --max-n and --max-body-bytes must be >= 1, "
               "--drain-timeout and --max-logprobs >= 0", file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("kvscope serve: --enable-auto-tool-choice needs --tool-call-parser (hermes or "
+              "llama3_json: the model family's tool-call syntax)", file=sys.stderr)
+        return 2
     if args.data_parallel_size != 1:
         if args.data_parallel_size < 1:
             print("kvscope serve: --data-parallel-size must be >= 1", file=sys.stderr)
@@ -156,5 +171,7 @@ def _run(args: argparse.Namespace) -> int:
                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               max_n=args.max_n, drain_timeout_s=args.drain_timeout,
                               metrics_prefix=args.metrics_prefix,
-                              max_logprobs=args.max_logprobs)
+                              max_logprobs=args.max_logprobs,
+                              tool_parser=args.tool_call_parser
+                              if args.enable_auto_tool_choice else None)
     return run_daemon(config, settings, args.host, args.port, args.log_level)

@@ -44,6 +44,7 @@ from engine.server.protocol import (
     parse,
 )
 from engine.server.responses_protocol import ResponsesRequest, responses_names
+from engine.server.tool_parsers import PARSERS, AutoToolStream
 from engine.structured import compile_grammar
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is there
@@ -58,6 +59,9 @@ class ServerSettings:
     max_logprobs: int = 20  # logprobs / top_logprobs / prompt_logprobs (vLLM's default)
     drain_timeout_s: float = 30.0
     metrics_prefix: str = "kvscope"  # or "vllm": vLLM's metric names (server/metrics.py)
+    # tool_choice "auto": the parser of the model family's tool-call syntax (tool_parsers;
+    # vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None refuses "auto"
+    tool_parser: str | None = None
 
 
 @dataclass
@@ -333,6 +337,12 @@ async def _check_structured(state: ServerState, req: Any) -> None:
 
 async def _submit_chat(state: ServerState, req: ChatCompletionRequest) -> _Job:
     """Check a chat request against the server and model, render its prompt, submit it."""
+    if req.auto_tools and state.settings.tool_parser is None:
+        raise bad_request("tool_choice 'auto' (the model decides whether to call; OpenAI's "
+                          "default once tools are given) needs a server started with "
+                          "--enable-auto-tool-choice --tool-call-parser NAME (vLLM's flags; "
+                          "hermes or llama3_json, the model family's syntax); or send "
+                          "tool_choice 'required', a named function or 'none'", "tool_choice")
     req.check_limits(state.settings.max_logprobs, state.vocab_size)
     _check_n(state, req.n)
     text = _chat_prompt(state, req)
@@ -348,6 +358,11 @@ async def _submit_chat(state: ServerState, req: ChatCompletionRequest) -> _Job:
                                            "messages"),
                      top if req.logprobs else None)
     return await _submit(state, "chatcmpl", [(text, ids)], [params])
+
+
+def _auto_parser(state: ServerState, req: ChatCompletionRequest) -> Any:
+    """The tool-call parser that reads this request's answer (tool_choice "auto"), or None."""
+    return PARSERS[state.settings.tool_parser] if req.auto_tools else None
 
 
 def _params(req: Any, max_tokens: int, logprobs: int | None,
@@ -543,19 +558,33 @@ def _stream_completion(state: ServerState, request: Request, job: _Job,
 def _chat_body(state: ServerState, job: _Job, req: ChatCompletionRequest,
                outs: list[RequestOutput]) -> dict[str, Any]:
     text_of = fmt.TokenText(state.tokenizer)
-    choices = [{
-        "index": c.index, "message": _chat_message(req, c.text),
-        "logprobs": (fmt.chat_logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0, text_of)
-                     if req.logprobs else None),
-        "finish_reason": c.finish_reason} for out in outs for c in out.outputs]
+    auto = _auto_parser(state, req)
+    choices = []
+    for out in outs:
+        for c in out.outputs:
+            msg = _chat_message(req, c.text, auto)
+            choices.append({
+                "index": c.index, "message": msg,
+                "logprobs": (fmt.chat_logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0,
+                                               text_of) if req.logprobs else None),
+                # OpenAI's reason when the model chose to call (tool_choice "auto")
+                "finish_reason": "tool_calls" if auto is not None and msg.get("tool_calls")
+                else c.finish_reason})
     return {"id": job.id, "object": "chat.completion", "created": int(time.time()),
             "model": state.settings.served_model_name, "choices": choices,
             "usage": fmt.usage(outs)}
 
 
-def _chat_message(req: ChatCompletionRequest, text: str) -> dict[str, Any]:
+def _chat_message(req: ChatCompletionRequest, text: str, auto: Any = None) -> dict[str, Any]:
     """The answer as a chat message: its tool calls when the request made the model call
-    one (content null, as OpenAI), else the text (also a tool call cut short)."""
+    one (content null, as OpenAI), else the text (also a tool call cut short). ``auto``:
+    the tool-call parser of tool_choice "auto" (the content before the calls, and them)."""
+    if auto is not None:
+        content, calls = auto.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": content,
+                "tool_calls": [tools.call(c["name"], c["arguments"]) for c in calls]}
     choice = req.tool_choice_made
     calls = tools.tool_calls(text, choice) if choice is not None else None
     if calls is None:
@@ -572,6 +601,8 @@ def _stream_chat(state: ServerState, request: Request, job: _Job,
     made = req.tool_choice_made
     named = made if isinstance(made, dict) else None  # streams its arguments piece by piece
     required: dict[int, tools.RequiredCallStream] = {}  # "required": each call once closed
+    parser = _auto_parser(state, req)
+    auto: dict[int, AutoToolStream] = {}  # "auto": content until it may be a call
 
     def chunk(choice: int, c: Any, text: str, t0: int, t1: int, done: bool) -> dict:
         delta: dict[str, Any] = {}
@@ -586,6 +617,18 @@ def _stream_chat(state: ServerState, request: Request, job: _Job,
                 delta["tool_calls"] = closed
             elif done and calls.count == 0:
                 delta["content"] = calls.text  # cut short before any call closed
+        elif parser is not None:
+            stream = auto.setdefault(choice, AutoToolStream(parser))
+            content = stream.feed(text)
+            calls: list = []
+            if done:
+                rest, calls = stream.finish()
+                content += rest
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [{**tools.call(c["name"], c["arguments"]), "index": i}
+                                       for i, c in enumerate(calls)]
         elif named is not None:
             # the call's id, type and name come first, then its arguments piece by piece
             piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
@@ -597,10 +640,12 @@ def _stream_chat(state: ServerState, request: Request, job: _Job,
             delta["content"] = text
         lp = (fmt.chat_logprobs(c, t0, t1, req.top_logprobs or 0, text_of)
               if req.logprobs else None)
+        reason = c.finish_reason if done else None
+        if done and "tool_calls" in delta and parser is not None:
+            reason = "tool_calls"  # OpenAI's reason when the model chose to call
         return {"id": job.id, "object": "chat.completion.chunk", "created": created,
                 "model": model, "choices": [{"index": choice, "delta": delta, "logprobs": lp,
-                                             "finish_reason": c.finish_reason if done
-                                             else None}]}
+                                             "finish_reason": reason}]}
 
     def usage_chunk(u: dict) -> dict:
         return {"id": job.id, "object": "chat.completion.chunk", "created": created,
@@ -619,14 +664,15 @@ def _response_body(state: ServerState, req: ChatCompletionRequest, shape: rfmt.R
                              fmt.TokenText(state.tokenizer))["content"]
            if req.logprobs else None)
     status = rfmt.status_of(c.finish_reason)
-    return shape.body(status, rfmt.output_items(c.text, req.tool_choice_made, status, lps),
-                      usage=rfmt.usage(outs))
+    auto = _auto_parser(state, req)
+    return shape.body(status, rfmt.output_items(c.text, req.tool_choice_made, status, lps,
+                                                auto), usage=rfmt.usage(outs))
 
 
 async def _stream_response(state: ServerState, job: _Job, req: ChatCompletionRequest,
                            shape: rfmt.ResponseShape) -> AsyncIterator[str]:
     """The Responses API's event stream (responses_format.ResponseEvents); no [DONE]."""
-    events = rfmt.ResponseEvents(shape, req.tool_choice_made)
+    events = rfmt.ResponseEvents(shape, req.tool_choice_made, _auto_parser(state, req))
     text_of = fmt.TokenText(state.tokenizer)
     try:
         for e in events.start():

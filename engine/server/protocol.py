@@ -5,12 +5,13 @@ The compatibility policy (README "Compatibility"), field by field:
   min_p, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs,
   stream_options.continuous_usage_stats, ...), structured outputs (response_format's
   json_object and json_schema, vLLM's structured_outputs: engine.structured), function
-  calling with tool_choice "required" or a named function (engine.server.tools).
+  calling with tool_choice "required" or a named function (engine.server.tools), and
+  "auto" when the server has a tool-call parser (engine.server.tool_parsers).
 - accepted and ignored (``IGNORED``): fields that do not change what is generated
   (store, metadata, service_tier, user, reasoning_effort, parallel_tool_calls unless
   tool_choice is "required", response_format of type "text").
 - refused with a 400 naming the field: what would change the output and is not
-  supported (penalties other than 0, logit_bias, tool_choice "auto", suffix, ...).
+  supported (penalties other than 0, logit_bias, suffix, ...).
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
   fields known to be harmless are listed above instead.
@@ -412,11 +413,6 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
             if choice not in (None, "none"):
                 raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
             return
-        if choice is None or choice == "auto":
-            raise bad_request("tool_choice 'auto' (the model decides whether to call) needs a "
-                              "tool-call parser for the model's family, which kvscope does not "
-                              "have; send tool_choice 'required', a named function or 'none'",
-                              "tool_choice")
         names = [t.function.name for t in self.tools]
         if len(set(names)) != len(names):
             raise bad_request("two tools share a name", "tools")
@@ -432,8 +428,14 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
             return {"name": self.tool_choice.function.name}
         return "required"
 
+    @property
+    def auto_tools(self) -> bool:
+        """tool_choice "auto" (OpenAI's default once tools are given): the model decides,
+        and the server's tool-call parser reads its calls (engine.server.tool_parsers)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if self.tool_choice_made is None:
+        if self.tool_choice_made is None and not self.auto_tools:
             return None  # tool_choice "none": the model is not told about them
         return [t.model_dump(exclude_none=True) for t in self.tools]
 

@@ -27,6 +27,7 @@ from typing import Any
 from engine.outputs import RequestOutput
 from engine.server import tools
 from engine.server.errors import APIError
+from engine.server.tool_parsers import AutoToolStream
 
 
 def new_id(prefix: str) -> str:
@@ -81,8 +82,16 @@ def status_of(finish_reason: str | None) -> str:
 
 
 def output_items(text: str, made: str | dict[str, Any] | None, status: str,
-                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The finished answer as output items (see the module docstring)."""
+                 logprobs: list[dict[str, Any]] | None = None, auto: Any = None
+                 ) -> list[dict[str, Any]]:
+    """The finished answer as output items (see the module docstring); ``auto``: the
+    tool-call parser of tool_choice "auto" (its content, then its calls)."""
+    if auto is not None:
+        content, found = auto.parse(text)
+        items = [message(new_id("msg"), content or "", status, logprobs)
+                 ] if content is not None or not found else []
+        return items + [function_call(new_id("fc"), new_id("call"), c["name"], c["arguments"],
+                                      "completed") for c in found]
     calls = tools.tool_calls(text, made) if made is not None else None
     if calls is None:
         return [message(new_id("msg"), text, status, logprobs)]
@@ -93,17 +102,22 @@ def output_items(text: str, made: str | dict[str, Any] | None, status: str,
 class ResponseEvents:
     """The SSE events of one streamed response (see the module docstring). ``start``,
     then ``feed`` per piece of new text, then ``finish`` (or ``fail``); each returns the
-    events to send, as SSE text."""
+    events to send, as SSE text. ``auto``: the tool-call parser of tool_choice "auto"
+    (content streams until it may be a call; the calls follow the message at the end)."""
 
-    def __init__(self, shape: ResponseShape, made: str | dict[str, Any] | None) -> None:
+    def __init__(self, shape: ResponseShape, made: str | dict[str, Any] | None,
+                 auto: Any = None) -> None:
         self.shape = shape
         self.made = made
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # items done
         self.item: dict[str, Any] | None = None  # the item being streamed
         self.text = ""  # everything fed
-        self.logprobs: list[dict[str, Any]] = []
+        self.content = ""  # what went out as the message's text
+        self.logprobs: list[dict[str, Any]] = []  # all of them (the message's, at the end)
+        self.unsent_logprobs: list[dict[str, Any]] = []  # fed, not yet on a delta
         self.calls = tools.RequiredCallStream() if made == "required" else None
+        self.auto = AutoToolStream(auto) if auto is not None else None
 
     def _event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -116,7 +130,7 @@ class ResponseEvents:
     def start(self) -> list[str]:
         out = [self._lifecycle("response.created", "in_progress"),
                self._lifecycle("response.in_progress", "in_progress")]
-        if self.made is None:
+        if self.made is None and self.auto is None:
             out += self._open_message()
         elif isinstance(self.made, dict):  # a named function: its arguments stream
             out += self._open_call(self.made["name"])
@@ -125,6 +139,7 @@ class ResponseEvents:
     def feed(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         self.text += text
         self.logprobs += logprobs or []
+        self.unsent_logprobs += logprobs or []
         if self.calls is not None:  # "required": each call whole, once its object closes
             out = []
             for c in self.calls.feed(text):
@@ -133,20 +148,23 @@ class ResponseEvents:
                 out += self._call_delta(fn["arguments"])
                 out += self._close("completed")
             return out
-        if not text and not logprobs:
-            return []
+        if self.auto is not None:
+            return self._text_delta(self.auto.feed(text))
         if self.item is not None and self.item["type"] == "function_call":
             return self._call_delta(text)
-        return self._text_delta(text, logprobs)
+        return self._text_delta(text) if text or logprobs else []
 
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
         status = status_of(finish_reason)
-        out = []
-        if self.calls is not None and self.calls.count == 0:
+        out, calls = [], []
+        if self.auto is not None:
+            rest, calls = self.auto.finish()
+            out += self._text_delta(rest)
+        elif self.calls is not None and self.calls.count == 0:
             # cut short before any call closed: the text is the answer, as unstreamed
-            out += self._open_message()
-            if self.calls.text:
-                out += self._text_delta(self.calls.text, self.logprobs)
+            out += self._text_delta(self.calls.text)
+        if self.item is None and not calls and not self.output:
+            out += self._open_message()  # an empty answer is still a message
         if self.item is not None:
             if self.item["type"] == "function_call":
                 complete = self.made is not None and tools.tool_calls(self.text,
@@ -154,6 +172,10 @@ class ResponseEvents:
                 out += self._close("completed" if complete else "incomplete")
             else:
                 out += self._close(status)
+        for c in calls:  # tool_choice "auto": the calls after the message
+            out += self._open_call(c["name"])
+            out += self._call_delta(c["arguments"])
+            out += self._close("completed")
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         out.append(self._lifecycle(kind, status, usage=usage))
         return out
@@ -163,10 +185,16 @@ class ResponseEvents:
                                 error={"code": err.code or err.type, "message": err.message})]
 
     # -------------------------------------------------------------- items
-    def _text_delta(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[str]:
-        return [self._event("response.output_text.delta", item_id=self.item["id"],
-                            output_index=len(self.output), content_index=0, delta=text,
-                            logprobs=logprobs or [])]
+    def _text_delta(self, text: str) -> list[str]:
+        """Message text (the message opens on its first text)."""
+        if not text and (self.item is None or not self.unsent_logprobs):
+            return []
+        out = self._open_message() if self.item is None else []
+        self.content += text
+        lps, self.unsent_logprobs = self.unsent_logprobs, []
+        return out + [self._event("response.output_text.delta", item_id=self.item["id"],
+                                  output_index=len(self.output), content_index=0,
+                                  delta=text, logprobs=lps)]
 
     def _open_message(self) -> list[str]:
         self.item = message(new_id("msg"), "", "in_progress")
@@ -191,11 +219,10 @@ class ResponseEvents:
         item, index = self.item, len(self.output)
         out = []
         if item["type"] == "message":
-            text = self.calls.text if self.calls is not None else self.text
-            done = message(item["id"], text, status, self.logprobs)
+            done = message(item["id"], self.content, status, self.logprobs)
             part = done["content"][0]
             out += [self._event("response.output_text.done", item_id=item["id"],
-                                output_index=index, content_index=0, text=text,
+                                output_index=index, content_index=0, text=self.content,
                                 logprobs=part["logprobs"]),
                     self._event("response.content_part.done", item_id=item["id"],
                                 output_index=index, content_index=0, part=part)]

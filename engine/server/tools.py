@@ -9,8 +9,9 @@ does it) and returning it as ``tool_calls``.
 - "none": the tools are not shown to the model; a plain answer.
 Streamed, a named function's arguments go out piece by piece, and "required" sends each call
 whole once its object closes (``RequiredCallStream``).
-"auto" (the model decides whether to call) needs a parser of each model family's own
-tool-call syntax; kvscope has none, so it is refused with a clear 400.
+"auto" (the model decides whether to call) is not held to anything: a parser of the model
+family's own tool-call syntax reads the calls out of the answer (tool_parsers.py), when the
+server was started with one.
 
 Only plain data crosses this module's edge (the request models live in protocol.py).
 """

@@ -32,3 +32,14 @@ def test_replicas_get_the_model_as_a_flag():
     assert "--model-tag" not in argv and argv[argv.index("--model") + 1] == "dummy:tiny"
     again = build_parser().parse_args(argv[3:])  # after "python -m engine.cli"
     assert model_of(again) == "dummy:tiny" and again.max_num_seqs == 4
+
+
+def test_auto_tool_choice_needs_a_parser_and_replicas_get_both_flags(capsys):
+    assert main(["serve", "dummy:tiny", "--enable-auto-tool-choice"]) == 2
+    assert "--tool-call-parser" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "dummy:tiny", "--data-parallel-size", "2",
+                                      "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "hermes"])
+    args.model = model_of(args)
+    again = build_parser().parse_args(replica_argv(args)[3:])
+    assert again.enable_auto_tool_choice and again.tool_call_parser == "hermes"
