@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    required=True, help="a replica: its HTTP URL and event endpoint (repeat)")
     p.add_argument("--model", default="smollm2",
                    help="the replicas' model, for its tokenizer and chat template")
+    p.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                   help="the replicas' --chat-template, if they were given one")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one)")
     p.add_argument("--log-level", default="warning",
@@ -40,8 +42,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "as T prompt tokens to compute there")
 
 
-def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: str | None):
-    """(Router, error message): the error is for the user, the router None then."""
+def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: str | None,
+                 chat_template: str | None = None):
+    """(Router, error message): the error is for the user, the router None then.
+    ``chat_template``: the replicas' --chat-template (a path or the template)."""
     from engine.router.app import Router
     from engine.router.policy import Policy
     from engine.router.replica import Replica, parse_replica
@@ -53,6 +57,7 @@ def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: st
         return None, str(e)
     tokenizer = None
     if model is not None:
+        from engine.model.chat_template import load_chat_template
         from engine.model.errors import ModelLoadError
         from engine.router.prompt_tokens import load_tokenizer
 
@@ -60,6 +65,11 @@ def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: st
             tokenizer = load_tokenizer(model)
         except (ModelLoadError, OSError, ValueError) as e:
             return None, f"cannot load the tokenizer of {model!r}: {e}"
+        if tokenizer is not None and chat_template is not None:
+            try:  # the prompts the replicas will render, for the prefix prediction
+                tokenizer.chat_template = load_chat_template(chat_template)
+            except (ValueError, OSError) as e:
+                return None, str(e)
     replicas = [Replica(f"r{i}", url, ev, snap) for i, (url, ev, snap) in enumerate(parsed)]
     return Router(replicas, pol, tokenizer), None
 
@@ -70,7 +80,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from engine.server.daemon import bind_socket
 
-    router, err = build_router(args.replica, args.policy, args.load_cost_tokens, args.model)
+    router, err = build_router(args.replica, args.policy, args.load_cost_tokens, args.model,
+                               args.chat_template)
     if router is None:
         print(f"kvscope route: {err}", file=sys.stderr)
         return 2

@@ -53,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask "
                         "for (vLLM's name and default); more is a 400")
+    p.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                   help="the Jinja chat template to use instead of the model's (a file, or "
+                        "the template itself; vLLM's flag): for a model without one, or a "
+                        "template that shows the model its tools")
     p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
                    default=False,
                    help="let tool_choice 'auto' through (OpenAI's default once tools are "
@@ -160,6 +164,14 @@ def _run(args: argparse.Namespace) -> int:
         print("kvscope serve: --enable-auto-tool-choice needs --tool-call-parser (hermes or "
               "llama3_json: the model family's tool-call syntax)", file=sys.stderr)
         return 2
+    if args.chat_template is not None:
+        from engine.model.chat_template import load_chat_template
+
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except (ValueError, OSError) as e:
+            print(f"kvscope serve: {e}", file=sys.stderr)
+            return 2
     if args.data_parallel_size != 1:
         if args.data_parallel_size < 1:
             print("kvscope serve: --data-parallel-size must be >= 1", file=sys.stderr)
@@ -173,5 +185,6 @@ def _run(args: argparse.Namespace) -> int:
                               metrics_prefix=args.metrics_prefix,
                               max_logprobs=args.max_logprobs,
                               tool_parser=args.tool_call_parser
-                              if args.enable_auto_tool_choice else None)
+                              if args.enable_auto_tool_choice else None,
+                              chat_template=args.chat_template)
     return run_daemon(config, settings, args.host, args.port, args.log_level)

@@ -44,3 +44,25 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
     return _compile(template).render(messages=messages,
                                       add_generation_prompt=add_generation_prompt,
                                       **special_tokens, **extra)
+
+
+def load_chat_template(arg: str) -> str:
+    """vLLM's ``--chat-template``: a file's path, or the template itself. A template that
+    does not compile, or an argument that names no file and holds no Jinja, is a
+    ValueError saying which."""
+    from pathlib import Path
+
+    import jinja2
+
+    path = Path(arg).expanduser()
+    if path.is_file():
+        template = path.read_text()
+    elif any(mark in arg for mark in ("{{", "{%")):
+        template = arg
+    else:
+        raise ValueError(f"--chat-template {arg!r}: no such file, and not a Jinja template")
+    try:
+        _compile(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template: the template does not compile: {e}") from None
+    return template

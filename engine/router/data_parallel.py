@@ -198,7 +198,8 @@ def _serve_front(args: argparse.Namespace, children: list[Child], stopping: thre
     from engine.server.daemon import bind_socket
 
     specs = [f"{c.url},{c.events},{c.snapshot}" for c in children]
-    router, err = build_router(specs, args.routing_policy, args.load_cost_tokens, args.model)
+    router, err = build_router(specs, args.routing_policy, args.load_cost_tokens, args.model,
+                               args.chat_template)
     if router is None:
         print(f"kvscope serve: {err}", file=sys.stderr)
         return 2

@@ -62,6 +62,7 @@ class ServerSettings:
     # tool_choice "auto": the parser of the model family's tool-call syntax (tool_parsers;
     # vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None refuses "auto"
     tool_parser: str | None = None
+    chat_template: str | None = None  # --chat-template: replaces the model's own
 
 
 @dataclass

@@ -86,6 +86,8 @@ def build_state(engine: Any, settings: Any) -> Any:
     loop = EngineLoop(engine, on_step=metrics.on_step, on_finish=metrics.on_finish,
                       on_abort=metrics.on_abort)
     metrics.on_step(engine)
+    if settings.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = settings.chat_template  # only the server renders chats
     loop.start()
     return ServerState(loop=loop, metrics=metrics, settings=settings,
                        tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,

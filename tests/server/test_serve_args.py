@@ -43,3 +43,10 @@ def test_auto_tool_choice_needs_a_parser_and_replicas_get_both_flags(capsys):
     args.model = model_of(args)
     again = build_parser().parse_args(replica_argv(args)[3:])
     assert again.enable_auto_tool_choice and again.tool_call_parser == "hermes"
+
+
+def test_a_chat_template_that_is_no_file_or_does_not_compile_is_refused(capsys, tmp_path):
+    assert main(["serve", "dummy:tiny", "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["serve", "dummy:tiny", "--chat-template", "{% for %}"]) == 2
+    assert "does not compile" in capsys.readouterr().err

@@ -56,3 +56,30 @@ def test_bad_tokenize_requests_are_refused_by_field(daemon: Daemon, path, body, 
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
     assert _post(daemon, "/tokenize", {"prompt": "still serving"}).status_code == 200
+
+
+def test_a_chat_template_given_on_the_command_line_replaces_the_models(tmp_path):
+    """vLLM's --chat-template: a file (or the template itself) renders every chat prompt;
+    here one that also shows the tools, which SmolLM2's own template does not."""
+    from tests.server.conftest import SHARED, start_daemon, stop_daemon
+
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                   "{% if tools %}[tools: {{ tools | map(attribute='function') "
+                   "| map(attribute='name') | join(',') }}]\n{% endif %}"
+                   "{% if add_generation_prompt %}<assistant>{% endif %}")
+    d = start_daemon(*SHARED, "--chat-template", str(tpl))
+    try:
+        r = _post(d, "/tokenize", {"messages": HI, "return_token_strs": True})
+        text = "".join(r.json()["token_strs"]).replace("Ġ", " ").replace("Ċ", "\n")
+        assert text == "<user>What is the capital of France?\n<assistant>"
+        chat = _post(d, "/v1/chat/completions", {"messages": HI, "max_tokens": 1,
+                                                 "tools": [{"type": "function", "function": {
+                                                     "name": "geo"}}],
+                                                 "tool_choice": "required"})
+        assert chat.status_code == 200, chat.text
+        shown = _post(d, "/tokenize", {"messages": HI, "return_token_strs": True})
+        assert shown.json()["count"] == r.json()["count"]  # /tokenize takes no tools
+        assert chat.json()["usage"]["prompt_tokens"] > r.json()["count"]  # the tools shown
+    finally:
+        stop_daemon(d)
