@@ -343,6 +343,8 @@ class ChatPrompt(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: more variables for the template (e.g. Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> None:
         for i, m in enumerate(self.messages):
@@ -354,6 +356,10 @@ class ChatPrompt(_Strict):
             raise bad_request("'continue_final_message' needs 'add_generation_prompt': false "
                               "(the final message is continued, no new turn is opened)",
                               "continue_final_message")
+        taken = set(self.chat_template_kwargs or ()) & _TEMPLATE_OWN
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {sorted(taken)} (the "
+                              "request's own fields say those)", "chat_template_kwargs")
         if self.continue_final_message and not self.messages[-1].text():
             raise bad_request("'continue_final_message' needs a final message with text",
                               "continue_final_message")
@@ -387,6 +393,7 @@ class ChatPrompt(_Strict):
             conv[-1]["content"] += _CONTINUE_MARK
         shown = self.template_tools()
         text = tokenizer.apply_chat_template(conv, add_generation_prompt=self.add_generation_prompt,
+                                             **(self.chat_template_kwargs or {}),
                                              **({"tools": shown} if shown else {}))
         if not self.continue_final_message:
             return text
@@ -477,6 +484,10 @@ class DetokenizeRequest(_Strict):
 _RENAMED = {f"guided_{k}": f"vLLM's old name; send \"structured_outputs\": {{\"{k}\": ...}}"
             for k in ("json", "regex", "choice", "grammar")}
 
+
+# template variables the request's own fields set (chat_template_kwargs may not)
+_TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+                 "tokenize"}
 
 # appended to a message to be continued, to find where its content ends once rendered
 _CONTINUE_MARK = "KVSCOPE_CONTINUE_FINAL_MESSAGE "

@@ -117,3 +117,23 @@ def test_required_calls_stream_whole_once_each_closes():
     cut = RequiredCallStream()
     assert cut.feed('[{"name": "f", "param') == [] and cut.count == 0
     assert cut.text == '[{"name": "f", "param'
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_override_the_request():
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking is the common one)."""
+    from engine.model.chat_template import render_chat
+
+    class Thinking:
+        def apply_chat_template(self, conv: list[dict], add_generation_prompt: bool,
+                                **extra: object) -> str:
+            return render_chat("{% if enable_thinking is defined and not enable_thinking %}"
+                               "/no_think {% endif %}{{ messages[0]['content'] }}", conv,
+                               add_generation_prompt, {}, **extra)
+
+    assert _req(messages=CONV[:1]).prompt_text(Thinking()) == "Name a colour."
+    off = _req(messages=CONV[:1], chat_template_kwargs={"enable_thinking": False})
+    assert off.prompt_text(Thinking()) == "/no_think Name a colour."
+    for key in ("add_generation_prompt", "tools", "messages"):
+        with pytest.raises(APIError) as e:
+            _req(messages=CONV[:1], chat_template_kwargs={key: True})
+        assert e.value.param == "chat_template_kwargs"
