@@ -9,17 +9,21 @@ string found in the incrementally detokenized text (trimmed from the text unless
 ``banned_token_ids`` tells the sampler to keep EOS and the stop token ids out. With
 ``params.structured_outputs`` a grammar matcher follows the tokens: ``allowed_mask`` is the
 next token's constraint, and the completion stops ("stop") once the grammar is complete,
-whatever min_tokens says (only EOS could follow).
+whatever min_tokens says (only EOS could follow). With penalties (``params.penalized``)
+``penalize`` gives the next token's scores: which tokens the prompt and output hold, and
+how often the output does, are kept from the first call on (``penalty_state``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from engine.model.detokenizer import IncrementalDetokenizer
 from engine.model.tokenizer import Tokenizer
 from engine.outputs import CompletionOutput
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, apply_penalties
 from engine.structured import GrammarMatcher
 
 
@@ -52,6 +56,10 @@ class CompletionState:
                       if tokenizer is not None else None)
         self.matcher = (GrammarMatcher(params.structured_outputs, tokenizer)
                         if params.structured_outputs is not None else None)
+        self.prompt_token_ids = prompt_token_ids
+        self._seen: set[int] | None = None  # penalties: ids in the prompt or the output
+        self._counts: dict[int, int] = {}  # penalties: output id -> count
+        self._tensors: Any = None  # penalty_state's, until the next token
         self.text = ""
         self.output = CompletionOutput(index=index, text="", token_ids=[],
                                        cumulative_logprob=0.0,
@@ -71,12 +79,40 @@ class CompletionState:
         """Bool [vocab_size] of the tokens the next sample may take; None: unconstrained."""
         return self.matcher.allowed(vocab_size) if self.matcher is not None else None
 
+    def penalty_state(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """What ``sampling.apply_penalties`` needs of this completion for its next token:
+        the distinct token ids of the prompt and the output, and the output's distinct ids
+        with their counts (CPU tensors, a few hundred entries, rebuilt when they change)."""
+        if self._seen is None:
+            self._seen = set(self.prompt_token_ids) | set(self.output.token_ids)
+            self._counts = {}
+            for t in self.output.token_ids:
+                self._counts[t] = self._counts.get(t, 0) + 1
+            self._tensors = None
+        if self._tensors is None:
+            self._tensors = (torch.tensor(sorted(self._seen), dtype=torch.long),
+                             (torch.tensor(list(self._counts), dtype=torch.long),
+                              torch.tensor(list(self._counts.values()), dtype=torch.float32)))
+        return self._tensors
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token's scores: ``logits`` ([1, V]) with the request's penalties;
+        ``logits`` itself when it has none."""
+        if not self.params.penalized:
+            return logits
+        seen, counted = self.penalty_state()
+        return apply_penalties(logits.float(), [self.params], [seen], [counted])
+
     def add(self, token: int, logprob: float, top: dict[int, float] | None = None) -> bool:
         """Record a sampled token; returns True when it ended the completion."""
         out = self.output
         if self.matcher is not None:
             self.matcher.accept(token)  # first: a token it refuses records nothing
         out.token_ids.append(token)
+        if self._seen is not None:
+            self._seen.add(token)
+            self._counts[token] = self._counts.get(token, 0) + 1
+            self._tensors = None
         out.cumulative_logprob += logprob
         if out.logprobs is not None:
             out.logprobs.append(top)

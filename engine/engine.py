@@ -35,6 +35,7 @@ from engine.runner import ModelRunner
 from engine.sampling import (
     RequestOutputKind,
     SamplingParams,
+    apply_penalties,
     greedy_batch,
     make_generator,
     prompt_logprobs,
@@ -469,7 +470,8 @@ class LLMEngine:
                     token, logprob = sample(row_logits, [seq.params],
                                             [req.generators[seq.seq_id]],
                                             [state.banned_token_ids()],
-                                            [state.allowed_mask(row_logits.shape[-1])])
+                                            [state.allowed_mask(row_logits.shape[-1])],
+                                            state.penalize(row_logits))
                     top = top_logprobs(row_logits, [seq.params], token)[0]
                     tok = int(token[0])
                     done = state.add(tok, float(logprob[0]), top)
@@ -505,13 +507,14 @@ class LLMEngine:
                     continue
                 rows_logits = self._rows(logits, [row for _, row in part])
                 allowed = self._grammar_masks(part, rows_logits.shape[-1])
+                scores = self._penalized(part, rows_logits)
                 if part is greedy:
-                    ids, logprobs = greedy_batch(rows_logits, allowed)
+                    ids, logprobs = greedy_batch(rows_logits, allowed, scores)
                 else:
                     ids, logprobs = sample_batch(
                         rows_logits, [s.params for s, _ in part],
                         [self.requests[s.request_id].generators[s.seq_id] for s, _ in part],
-                        allowed)
+                        allowed, scores)
                 drawn |= {s.seq_id: (t, lp, None) for (s, _), t, lp in
                           zip(part, ids, logprobs, strict=True)}
             asked = [(s, row) for s, row in greedy + tempered if s.params.logprobs is not None]
@@ -536,6 +539,19 @@ class LLMEngine:
         everything = torch.ones(vocab, dtype=torch.bool)
         return torch.stack([everything if st.matcher is None else st.allowed_mask(vocab)
                             for st in states])
+
+    def _penalized(self, part: list[tuple[Sequence, int]], rows_logits: torch.Tensor
+                   ) -> torch.Tensor | None:
+        """The rows' scores with their penalties, for the batch at once (a new tensor: the
+        logits stay raw for the logprobs); None when no row has any."""
+        states = [self.requests[s.request_id].completions[s.seq_id] for s, _ in part]
+        if not any(st.params.penalized for st in states):
+            return None
+        none = torch.empty(0, dtype=torch.long)
+        seen, counted = zip(*(st.penalty_state() if st.params.penalized
+                              else (none, (none, none.float())) for st in states), strict=True)
+        return apply_penalties(rows_logits.float(), [st.params for st in states],
+                               list(seen), list(counted))
 
     @staticmethod
     def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

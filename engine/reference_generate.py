@@ -49,7 +49,8 @@ def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
         position += feed.shape[0]
         logits = model.compute_logits(hidden[-1:])
         token_ids, logprobs = sample(logits, [params], [generator], [state.banned_token_ids()],
-                                     [state.allowed_mask(logits.shape[-1])])
+                                     [state.allowed_mask(logits.shape[-1])],
+                                     state.penalize(logits))
         top = top_logprobs(logits, [params], token_ids)[0]
         if state.add(int(token_ids[0]), float(logprobs[0]), top):
             return state.output

@@ -39,7 +39,10 @@ class SamplingParams:
     tokens before it plus the k most likely (vLLM's; the first prompt token's entry is None).
     `min_tokens`: EOS and stop token ids cannot be sampled, and no stop rule applies, before
     that many tokens (vLLM's semantics). `structured_outputs`: the completion is constrained
-    to a grammar (engine.structured)."""
+    to a grammar (engine.structured). Penalties, vLLM's (``apply_penalties``):
+    `repetition_penalty` (1 = off) on every token of the prompt and the output so far,
+    `frequency_penalty` and `presence_penalty` (0 = off, in [-2, 2]) on the output's; they
+    change what is sampled, not the logprobs reported (raw, as vLLM's default)."""
 
     n: int
     temperature: float
@@ -58,6 +61,9 @@ class SamplingParams:
     include_stop_str_in_output: bool
     output_kind: RequestOutputKind
     structured_outputs: StructuredOutputsParams | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
 
     def __init__(self, **kwargs: Any) -> None:
         defaults: dict[str, Any] = {
@@ -66,6 +72,7 @@ class SamplingParams:
             "logprobs": None, "prompt_logprobs": None, "min_tokens": 0,
             "skip_special_tokens": True, "include_stop_str_in_output": False,
             "output_kind": RequestOutputKind.CUMULATIVE, "structured_outputs": None,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
         }
         unknown = sorted(set(kwargs) - set(defaults))
         if unknown:
@@ -118,6 +125,15 @@ class SamplingParams:
              set(RequestOutputKind), f"output_kind must be one of "
              f"{[k.name for k in RequestOutputKind]}, got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(isinstance(value, int | float) and not isinstance(value, bool)
+                 and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        need(isinstance(self.repetition_penalty, int | float)
+             and not isinstance(self.repetition_penalty, bool)
+             and 0 < self.repetition_penalty < math.inf,
+             f"repetition_penalty must be > 0 and finite (1: off), got "
+             f"{self.repetition_penalty!r}")
         need(self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be None or a StructuredOutputsParams, got "
@@ -126,6 +142,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -147,6 +168,43 @@ def make_generator(seed: int, index: int, device: torch.device | str) -> torch.G
     generator = torch.Generator(device=device)
     generator.manual_seed(completion_seed(seed, index))
     return generator
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    seen: list[torch.Tensor], counted: list[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> torch.Tensor:
+    """Rows [R, V] with vLLM's penalties (``params`` per row), as a new tensor, in vLLM's
+    order: the repetition penalty divides the positive logits and multiplies the others of
+    every token in ``seen[row]`` (the distinct token ids of the prompt and the output), then
+    ``frequency_penalty`` x each output token's count and ``presence_penalty`` are
+    subtracted (``counted[row]``: the output's distinct ids and their counts). Only those
+    entries are touched, for the whole batch at once: the cost follows the tokens a row has
+    seen, not the vocabulary."""
+    logits = logits.clone()
+    dev = logits.device
+
+    def per_row(name: str, sizes: list[int]) -> torch.Tensor:
+        values = torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype,
+                              device=dev)
+        return values.repeat_interleave(torch.tensor(sizes, device=dev))
+
+    if any(p.repetition_penalty != 1 for p in params):
+        sizes = [len(ids) for ids in seen]
+        rows = torch.arange(len(seen), device=dev).repeat_interleave(
+            torch.tensor(sizes, device=dev))
+        toks = torch.cat(seen).to(dev)
+        r = per_row("repetition_penalty", sizes)
+        v = logits[rows, toks]
+        logits[rows, toks] = torch.where(v > 0, v / r, v * r)
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        sizes = [len(ids) for ids, _ in counted]
+        rows = torch.arange(len(counted), device=dev).repeat_interleave(
+            torch.tensor(sizes, device=dev))
+        toks = torch.cat([ids for ids, _ in counted]).to(dev)
+        n = torch.cat([c for _, c in counted]).to(dev, logits.dtype)
+        logits[rows, toks] -= per_row("frequency_penalty", sizes) * n \
+            + per_row("presence_penalty", sizes)
+    return logits
 
 
 def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -172,8 +230,8 @@ def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
            banned: list[set[int]] | None = None,
-           allowed: list[torch.Tensor | None] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           allowed: list[torch.Tensor | None] | None = None,
+           scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], one row per sequence to sample; params/generators per row.
     Returns (token_ids LongTensor [B], their logprobs FloatTensor [B] under the raw
     distribution, before temperature/filters, as vLLM reports them). ``banned`` (per row)
@@ -184,9 +242,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     Greedy rows take the argmax (first index on ties, as HF). A non-greedy row needs a generator
     (its only source of randomness) and draws exactly one number from it per call."""
     logits = logits.float()
+    scores = logits if scores is None else scores.float()
     chosen: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        row_logits = logits[row]
+        row_logits = scores[row]
         keep = allowed[row].to(logits.device) if allowed is not None and \
             allowed[row] is not None else None
         if banned is not None and banned[row]:
@@ -211,28 +270,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return token_ids, _raw_logprobs(logits, token_ids)
 
 
-def greedy_batch(logits: torch.Tensor, allowed: torch.Tensor | None = None
-                 ) -> tuple[list[int], list[float]]:
+def greedy_batch(logits: torch.Tensor, allowed: torch.Tensor | None = None,
+                 scores: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
     """Every row's greedy token and its raw logprob, in a few batched ops: what ``sample``
     returns for a greedy row with nothing banned (same argmax, same logprob formula), for
     the engine's common case without a per-row loop of small ops. ``allowed`` (bool [R, V]),
-    the rows' grammar masks, as ``sample``'s."""
+    the rows' grammar masks, and ``scores``, as ``sample``'s."""
     logits = logits.float()
-    return _read_chosen(logits, _masked(logits, allowed).argmax(dim=-1))
+    scores = logits if scores is None else scores.float()
+    return _read_chosen(logits, _masked(scores, allowed).argmax(dim=-1))
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator], allowed: torch.Tensor | None = None
-                 ) -> tuple[list[int], list[float]]:
+                 generators: list[torch.Generator], allowed: torch.Tensor | None = None,
+                 scores: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
     """``sample`` for every row at once, for rows that sample with a temperature and ban
     nothing: the same draw from each row's generator, so the same tokens and logprobs, but
     one softmax, one search and one device read for the whole batch instead of a handful
     of small ops and a sync per row. Rows with top-k/top-p/min-p are filtered one by one
-    first (``_filter_logits``). ``allowed`` as in ``greedy_batch``."""
+    first (``_filter_logits``). ``allowed`` and ``scores`` as in ``greedy_batch``."""
     if any(gen is None for gen in generators):
         raise ValueError("a non-greedy request needs a torch.Generator")
     logits = logits.float()
-    base = _masked(logits, allowed)
+    base = _masked(logits if scores is None else scores.float(), allowed)
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                device=logits.device)
     scaled = base / temperature[:, None]

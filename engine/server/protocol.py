@@ -2,7 +2,8 @@
 
 The compatibility policy (README "Compatibility"), field by field:
 - honoured: OpenAI's sampling fields and vLLM's extensions that clients send (top_k,
-  min_p, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs,
+  min_p, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs, presence_penalty,
+  frequency_penalty, repetition_penalty,
   stream_options.continuous_usage_stats, ...), structured outputs (response_format's
   json_object and json_schema, vLLM's structured_outputs: engine.structured), function
   calling with tool_choice "required" or a named function (engine.server.tools), and
@@ -11,7 +12,7 @@ The compatibility policy (README "Compatibility"), field by field:
   (store, metadata, service_tier, user, reasoning_effort, parallel_tool_calls unless
   tool_choice is "required", response_format of type "text").
 - refused with a 400 naming the field: what would change the output and is not
-  supported (penalties other than 0, logit_bias, suffix, ...).
+  supported (logit_bias, suffix, ...).
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
   fields known to be harmless are listed above instead.
@@ -142,12 +143,6 @@ class _Sampling(_Strict):
         """Refuse values the engine cannot honour rather than ignore them."""
         if self.n < 1:
             raise bad_request(f"'n' must be >= 1, got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"'{name}' is not supported by kvscope (only 0)", name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise bad_request("'repetition_penalty' is not supported by kvscope (only 1)",
-                              "repetition_penalty")
         if self.logit_bias:
             raise bad_request("'logit_bias' is not supported by kvscope", "logit_bias")
         if self.functions:  # OpenAI's deprecated form; an empty list offers nothing
@@ -239,6 +234,9 @@ class _Sampling(_Strict):
                     "skip_special_tokens": self.skip_special_tokens,
                     "include_stop_str_in_output": self.include_stop_str_in_output,
                     "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                    "presence_penalty": self.presence_penalty,
+                    "frequency_penalty": self.frequency_penalty,
+                    "repetition_penalty": self.repetition_penalty,
                     "structured_outputs": self.structured()}
         kw.update({k: v for k, v in optional.items() if v is not None})
         return kw

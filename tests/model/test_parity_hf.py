@@ -73,3 +73,18 @@ def test_transformers_generate_gives_the_same_answer(smollm2, hf_model):
     assert out.token_ids == hf_ids
     assert out.finish_reason == "stop" and hf_ids[-1] == 2  # the answer ends with <|im_end|>
     assert "Paris" in out.text
+
+
+def test_repetition_penalty_matches_transformers(smollm2, hf_model):
+    """vLLM's repetition_penalty is transformers' (prompt and output tokens alike): the same
+    greedy answer as generate(repetition_penalty=...)."""
+    model, tokenizer, _ = smollm2
+    ids = _prompt_ids(tokenizer, "raw_long")
+    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)
+    out = generate_reference(model, tokenizer, ids, params)
+    with torch.no_grad():
+        hf_ids = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                   max_new_tokens=24, do_sample=False, repetition_penalty=1.3,
+                                   pad_token_id=2)[0, len(ids):].tolist()
+    assert out.token_ids == hf_ids and len(hf_ids) == 24
+    assert out.token_ids != _greedy(model, tokenizer, ids).token_ids[:24]  # it did change

@@ -57,8 +57,8 @@ CASES = [
     ("stop wrong type", CMPL, {"prompt": "x", "stop": 5}, 400, "stop", None),
     ("token id out of vocab", CMPL, {"prompt": [1, 10**9]}, 400, "prompt", None),
     ("empty prompt", CMPL, {"prompt": ""}, 400, "prompt", None),
-    ("penalty", CMPL, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
-     None),
+    ("penalty out of range", CMPL, {"prompt": "x", "presence_penalty": 2.5}, 400,
+     "presence_penalty", None),
     ("logit_bias", CHAT, {"messages": HI, "logit_bias": {"1": 5}}, 400, "logit_bias", None),
     ("oversized body", CMPL, {"prompt": "x" * 70_000}, 413, None, "request_too_large"),
 ]

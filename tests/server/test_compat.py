@@ -46,8 +46,8 @@ def test_ignored_fields_do_not_change_the_output(daemon: Daemon):
     (CMPL, {"prompt": "x", "guided_json": {}}, "guided_json"),  # vLLM's old name: unknown
     (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, "tools"),
     (CHAT, {"messages": HI, "tool_choice": "auto"}, "tool_choice"),
-    (CMPL, {"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
-    (CMPL, {"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    (CMPL, {"prompt": "x", "frequency_penalty": -3.0}, "frequency_penalty"),  # [-2, 2]
+    (CMPL, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),  # > 0
     (CMPL, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
     (CMPL, {"prompt": "x", "temprature": 0}, "temprature"),  # a typo: never ignored
     (CHAT, {"messages": HI, "prompt_logprobs": 1}, "prompt_logprobs"),
@@ -135,3 +135,16 @@ def test_openapi_schema_names_the_request_models(daemon: Daemon):
     body = schema["paths"]["/v1/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"]["$ref"].endswith("CompletionRequest")
     assert "prompt" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+
+
+def test_penalties_reach_the_sampler(daemon: Daemon):
+    """vLLM's repetition_penalty and OpenAI's frequency/presence penalties change what is
+    sampled (greedy here, so any difference is theirs)."""
+    base = {"prompt": "def fibonacci(n):\n    ", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    plain = _post(daemon, CMPL, base).json()["choices"][0]["text"]
+    for extra in ({"repetition_penalty": 1.4},
+                  {"frequency_penalty": 2.0, "presence_penalty": 2.0}):
+        r = _post(daemon, CMPL, base | extra)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] != plain, extra
