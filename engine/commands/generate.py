@@ -23,7 +23,8 @@ def _generate(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - start
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos,
+                                repetition_penalty=args.repetition_penalty)
     except (ModelLoadError, ValueError) as exc:
         print(f"kvscope generate: {exc}")
         return 1
@@ -77,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's: > 1 discourages every token of the prompt and the answer "
+                        "so far (1: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="no chat template: continue the text")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
