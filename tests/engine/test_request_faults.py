@@ -19,18 +19,18 @@ def test_one_request_failing_in_the_step_fails_only_it(make_engine, reference, m
                                                        tmp_path):
     real_sample = engine_module.sample
 
-    def sample(logits, params, generators, banned=None, allowed=None):
+    def sample(logits, params, *rest, **kw):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
-        return real_sample(logits, params, generators, banned, allowed)
+        return real_sample(logits, params, *rest, **kw)
 
     real_sample_batch = engine_module.sample_batch
 
-    def sample_batch(logits, params, generators, allowed=None):
+    def sample_batch(logits, params, *rest, **kw):
         # the batch fails with the poisoned row in it; the engine then samples row by row
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
-        return real_sample_batch(logits, params, generators, allowed)
+        return real_sample_batch(logits, params, *rest, **kw)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     monkeypatch.setattr(engine_module, "sample_batch", sample_batch)

@@ -23,16 +23,16 @@ def _inject() -> None:
     real_sample, real_sample_batch = engine_module.sample, engine_module.sample_batch
     real_execute = ModelRunner.execute_keeping
 
-    def sample(logits, params, generators, banned=None, allowed=None):  # noqa: ANN001, ANN202
+    def sample(logits, params, *rest, **kw):  # noqa: ANN001, ANN202
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
-        return real_sample(logits, params, generators, banned, allowed)
+        return real_sample(logits, params, *rest, **kw)
 
-    def sample_batch(logits, params, generators, allowed=None):  # noqa: ANN001, ANN202
+    def sample_batch(logits, params, *rest, **kw):  # noqa: ANN001, ANN202
         # the batch fails with the poisoned row in it; the engine then samples row by row
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
-        return real_sample_batch(logits, params, generators, allowed)
+        return real_sample_batch(logits, params, *rest, **kw)
 
     def execute_keeping(self, batch, rows):  # noqa: ANN001, ANN202
         if bool((batch.input_ids == KILLER_TOKEN).any()):
