@@ -9,9 +9,10 @@ string found in the incrementally detokenized text (trimmed from the text unless
 ``banned_token_ids`` tells the sampler to keep EOS and the stop token ids out. With
 ``params.structured_outputs`` a grammar matcher follows the tokens: ``allowed_mask`` is the
 next token's constraint, and the completion stops ("stop") once the grammar is complete,
-whatever min_tokens says (only EOS could follow). With penalties (``params.penalized``)
-``penalize`` gives the next token's scores: which tokens the prompt and output hold, and
-how often the output does, are kept from the first call on (``penalty_state``).
+whatever min_tokens says (only EOS could follow). With a logit bias or penalties
+(``params.adjusts_logits``) ``scores`` gives the next token's: which tokens the prompt and
+output hold, and how often the output does, are kept from the first call on
+(``penalty_state``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from engine.model.detokenizer import IncrementalDetokenizer
 from engine.model.tokenizer import Tokenizer
 from engine.outputs import CompletionOutput
-from engine.sampling import SamplingParams, apply_penalties
+from engine.sampling import SamplingParams, adjust_logits
 from engine.structured import GrammarMatcher
 
 
@@ -80,7 +81,7 @@ class CompletionState:
         return self.matcher.allowed(vocab_size) if self.matcher is not None else None
 
     def penalty_state(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """What ``sampling.apply_penalties`` needs of this completion for its next token:
+        """What ``sampling.adjust_logits`` needs of this completion for its next token:
         the distinct token ids of the prompt and the output, and the output's distinct ids
         with their counts (CPU tensors, a few hundred entries, rebuilt when they change)."""
         if self._seen is None:
@@ -95,13 +96,13 @@ class CompletionState:
                               torch.tensor(list(self._counts.values()), dtype=torch.float32)))
         return self._tensors
 
-    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token's scores: ``logits`` ([1, V]) with the request's penalties;
-        ``logits`` itself when it has none."""
-        if not self.params.penalized:
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token's scores: ``logits`` ([1, V]) with the request's logit bias and
+        penalties; ``logits`` itself when it has none."""
+        if not self.params.adjusts_logits:
             return logits
         seen, counted = self.penalty_state()
-        return apply_penalties(logits.float(), [self.params], [seen], [counted])
+        return adjust_logits(logits.float(), [self.params], [seen], [counted])
 
     def add(self, token: int, logprob: float, top: dict[int, float] | None = None) -> bool:
         """Record a sampled token; returns True when it ended the completion."""

@@ -35,7 +35,7 @@ from engine.runner import ModelRunner
 from engine.sampling import (
     RequestOutputKind,
     SamplingParams,
-    apply_penalties,
+    adjust_logits,
     greedy_batch,
     make_generator,
     prompt_logprobs,
@@ -258,6 +258,9 @@ class LLMEngine:
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, "
                                  f"got {getattr(params, name)}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}, "
+                             f"got {max(params.logit_bias)}")
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             # the kept prompt rows' logits would need a vocab-parallel gather on every rank
             raise ValueError("prompt_logprobs (and echo with logprobs) is not supported "
@@ -471,7 +474,7 @@ class LLMEngine:
                                             [req.generators[seq.seq_id]],
                                             [state.banned_token_ids()],
                                             [state.allowed_mask(row_logits.shape[-1])],
-                                            state.penalize(row_logits))
+                                            state.scores(row_logits))
                     top = top_logprobs(row_logits, [seq.params], token)[0]
                     tok = int(token[0])
                     done = state.add(tok, float(logprob[0]), top)
@@ -507,7 +510,7 @@ class LLMEngine:
                     continue
                 rows_logits = self._rows(logits, [row for _, row in part])
                 allowed = self._grammar_masks(part, rows_logits.shape[-1])
-                scores = self._penalized(part, rows_logits)
+                scores = self._scores(part, rows_logits)
                 if part is greedy:
                     ids, logprobs = greedy_batch(rows_logits, allowed, scores)
                 else:
@@ -540,18 +543,18 @@ class LLMEngine:
         return torch.stack([everything if st.matcher is None else st.allowed_mask(vocab)
                             for st in states])
 
-    def _penalized(self, part: list[tuple[Sequence, int]], rows_logits: torch.Tensor
-                   ) -> torch.Tensor | None:
-        """The rows' scores with their penalties, for the batch at once (a new tensor: the
-        logits stay raw for the logprobs); None when no row has any."""
+    def _scores(self, part: list[tuple[Sequence, int]], rows_logits: torch.Tensor
+                ) -> torch.Tensor | None:
+        """The rows' scores with their logit biases and penalties, for the batch at once (a
+        new tensor: the logits stay raw for the logprobs); None when no row has any."""
         states = [self.requests[s.request_id].completions[s.seq_id] for s, _ in part]
-        if not any(st.params.penalized for st in states):
+        if not any(st.params.adjusts_logits for st in states):
             return None
         none = torch.empty(0, dtype=torch.long)
-        seen, counted = zip(*(st.penalty_state() if st.params.penalized
+        seen, counted = zip(*(st.penalty_state() if st.params.adjusts_logits
                               else (none, (none, none.float())) for st in states), strict=True)
-        return apply_penalties(rows_logits.float(), [st.params for st in states],
-                               list(seen), list(counted))
+        return adjust_logits(rows_logits.float(), [st.params for st in states],
+                             list(seen), list(counted))
 
     @staticmethod
     def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -50,7 +50,7 @@ def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
         logits = model.compute_logits(hidden[-1:])
         token_ids, logprobs = sample(logits, [params], [generator], [state.banned_token_ids()],
                                      [state.allowed_mask(logits.shape[-1])],
-                                     state.penalize(logits))
+                                     state.scores(logits))
         top = top_logprobs(logits, [params], token_ids)[0]
         if state.add(int(token_ids[0]), float(logprobs[0]), top):
             return state.output

@@ -39,9 +39,10 @@ class SamplingParams:
     tokens before it plus the k most likely (vLLM's; the first prompt token's entry is None).
     `min_tokens`: EOS and stop token ids cannot be sampled, and no stop rule applies, before
     that many tokens (vLLM's semantics). `structured_outputs`: the completion is constrained
-    to a grammar (engine.structured). Penalties, vLLM's (``apply_penalties``):
-    `repetition_penalty` (1 = off) on every token of the prompt and the output so far,
-    `frequency_penalty` and `presence_penalty` (0 = off, in [-2, 2]) on the output's; they
+    to a grammar (engine.structured). `logit_bias` ({token id: bias in [-100, 100]},
+    OpenAI's) is added to those tokens' logits; then vLLM's penalties: `repetition_penalty`
+    (1 = off) on every token of the prompt and the output so far, `frequency_penalty` and
+    `presence_penalty` (0 = off, in [-2, 2]) on the output's (``adjust_logits``). They
     change what is sampled, not the logprobs reported (raw, as vLLM's default)."""
 
     n: int
@@ -64,6 +65,7 @@ class SamplingParams:
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
+    logit_bias: dict[int, float] | None
 
     def __init__(self, **kwargs: Any) -> None:
         defaults: dict[str, Any] = {
@@ -73,6 +75,7 @@ class SamplingParams:
             "skip_special_tokens": True, "include_stop_str_in_output": False,
             "output_kind": RequestOutputKind.CUMULATIVE, "structured_outputs": None,
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+            "logit_bias": None,
         }
         unknown = sorted(set(kwargs) - set(defaults))
         if unknown:
@@ -134,6 +137,11 @@ class SamplingParams:
              and 0 < self.repetition_penalty < math.inf,
              f"repetition_penalty must be > 0 and finite (1: off), got "
              f"{self.repetition_penalty!r}")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            is_int(t) and t >= 0 and isinstance(b, int | float) and not isinstance(b, bool)
+            and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+             "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got "
+             f"{self.logit_bias!r}")
         need(self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be None or a StructuredOutputsParams, got "
@@ -144,8 +152,9 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty
+    def adjusts_logits(self) -> bool:
+        """A logit bias or a penalty: the sampler chooses from adjusted logits."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1)
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,16 +179,16 @@ def make_generator(seed: int, index: int, device: torch.device | str) -> torch.G
     return generator
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    seen: list[torch.Tensor], counted: list[tuple[torch.Tensor, torch.Tensor]]
-                    ) -> torch.Tensor:
-    """Rows [R, V] with vLLM's penalties (``params`` per row), as a new tensor, in vLLM's
-    order: the repetition penalty divides the positive logits and multiplies the others of
-    every token in ``seen[row]`` (the distinct token ids of the prompt and the output), then
-    ``frequency_penalty`` x each output token's count and ``presence_penalty`` are
-    subtracted (``counted[row]``: the output's distinct ids and their counts). Only those
-    entries are touched, for the whole batch at once: the cost follows the tokens a row has
-    seen, not the vocabulary."""
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
+                  seen: list[torch.Tensor], counted: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> torch.Tensor:
+    """Rows [R, V] as the sampler scores them (``params`` per row), as a new tensor, in
+    vLLM's order: each row's ``logit_bias`` is added; the repetition penalty divides the
+    positive logits and multiplies the others of every token in ``seen[row]`` (the distinct
+    token ids of the prompt and the output); then ``frequency_penalty`` x each output
+    token's count and ``presence_penalty`` are subtracted (``counted[row]``: the output's
+    distinct ids and their counts). Only those entries are touched, for the whole batch at
+    once: the cost follows the tokens a row has seen, not the vocabulary."""
     logits = logits.clone()
     dev = logits.device
 
@@ -188,6 +197,12 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                               device=dev)
         return values.repeat_interleave(torch.tensor(sizes, device=dev))
 
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        rows = torch.tensor([i for i, b in biased for _ in b], device=dev)
+        toks = torch.tensor([t for _, b in biased for t in b], device=dev)
+        logits[rows, toks] += torch.tensor([v for _, b in biased for v in b.values()],
+                                           dtype=logits.dtype, device=dev)
     if any(p.repetition_penalty != 1 for p in params):
         sizes = [len(ids) for ids in seen]
         rows = torch.arange(len(seen), device=dev).repeat_interleave(

@@ -3,7 +3,7 @@
 The compatibility policy (README "Compatibility"), field by field:
 - honoured: OpenAI's sampling fields and vLLM's extensions that clients send (top_k,
   min_p, ignore_eos, min_tokens, stop_token_ids, prompt_logprobs, presence_penalty,
-  frequency_penalty, repetition_penalty,
+  frequency_penalty, repetition_penalty, logit_bias,
   stream_options.continuous_usage_stats, ...), structured outputs (response_format's
   json_object and json_schema, vLLM's structured_outputs: engine.structured), function
   calling with tool_choice "required" or a named function (engine.server.tools), and
@@ -12,7 +12,7 @@ The compatibility policy (README "Compatibility"), field by field:
   (store, metadata, service_tier, user, reasoning_effort, parallel_tool_calls unless
   tool_choice is "required", response_format of type "text").
 - refused with a 400 naming the field: what would change the output and is not
-  supported (logit_bias, suffix, ...).
+  supported (suffix, best_of other than n, ...).
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
   fields known to be harmless are listed above instead.
@@ -143,8 +143,7 @@ class _Sampling(_Strict):
         """Refuse values the engine cannot honour rather than ignore them."""
         if self.n < 1:
             raise bad_request(f"'n' must be >= 1, got {self.n}", "n")
-        if self.logit_bias:
-            raise bad_request("'logit_bias' is not supported by kvscope", "logit_bias")
+        self.token_biases()  # keys that are not token ids: a 400 here
         if self.functions:  # OpenAI's deprecated form; an empty list offers nothing
             raise bad_request("'functions' is not supported by kvscope; use 'tools'",
                               "functions")
@@ -212,6 +211,10 @@ class _Sampling(_Strict):
         if self.top_k is not None and self.top_k < -1:
             raise bad_request(f"'top_k' must be -1, 0 (disabled) or >= 1, got {self.top_k}",
                               "top_k")
+        biases = self.token_biases()
+        if biases and not all(0 <= t < vocab_size for t in biases):
+            raise bad_request(f"'logit_bias' token ids must lie in [0, {vocab_size})",
+                              "logit_bias")
         if self.stop_token_ids and not all(0 <= t < vocab_size for t in self.stop_token_ids):
             raise bad_request(f"'stop_token_ids' must lie in [0, {vocab_size})",
                               "stop_token_ids")
@@ -221,6 +224,15 @@ class _Sampling(_Strict):
 
     def logprob_counts(self) -> dict[str, int | None]:
         return {"prompt_logprobs": self.prompt_logprobs}
+
+    def token_biases(self) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) by token id."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(t): b for t, b in self.logit_bias.items()}
+        except ValueError:
+            raise bad_request("'logit_bias' keys must be token ids", "logit_bias") from None
 
     def sampling_kwargs(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> dict[str, Any]:
@@ -237,6 +249,7 @@ class _Sampling(_Strict):
                     "presence_penalty": self.presence_penalty,
                     "frequency_penalty": self.frequency_penalty,
                     "repetition_penalty": self.repetition_penalty,
+                    "logit_bias": self.token_biases(),
                     "structured_outputs": self.structured()}
         kw.update({k: v for k, v in optional.items() if v is not None})
         return kw

@@ -59,7 +59,12 @@ CASES = [
     ("empty prompt", CMPL, {"prompt": ""}, 400, "prompt", None),
     ("penalty out of range", CMPL, {"prompt": "x", "presence_penalty": 2.5}, 400,
      "presence_penalty", None),
-    ("logit_bias", CHAT, {"messages": HI, "logit_bias": {"1": 5}}, 400, "logit_bias", None),
+    ("logit_bias past 100", CHAT, {"messages": HI, "logit_bias": {"1": 500}}, 400,
+     "logit_bias", None),
+    ("logit_bias key not a token id", CHAT, {"messages": HI, "logit_bias": {"a": 5}}, 400,
+     "logit_bias", None),
+    ("logit_bias id past the vocabulary", CMPL, {"prompt": "x", "logit_bias": {"99999999": 5}},
+     400, "logit_bias", None),
     ("oversized body", CMPL, {"prompt": "x" * 70_000}, 413, None, "request_too_large"),
 ]
 

@@ -48,7 +48,6 @@ def test_ignored_fields_do_not_change_the_output(daemon: Daemon):
     (CHAT, {"messages": HI, "tool_choice": "auto"}, "tool_choice"),
     (CMPL, {"prompt": "x", "frequency_penalty": -3.0}, "frequency_penalty"),  # [-2, 2]
     (CMPL, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),  # > 0
-    (CMPL, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
     (CMPL, {"prompt": "x", "temprature": 0}, "temprature"),  # a typo: never ignored
     (CHAT, {"messages": HI, "prompt_logprobs": 1}, "prompt_logprobs"),
 ])
@@ -137,9 +136,10 @@ def test_openapi_schema_names_the_request_models(daemon: Daemon):
     assert "prompt" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
 
 
-def test_penalties_reach_the_sampler(daemon: Daemon):
+def test_penalties_and_logit_bias_reach_the_sampler(daemon: Daemon):
     """vLLM's repetition_penalty and OpenAI's frequency/presence penalties change what is
-    sampled (greedy here, so any difference is theirs)."""
+    sampled (greedy here, so any difference is theirs); a logit_bias of 100 on one token
+    makes every token that one, and its reported logprob stays the model's own."""
     base = {"prompt": "def fibonacci(n):\n    ", "max_tokens": 24, "temperature": 0,
             "ignore_eos": True}
     plain = _post(daemon, CMPL, base).json()["choices"][0]["text"]
@@ -148,3 +148,11 @@ def test_penalties_reach_the_sampler(daemon: Daemon):
         r = _post(daemon, CMPL, base | extra)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] != plain, extra
+    ids = _post(daemon, "/tokenize", {"prompt": " banana", "add_special_tokens": False}
+                ).json()["tokens"]
+    r = _post(daemon, CMPL, base | {"max_tokens": 3, "logprobs": 0,
+                                    "logit_bias": {str(ids[0]): 100}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [" banana"] * 3
+    assert all(lp < -1 for lp in choice["logprobs"]["token_logprobs"])  # raw: unlikely
