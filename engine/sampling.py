@@ -192,10 +192,15 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
     logits = logits.clone()
     dev = logits.device
 
-    def per_row(name: str, sizes: list[int]) -> torch.Tensor:
-        values = torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype,
-                              device=dev)
-        return values.repeat_interleave(torch.tensor(sizes, device=dev))
+    def column(name: str) -> torch.Tensor:  # one value per row
+        return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype,
+                            device=dev)
+
+    def entries(ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token id) of every listed entry, flattened over the batch."""
+        sizes = torch.tensor([len(x) for x in ids], device=dev)
+        return (torch.arange(len(ids), device=dev).repeat_interleave(sizes),
+                torch.cat(ids).to(dev))
 
     biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
     if biased:
@@ -204,21 +209,15 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
         logits[rows, toks] += torch.tensor([v for _, b in biased for v in b.values()],
                                            dtype=logits.dtype, device=dev)
     if any(p.repetition_penalty != 1 for p in params):
-        sizes = [len(ids) for ids in seen]
-        rows = torch.arange(len(seen), device=dev).repeat_interleave(
-            torch.tensor(sizes, device=dev))
-        toks = torch.cat(seen).to(dev)
-        r = per_row("repetition_penalty", sizes)
+        rows, toks = entries(seen)
+        r = column("repetition_penalty")[rows]
         v = logits[rows, toks]
         logits[rows, toks] = torch.where(v > 0, v / r, v * r)
     if any(p.frequency_penalty or p.presence_penalty for p in params):
-        sizes = [len(ids) for ids, _ in counted]
-        rows = torch.arange(len(counted), device=dev).repeat_interleave(
-            torch.tensor(sizes, device=dev))
-        toks = torch.cat([ids for ids, _ in counted]).to(dev)
+        rows, toks = entries([ids for ids, _ in counted])
         n = torch.cat([c for _, c in counted]).to(dev, logits.dtype)
-        logits[rows, toks] -= per_row("frequency_penalty", sizes) * n \
-            + per_row("presence_penalty", sizes)
+        logits[rows, toks] -= column("frequency_penalty")[rows] * n \
+            + column("presence_penalty")[rows]
     return logits
 
 

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from engine.outputs import RequestOutput
+from engine.server import openai_format as fmt
 from engine.server import tools
 from engine.server.errors import APIError
 from engine.server.tool_parsers import AutoToolStream
@@ -35,12 +36,13 @@ def new_id(prefix: str) -> str:
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    output = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    cached = sum(o.metrics.num_cached_tokens for o in outs if o.metrics is not None)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + output}
+    """Chat's usage (``openai_format.usage``) under the Responses API's names."""
+    u = fmt.usage(outs)
+    return {"input_tokens": u["prompt_tokens"],
+            "input_tokens_details": u["prompt_tokens_details"],
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"]}
 
 
 def message(item_id: str, text: str, status: str,
