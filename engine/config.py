@@ -58,9 +58,9 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int = 0
     watermark: float = 0.01  # share of blocks kept free when admitting new sequences
     # vLLM's name: True runs the model eagerly. None (the default): CUDA replays pure
-    # decode steps from CUDA graphs, one per batch-size bucket (engine.model.cuda_graphs),
+    # decode steps from CUDA graphs, one per batch-size bucket (engine.runner.cuda_graphs),
     # as vLLM does; CPU runs eagerly. False: CUDA graphs, and on CPU the decode forward
-    # torch.compile'd per bucket (engine.model.compiled; a compile of 15-50 s per bucket).
+    # torch.compile'd per bucket (engine.runner.compiled; a compile of 15-50 s per bucket).
     enforce_eager: bool | None = None
     # parallelism (vLLM's name): ranks that split the heads and the MLP (engine.distributed)
     tensor_parallel_size: int = 1

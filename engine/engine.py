@@ -20,18 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import mixed_kv
 from engine.cache import KVCacheManager
-from engine.cache.page_format import check_supported, page_format
 from engine.completion import CompletionState
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.events.lifecycle import classify_chunk
+from engine.events.analysis.lifecycle import classify_chunk
 from engine.events.sink import NullSink
 from engine.model import load_model
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Sequence
-from engine.runner import ModelRunner
+from engine.runner import mixed_kv
+from engine.runner.model_runner import ModelRunner
+from engine.runner.page_format import check_supported, page_format
 from engine.sampling import (
     RequestOutputKind,
     SamplingParams,
@@ -97,7 +97,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
-        # --kv-demotion: an arena of frames (engine.mixed_kv); num_blocks then counts frames
+        # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
         num_blocks = self._num_kv_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
@@ -131,16 +131,16 @@ class LLMEngine:
                                       enforce_eager=config.enforce_eager,
                                       max_model_len=self.max_model_len,
                                       max_num_seqs=config.max_num_seqs)
-        self.swapper = None  # the cpu tier's tensors (engine.swapper)
+        self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
         if num_cpu_blocks:
-            from engine.swapper import Swapper
+            from engine.runner.swapper import Swapper
 
             self.swapper = Swapper(self.runner.kv.per_block_tensors, num_cpu_blocks)
         self.requests: dict[str, _Request] = {}
         self.step_count = 0
         self._seeds = np.random.default_rng(config.seed)  # same draw order as LLM's reference
         self.stats: dict[str, Any] = {}
-        self.num_prefill_computed_tokens = 0  # counters: engine.events.lifecycle's accounting
+        self.num_prefill_computed_tokens = 0  # counters, as events.analysis.lifecycle counts
         self.num_recomputed_tokens = 0
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %s pages)", num_blocks,
                  config.block_size, num_blocks * config.block_size, config.kv_layout,
@@ -207,7 +207,7 @@ class LLMEngine:
         vllm_events = KVEventsConfig.from_json(cfg.kv_events_config or "{}")
         if not (cfg.events_endpoint or cfg.record_path or vllm_events.enabled):
             return None
-        from engine.events.stream import EventStream
+        from engine.events.wire.stream import EventStream
 
         consumers = []
         if vllm_events.enabled:
@@ -565,7 +565,7 @@ class LLMEngine:
         return logits[torch.tensor(rows, device=logits.device)]
 
     def _count_prefill(self, seq: Sequence, n: int) -> None:
-        """Prefill and recomputed tokens, as engine.events.lifecycle counts them."""
+        """Prefill and recomputed tokens, as engine.events.analysis.lifecycle counts them."""
         a = seq.num_computed_tokens
         pre, redo = classify_chunk(a, a + n, len(seq.prompt_token_ids),
                                    seq.max_computed_tokens)

@@ -1,5 +1,5 @@
 """The analysis dock: lifecycle Gantt, range summary, two-moment compare and prefix tree,
-all fed by one engine.events.lifecycle.LifecycleIndex (the recording's, computed once;
+all fed by one engine.events.analysis.lifecycle.LifecycleIndex (the recording's, computed once;
 or the live one the model grows), plus threshold banners and the keyboard.
 
 ``install(window)`` adds the dock and the shortcuts to a MainWindow; the window calls
@@ -30,8 +30,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.events.analysis.lifecycle import PHASES, LifecycleIndex
 from engine.events.causes import describe
-from engine.events.lifecycle import PHASES, LifecycleIndex
 from inspector import palette as P
 from inspector.thresholds import Thresholds
 from inspector.views.compare import CompareView
@@ -139,7 +139,7 @@ class AnalysisPanel(QWidget):
         self.lifecycle.canvas.update()
 
         def build() -> None:
-            from engine.events.recording import Recording, RecordingError
+            from engine.events.wire.recording import Recording, RecordingError
 
             try:
                 with Recording(path) as own:  # a Recording is not shared across threads

@@ -24,7 +24,7 @@ SAMPLE = Path(str(files("kvscope_assets") / "sample.kvtrace"))
 
 def open_recording(path: str | os.PathLike) -> tuple[Any, list[str]]:
     """(Recording, warnings as text). Raises InspectError with a clear message."""
-    from engine.events.recording import Recording, RecordingError, RecordingWarning
+    from engine.events.wire.recording import Recording, RecordingError, RecordingWarning
 
     p = Path(path)
     if not p.is_file():

@@ -13,7 +13,7 @@ from typing import Any
 from PySide6.QtCore import QObject, Signal
 
 from engine.events import KVState
-from engine.events.lifecycle import LifecycleIndex
+from engine.events.analysis.lifecycle import LifecycleIndex
 from inspector.timeline import Timeline
 
 EVENT_LOG_SIZE = 20_000

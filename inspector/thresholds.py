@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.events.lifecycle import LifecycleIndex
+from engine.events.analysis.lifecycle import LifecycleIndex
 
 
 @dataclass

@@ -4,7 +4,7 @@ metadata rebuilt and validated per layer by kernels.reference), ``packed`` (oneD
 linears only) and ``after`` (packed linears + kernels.cpu_attention.StepPlan). A variant
 ``attn@REV`` is ``after`` with kernels/cpu_attention.py as it was at git revision REV (A/B
 of the CPU attention alone); ``compiled`` (``after`` + the torch.compile'd decode forward,
-engine.model.compiled, enforce_eager=False) and ``compiled-freeze`` (the same with dense
+engine.runner.compiled, enforce_eager=False) and ``compiled-freeze`` (the same with dense
 linears traced into the graph and inductor's freezing, which packs them itself). Prints ms
 per decode step per pass, the best of each, the best process CPU time per step (all
 threads; steadier than wall time on a shared box, best read with --threads 1), the load

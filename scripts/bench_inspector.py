@@ -151,8 +151,8 @@ def bench_map(gpu_blocks: int, cpu_blocks: int, frames: int) -> None:
 def bench_seek(steps: int) -> None:
     from PySide6.QtWidgets import QApplication
 
-    from engine.events.recording import Recording, RecordingWriter
-    from engine.events.synthetic import SyntheticCache
+    from engine.bench.synthetic import SyntheticCache
+    from engine.events.wire.recording import Recording, RecordingWriter
     from inspector import theme
     from inspector.app import open_recording
     from inspector.window import MainWindow

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.events import PROTOCOL_VERSION  # noqa: E402
-from engine.events.lifecycle import LifecycleIndex  # noqa: E402
+from engine.events.analysis.lifecycle import LifecycleIndex  # noqa: E402
 
 
 def workload(num_seqs: int, per_step: int = 8) -> list[dict]:
@@ -128,9 +128,9 @@ def bench_scroll(idx: LifecycleIndex, frames: int) -> None:
 def bench_recording(steps: int) -> None:
     import tempfile
 
+    from engine.bench.synthetic import SyntheticCache
     from engine.events import KVState, ListSink
-    from engine.events.recording import Recording, RecordingWriter
-    from engine.events.synthetic import SyntheticCache
+    from engine.events.wire.recording import Recording, RecordingWriter
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "hour.kvtrace"

@@ -15,10 +15,10 @@ import time
 
 from engine.bench.events import ManagerWorkload
 from engine.cache import KVCacheManager
-from engine.events.codec import make_batch
 from engine.events.sink import ListSink
 from engine.events.vllm import wire as W
 from engine.events.vllm.translate import VllmTranslator
+from engine.events.wire.codec import make_batch
 
 
 def run(detail: bool, steps: int) -> tuple[float, list[dict]]:

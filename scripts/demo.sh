@@ -128,7 +128,7 @@ tail -n 2 "$OUT/serve.log"
 # Screenshot the busiest moment: the step with the most KV blocks in use.
 STEP=$($PY - "$OUT/demo.kvtrace" <<'EOF'
 import sys
-from engine.events.recording import Recording
+from engine.events.wire.recording import Recording
 rec = Recording(sys.argv[1])
 best, used = rec.steps[-1], -1
 for b in rec:

@@ -327,7 +327,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def section_quant(ctx: Context) -> dict:
-    from engine.cache.page_format import check_supported
+    from engine.runner.page_format import check_supported
 
     n, tokens = (4, 6) if ctx.smoke else (16, 32)
     name = TINY if ctx.smoke else SMALL
@@ -369,7 +369,7 @@ def _paged_case(ctx: Context, fmt: str, batch: int, context: int, hkv: int, head
     """A decode batch over pages of ``fmt`` (1 layer): every slot written through
     kernels.reshape_and_cache from random K/V, pages a random permutation of the pool."""
     import kernels
-    from engine.cache.page_format import PageFormat
+    from engine.runner.page_format import PageFormat
 
     pages_per_seq = -(-context // block)
     num_blocks = batch * pages_per_seq
@@ -494,9 +494,9 @@ def _sdpa_row(ctx, q, kv, tables, context, scale, kv_bytes, bw, F) -> dict:
 
 
 def section_decode(ctx: Context) -> dict:
-    from engine.cache.page_format import page_format
     from engine.model.dummy import weight_bytes
-    from engine.runner import ModelRunner, StepBatch
+    from engine.runner.model_runner import ModelRunner, StepBatch
+    from engine.runner.page_format import page_format
 
     name = TINY if ctx.smoke else BIG
     dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
@@ -508,7 +508,7 @@ def section_decode(ctx: Context) -> dict:
     free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.cuda else 1 << 34
     headroom = 8 << 30 if ctx.cuda else 0  # activations and logits at batch 256
     num_blocks = max(1, min(need, (free - headroom) // fmt.bytes_per_block))
-    # the default: CUDA graphs for the decode step (engine.model.cuda_graphs); none on CPU
+    # the default: CUDA graphs for the decode step (engine.runner.cuda_graphs); none on CPU
     # (--smoke), which measures the eager rows only
     runner = ModelRunner(model, cfg, num_blocks, bs, ctx.device, dtype,
                          max_model_len=context, max_num_seqs=max(batches))

@@ -15,8 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from engine.events import PROTOCOL_VERSION, EventStream
-from engine.events.synthetic import SyntheticCache
+from engine.bench.synthetic import SyntheticCache
+from engine.events import PROTOCOL_VERSION
+from engine.events.wire import EventStream
 
 SEED, STEPS = 32, 120
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.cache.manager import KVCacheManager  # noqa: E402
 from engine.events import PROTOCOL_VERSION, KVState, ListSink  # noqa: E402
-from engine.events.recording import RecordingWriter  # noqa: E402
+from engine.events.wire.recording import RecordingWriter  # noqa: E402
 
 T0 = 1_763_800_000.0
 GPU_BLOCKS = 288

@@ -78,8 +78,8 @@ class Tracer:
 
     def install(self) -> None:
         from engine import engine as engine_mod
-        from engine import runner as runner_mod
         from engine import scheduler as scheduler_mod
+        from engine.runner import model_runner as runner_mod
         from engine.server import app as app_mod
         from engine.server import engine_loop as loop_mod
 

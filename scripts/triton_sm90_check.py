@@ -73,7 +73,7 @@ def _compile_only() -> None:
 
 def _attention_case(fmt: str, dtype: torch.dtype, q_lens: list[int], num_splits: int | None,
                     head_dim: int = 128, block_size: int = 16) -> None:
-    from engine.cache.page_format import PageFormat
+    from engine.runner.page_format import PageFormat
     from kernels import triton_backend
 
     hq, hkv = 32, 8

@@ -28,7 +28,10 @@ def _say(**fields: object) -> None:
 def publish(path: str) -> None:
     import msgpack
 
-    from engine.events.stream import EventStream
+    try:
+        from engine.events.wire.stream import EventStream
+    except ImportError:  # a revision from before engine.events.wire (scripts/bench_events_ab.py)
+        from engine.events.stream import EventStream
 
     with open(path, "rb") as f:
         batches = msgpack.unpackb(f.read(), raw=False)
@@ -58,7 +61,10 @@ def publish(path: str) -> None:
 
 
 def subscribe(endpoint: str, snapshot_endpoint: str, last: int) -> None:
-    from engine.events.subscriber import Subscriber
+    try:
+        from engine.events.wire.subscriber import Subscriber
+    except ImportError:  # a revision from before engine.events.wire
+        from engine.events.subscriber import Subscriber
 
     sub = Subscriber(endpoint, snapshot_endpoint)
     deadline = time.monotonic() + 60

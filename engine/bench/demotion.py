@@ -182,8 +182,8 @@ def teacher_forced(loaded, ids: list[int], args: argparse.Namespace) -> dict[str
     import torch
     import torch.nn.functional as F
 
-    from engine.mixed_kv import MixedKV
-    from engine.runner import ModelRunner, StepBatch
+    from engine.runner.mixed_kv import MixedKV
+    from engine.runner.model_runner import ModelRunner, StepBatch
     from kernels import mixed_pages as mp
 
     model, _, cfg = loaded

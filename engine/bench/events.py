@@ -1,24 +1,19 @@
-"""`kvscope bench events [--json] [--quick]`: the event stream's costs, measured, with
-the previous release's per-event path as the baseline row, side by side in one run.
+"""`kvscope bench events [--json] [--quick]`: the event stream's costs, measured.
+(`scripts/bench_events_ab.py REV` runs the end-to-end rows against another revision of
+the repository, side by side in one run.)
 
 1. throughput, end to end: an EventStream in one process publishing pre-generated
    batches as fast as it can -> loopback -> a ``Subscriber`` with its own KVState mirror
    in another process (``_events_pipeline.py``). Two mixes: the realistic one (the real
    ``KVCacheManager`` driven by ``ManagerWorkload``: what an engine emits) and a
    bulk-heavy one (long-context prefill bursts: 1024-block allocs, stores, frees and
-   evictions on a 1M-block tier). Each mix runs on this tree and on release
-   ``BASELINE_COMMIT`` (exported with ``git archive``; its publisher keeps a per-event
-   mirror and speaks protocol 1), alternating. events/s at the subscriber, lost events,
-   seq gaps.
-   Then the subscriber's side alone, in process (CPU time): decode and apply per event,
-   this tree vs the old per-event mirror on its protocol-1 wire.
+   evictions on a 1M-block tier). events/s at the subscriber, lost events, seq gaps.
+   Then the subscriber's side alone, in process (CPU time): decode and apply per event.
 2. latency: emit -> apply at a paced 50 steps/s, p50/p99.
 3. recording: bytes per 1k steps, and seek time (``state_at``) in a one-hour recording.
 4. overhead: the real KVCacheManager plus a 10 ms GIL-releasing stand-in for a GPU step
-   (a sleep: a GPU step leaves the CPU idle), step time with the stream off, on (this
-   tree: publishing and recording) and on with the previous release's publisher mirror
-   (the legacy per-event KVState applied to every batch on the stream thread), in
-   alternating blocks of 10 steps.
+   (a sleep: a GPU step leaves the CPU idle), step time with the stream off and on
+   (publishing and recording), in alternating blocks of 10 steps.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-BASELINE_COMMIT = "720ace1"  # the release before the vectorised mirror (protocol 1)
 PIPELINE = Path(__file__).with_name("_events_pipeline.py")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,8 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------ workloads
 def make_batches(num_steps: int, seed: int = 0) -> list[tuple[list[dict], dict]]:
     """Pre-generated (events, stats) per step from the synthetic workload, big batches."""
+    from engine.bench.synthetic import SyntheticCache
     from engine.events.sink import ListSink
-    from engine.events.synthetic import SyntheticCache
 
     gen = SyntheticCache(seed=seed, gpu_blocks=16384, cpu_blocks=4096, max_running=256,
                          arrival_rate=0.95)
@@ -146,8 +140,8 @@ def _subscriber_proc(endpoint: str, snap: str, apply: bool, expect: int, q: Any)
     """Child process: receive until seq ``expect``; report counts and latencies."""
     import zmq
 
-    from engine.events.codec import Codec
-    from engine.events.subscriber import Subscriber
+    from engine.events.wire.codec import Codec
+    from engine.events.wire.subscriber import Subscriber
 
     if not apply:  # transport alone: SUB + decode + validate, no KVState
         ctx = zmq.Context()
@@ -196,8 +190,8 @@ def _publish(batches: list, apply: bool, pace_s: float = 0.0,
     straight from a PUB socket (the socket + codec capacity, no EventStream)."""
     import zmq
 
-    from engine.events.codec import Codec, make_batch
-    from engine.events.stream import EventStream
+    from engine.events.wire.codec import Codec, make_batch
+    from engine.events.wire.stream import EventStream
 
     if wire_only:
         codec, zctx = Codec(), zmq.Context()
@@ -303,21 +297,7 @@ def bulk_batches(num_steps: int, blocks_per_seq: int = 1024, live: int = 64,
     return out
 
 
-def baseline_root(tmp: Path) -> Path | None:
-    """The baseline release's engine.events, exported from git (None without git)."""
-    root = tmp / "baseline"
-    root.mkdir()
-    try:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", BASELINE_COMMIT, "engine/__init__.py",
-             "engine/events"], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return root
-
-
-def _pipeline(root: Path, batches_file: Path, steps: int) -> dict[str, Any]:
+def pipeline(root: Path, batches_file: Path, steps: int) -> dict[str, Any]:
     """One end-to-end run (see ``_events_pipeline.py``) with the code at ``root``."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, str(PIPELINE)]
@@ -348,17 +328,16 @@ def _pipeline(root: Path, batches_file: Path, steps: int) -> dict[str, Any]:
                     proc.kill()
 
 
-def bench_throughput(num_steps: int, rounds: int = 2) -> dict[str, Any]:
-    """Both mixes, this tree vs the baseline release, alternating, best of ``rounds``."""
+def bench_throughput(num_steps: int, rounds: int = 2,
+                     roots: dict[str, Path] | None = None) -> dict[str, Any]:
+    """Both mixes, best of ``rounds``; with several ``roots`` (name -> a tree holding
+    ``engine/``), each tree in turn, alternating."""
     import msgpack
 
+    roots = roots or {"this tree": REPO}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        roots = {"this tree": REPO}
-        base = baseline_root(tmp)
-        if base is not None:
-            roots[f"baseline {BASELINE_COMMIT} (per-event mirror, protocol 1)"] = base
         mixes = {"realistic (KVCacheManager workload)": realistic_batches(num_steps),
                  "bulk-heavy (1024-block prefill bursts, 1M blocks)":
                      bulk_batches(max(50, num_steps // 20))}
@@ -371,7 +350,7 @@ def bench_throughput(num_steps: int, rounds: int = 2) -> dict[str, Any]:
             runs: dict[str, list[dict]] = {name: [] for name in roots}
             for _ in range(rounds):
                 for name, root in roots.items():
-                    runs[name].append(_pipeline(root, path, len(batches)))
+                    runs[name].append(pipeline(root, path, len(batches)))
             for name, rs in runs.items():
                 best = max(rs, key=lambda r: r["events"] / max(r["seconds"], 1e-9))
                 out[f"{mix} | {name}"] = {
@@ -390,12 +369,10 @@ def bench_throughput(num_steps: int, rounds: int = 2) -> dict[str, Any]:
 def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
     """Where the end-to-end time goes on the subscriber: decode (msgpack + validation)
     and ``KVState.apply`` per event, in process, CPU time (``time.process_time``: other
-    processes on a shared box are not counted), best of ``rounds`` alternating passes.
-    Rows: this tree (protocol-2 wire, this mirror) and the old per-event path (protocol-1
-    wire, release ``BASELINE_COMMIT``'s mirror), on both mixes."""
-    from engine.bench._events_baseline_state import KVState as BaselineKVState
-    from engine.events import codec as C
+    processes on a shared box are not counted), best of ``rounds`` passes, on both
+    mixes."""
     from engine.events.state import KVState
+    from engine.events.wire import codec as C
 
     out: dict[str, Any] = {}
     mixes = {"realistic": realistic_batches(num_steps),
@@ -403,36 +380,23 @@ def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
     codec = C.Codec()
     for mix, batches in mixes.items():
         n = sum(len(ev) for ev, _ in batches)
-        wires = {}
-        for name, pack, v in (("this tree", True, 2), ("baseline", False, 1)):
-            frames = []
-            for i, (ev, st) in enumerate(batches):
-                evs = [dict(e) for e in ev]
-                if pack:
-                    C.pack_events(evs)
-                b = C.make_batch("bench", i + 1, i, 0.0, evs, st)
-                b["v"] = v
-                frames.append(codec.encode(b))
-            wires[name] = frames
-        best: dict[str, list[float]] = {k: [1e9, 1e9] for k in wires}
+        frames = [codec.encode(C.make_batch("bench", i + 1, i, 0.0,
+                                            C.pack_events([dict(e) for e in ev]), st))
+                  for i, (ev, st) in enumerate(batches)]
+        dec = app = 1e9
         for _ in range(rounds):
-            for name, frames in wires.items():
-                t0 = time.process_time()
-                msgs = [codec.decode(f) for f in frames]
-                t1 = time.process_time()
-                st = KVState() if name == "this tree" else BaselineKVState()
-                for m in msgs:
-                    st.apply(m)
-                t2 = time.process_time()
-                best[name] = [min(best[name][0], t1 - t0), min(best[name][1], t2 - t1)]
-                del msgs, st
-        for name, (dec, app) in best.items():
-            label = name if name == "this tree" else (
-                f"baseline {BASELINE_COMMIT} (per-event mirror, protocol 1)")
-            out[f"{mix} | {label}"] = {
-                "events": n, "decode_us_per_event": round(dec / n * 1e6, 2),
-                "apply_us_per_event": round(app / n * 1e6, 2),
-                "decode_plus_apply_events_per_s": round(n / (dec + app))}
+            t0 = time.process_time()
+            msgs = [codec.decode(f) for f in frames]
+            t1 = time.process_time()
+            state = KVState()
+            for m in msgs:
+                state.apply(m)
+            t2 = time.process_time()
+            dec, app = min(dec, t1 - t0), min(app, t2 - t1)
+            del msgs, state
+        out[mix] = {"events": n, "decode_us_per_event": round(dec / n * 1e6, 2),
+                    "apply_us_per_event": round(app / n * 1e6, 2),
+                    "decode_plus_apply_events_per_s": round(n / (dec + app))}
     return out
 
 
@@ -448,15 +412,15 @@ def bench_latency(num_steps: int) -> dict[str, Any]:
 
 
 def bench_recording(num_steps: int, seeks: int) -> dict[str, Any]:
-    from engine.events.recording import Recording
-    from engine.events.stream import EventStream
+    from engine.events.wire.recording import Recording
+    from engine.events.wire.stream import EventStream
 
     batches = make_batches(min(num_steps, 2000), seed=2)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "bench.kvtrace"
         # one hour at 20 steps/s; the synthetic batches repeat is not possible (state),
         # so the long recording uses a smaller workload generated on the fly
-        from engine.events.synthetic import SyntheticCache
+        from engine.bench.synthetic import SyntheticCache
         t0 = time.perf_counter()
         gen = SyntheticCache(seed=3, gpu_blocks=4096, cpu_blocks=1024, max_running=64,
                              arrival_rate=0.8)
@@ -499,9 +463,9 @@ def bench_recording(num_steps: int, seeks: int) -> dict[str, Any]:
 
 
 def bench_overhead(blocks: int, step_s: float = 0.010) -> dict[str, Any]:
-    """Stream off vs. on vs. on with the old publisher mirror, one process, same seed.
+    """Stream off vs. on, one process, same seed.
 
-    Three identical seeded ``ManagerWorkload``s on the real KVCacheManager (4096 blocks
+    Two identical seeded ``ManagerWorkload``s on the real KVCacheManager (4096 blocks
     of 16, up to 64 running), one per mode, run in alternating blocks of 10 steps so all
     see the same machine load. A step is the cache's bookkeeping plus ``step_s`` of
     sleep: the stand-in for a GPU forward, which holds neither the GIL nor a core. An
@@ -509,14 +473,13 @@ def bench_overhead(blocks: int, step_s: float = 0.010) -> dict[str, Any]:
     (``wait_idle``), so the background work is charged to it in full. Reported: the
     median over blocks of the per-step time.
     """
-    from engine.bench._events_baseline_state import KVState as BaselineKVState
     from engine.cache import KVCacheManager
-    from engine.events.stream import EventStream
+    from engine.events.wire.stream import EventStream
 
     out: dict[str, Any] = {"blocks_of_10_steps": blocks,
                            "workload": "KVCacheManager 4096x16 blocks, <=64 running",
                            "step_stand_in": f"time.sleep({step_s:g}) (GIL released)"}
-    modes = ("off", "on", "on + baseline publisher mirror")
+    modes = ("off", "on")
     with tempfile.TemporaryDirectory() as d:
         runs = []
         for i, mode in enumerate(modes):
@@ -525,9 +488,6 @@ def bench_overhead(blocks: int, step_s: float = 0.010) -> dict[str, Any]:
                 "tcp://127.0.0.1:0", str(Path(d) / f"o{i}.kvtrace"), engine_lock=lock)
             m = KVCacheManager(4096, 16, sink=s.sink)
             s.snapshot_fn = m.snapshot
-            if mode.endswith("mirror"):
-                mirror = BaselineKVState()
-                s.add_consumer(lambda b, mirror=mirror: mirror.apply({**b, "v": 1}))
             runs.append((s, lock, ManagerWorkload(m, seed=7)))
         times: list[list[float]] = [[] for _ in modes]
         events = 0

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 def capacity_table(dtypes: list[str], cfg, block_size: int, budget: int) -> dict[str, dict]:
     import torch
 
-    from engine.cache.page_format import page_format
+    from engine.runner.page_format import page_format
 
     base = page_format("auto", torch.float16, cfg, block_size)
     fp32 = page_format("auto", torch.float32, cfg, block_size)
@@ -121,7 +121,7 @@ def teacher_forced(model, cfg, ids: list[int], dtypes: list[str], chunk: int,
     import torch
     import torch.nn.functional as F
 
-    from engine.runner import ModelRunner, StepBatch
+    from engine.runner.model_runner import ModelRunner, StepBatch
 
     n = len(ids)
     num_blocks = (n + block_size - 1) // block_size

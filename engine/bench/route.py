@@ -10,7 +10,7 @@ completed requests, output tokens/s, TTFT p50/p99 (client side, streamed) and ho
 requests spread over the replicas. The policies of one (N, workload) run back to back,
 in an order that rotates with ``--repeats``, so they see the same machine.
 
-``--stand-in``: replicas run ``engine.router.stand_in_serve`` (everything real but the
+``--stand-in``: replicas serve ``--model stand-in:smollm2`` (everything real but the
 forward pass, which sleeps for the real model's measured per-step cost on one core; see
 engine/model/stand_in.py), so N=4 fits on a 2-core machine. Without it each replica runs
 the real model with ``cpu_count // N`` threads.
@@ -54,11 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _launch_replicas(n: int, args: argparse.Namespace) -> list[Any]:
     from engine.router.data_parallel import Child, free_port, free_port_pair
 
-    module = "engine.router.stand_in_serve" if args.stand_in else "engine.cli"
     threads = 1 if args.stand_in else max(1, (os.cpu_count() or 1) // n)
     children = []
     for i in range(n):
-        argv = [sys.executable, "-m", module, *([] if args.stand_in else ["serve"]),
+        argv = [sys.executable, "-m", "engine.cli", "serve",
+                *(["--model", "stand-in:smollm2", "--served-model-name", "smollm2"]
+                  if args.stand_in else []),
                 "--port", str(free_port()), "--events", f"tcp://127.0.0.1:{free_port_pair()}",
                 "--num-gpu-blocks", str(args.num_gpu_blocks), "--max-model-len", "2048",
                 "--max-num-seqs", "8", "--log-level", "error"]

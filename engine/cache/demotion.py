@@ -29,7 +29,7 @@ from engine.cache.errors import CacheError
 from engine.cache.mixed_pool import DEMOTION_FORMATS
 
 if TYPE_CHECKING:
-    from engine.cache.manager import KVCacheManager
+    from engine.cache.view import CacheView
 
 # Shares of the frames: demote when fewer are free than LOW, up to HIGH. HIGH leaves room
 # for a step's allocations (up to max_num_batched_tokens / block_size blocks) to come from
@@ -74,7 +74,7 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return tuple(f.strip() for f in text.split(","))
 
 
-def plan_demotion(m: KVCacheManager, reserve: int = 0) -> list[tuple[int, int]]:
+def plan_demotion(m: CacheView, reserve: int = 0) -> list[tuple[int, int]]:
     """Demote cold blocks of ``m``'s gpu pool if it is under the watermark, or has fewer
     free frames than ``reserve`` (what the next admission needs); returns the (old, new)
     page codes of every demoted block, in batch order."""
@@ -99,13 +99,13 @@ def plan_demotion(m: KVCacheManager, reserve: int = 0) -> list[tuple[int, int]]:
     return orders
 
 
-def _coldness(m: KVCacheManager, hot_window: int) -> dict[int, float]:
+def _coldness(m: CacheView, hot_window: int) -> dict[int, float]:
     """Demotable blocks (holding a page, full, outside every user's hot window), coldest
     first: cached free blocks in eviction order (distance inf), then blocks in use by the
     distance of their hottest user, farthest first."""
     pool, bs = m.gpu, m.block_size
     distance: dict[int, int] = {}
-    for seq in m._seqs.values():
+    for seq in m.sequences.values():
         if seq.tier != "gpu" or not seq.block_table:
             continue
         n = seq.num_tokens

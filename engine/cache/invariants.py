@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from engine.cache.hashing import chain_hashes
 
 if TYPE_CHECKING:
-    from engine.cache.manager import KVCacheManager
+    from engine.cache.view import CacheView
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -17,7 +17,7 @@ def _require(cond: bool, msg: str) -> None:
         raise AssertionError(msg)
 
 
-def check_invariants(m: KVCacheManager) -> None:
+def check_invariants(m: CacheView) -> None:
     """Per tier: ref counts equal the block-table entries of the sequences whose table is
     in that tier; every block is exactly one of free / cached free / used; the hash index
     and the entries agree. Per sequence: its table is in the tier its status implies
@@ -30,7 +30,7 @@ def check_invariants(m: KVCacheManager) -> None:
         _require(len(ref) == len(entry) == n, f"{name}: per-block lists resized")
         # ref counts = block-table entries (the prefix index holds no reference)
         expected = [0] * n
-        for s in m._seqs.values():
+        for s in m.sequences.values():
             if s.tier == name:
                 for b in s.block_table:
                     expected[b] += 1
@@ -60,7 +60,7 @@ def check_invariants(m: KVCacheManager) -> None:
                      f"{name}: index maps {h} to block {b}, which holds {e!r}")
         if hasattr(pool, "check_frames"):  # mixed-precision pool: pages and frames agree
             pool.check_frames()
-    for sid, s in m._seqs.items():
+    for sid, s in m.sequences.items():
         pool = m.pools.get(s.tier)
         _require(pool is not None, f"{sid}: table in missing tier {s.tier!r}")
         _require((s.status == "swapped") == (s.tier == "cpu"),
@@ -87,7 +87,7 @@ def check_invariants(m: KVCacheManager) -> None:
         if s.num_tokens % bs:
             last = s.block_table[-1]
             _require(pool.entry[last] is None, f"{sid}: its partial last block is hashed")
-            for o in m._seqs.values():
+            for o in m.sequences.values():
                 if o.tier == s.tier and o.block_table and o.block_table[-1] == last:
                     _require(o.num_tokens % bs == s.num_tokens % bs,
                              f"{sid}: shared partial block {last} filled differently")

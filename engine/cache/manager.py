@@ -73,7 +73,9 @@ host copies that get indexed) then ``swap_out`` and ``seq_preempt``; ``swap_in``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import islice
+from types import MappingProxyType
 from typing import Any
 
 from engine.cache import report
@@ -697,6 +699,11 @@ class KVCacheManager:
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
+
+    @property
+    def sequences(self) -> Mapping[str, CacheSeq]:
+        """Every known sequence by id, read-only (``engine.cache.view.CacheView``)."""
+        return MappingProxyType(self._seqs)
 
     @property
     def num_swapped(self) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.cache.manager import KVCacheManager
+    from engine.cache.view import CacheView
 
 
-def snapshot(m: KVCacheManager) -> dict[str, Any]:
+def snapshot(m: CacheView) -> dict[str, Any]:
     """The state in exactly the form of ``KVState.canonical()``."""
     return {
         "tiers": {
@@ -29,7 +29,7 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
                 "block_table": list(s.block_table),
                 "num_tokens": s.num_tokens,
             }
-            for sid, s in sorted(m._seqs.items())
+            for sid, s in sorted(m.sequences.items())
         },
     }
 
@@ -48,7 +48,7 @@ def _block_usage(pool) -> float:
     return (pool.num_frames - len(pool.free_frames) - pool.num_reclaimable) / pool.num_frames
 
 
-def metrics(m: KVCacheManager) -> dict[str, Any]:
+def metrics(m: CacheView) -> dict[str, Any]:
     """Counters and gauges of the cache (gpu tier unless per tier):
 
     tiers               {tier: {"total", "used", "cached", "free"}} blocks: used = ref > 0,
@@ -90,7 +90,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
     # partial block has the same fill for all holders (appending to it copies first).
     unfilled = {
         s.block_table[-1]: bs - s.num_tokens % bs
-        for s in m._seqs.values() if s.num_tokens % bs
+        for s in m.sequences.values() if s.num_tokens % bs
     }
     used_tokens = gpu.num_used_blocks * bs - sum(unfilled.values())
     h = m.host
@@ -107,7 +107,7 @@ def metrics(m: KVCacheManager) -> dict[str, Any]:
         "cow_copies": m.num_cow_copies,
         "demoted_blocks": getattr(gpu, "num_demoted", 0),
         "preemptions": m.num_preemptions,
-        "num_seqs": len(m._seqs),
+        "num_seqs": len(m.sequences),
         "swapped": m.num_swapped,
         "swap_outs": h.num_swap_outs if h else 0,
         "swap_ins": h.num_swap_ins if h else 0,

@@ -1,5 +1,6 @@
 """`kvscope bench NAME`: benchmarks that print measured numbers. Each lives in
-``engine/bench/NAME.py`` and exposes ``register(subparsers)`` like a subcommand."""
+``engine/bench/NAME.py`` and exposes ``register(subparsers)`` like a subcommand; the
+package's other modules are what the benchmarks share (workloads, helpers)."""
 
 from __future__ import annotations
 
@@ -16,4 +17,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     for info in sorted(pkgutil.iter_modules(engine.bench.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):  # helpers of a benchmark, not benchmarks
             continue
-        importlib.import_module(f"engine.bench.{info.name}").register(bench_sub)
+        module = importlib.import_module(f"engine.bench.{info.name}")
+        if hasattr(module, "register"):
+            module.register(bench_sub)

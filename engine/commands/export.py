@@ -21,9 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.events.export import write_csv, write_perfetto
-    from engine.events.lifecycle import LifecycleIndex
-    from engine.events.recording import Recording, RecordingError
+    from engine.events.analysis.export import write_csv, write_perfetto
+    from engine.events.analysis.lifecycle import LifecycleIndex
+    from engine.events.wire.recording import Recording, RecordingError
 
     try:
         with Recording(args.recording) as rec:

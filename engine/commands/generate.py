@@ -91,5 +91,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model eagerly; default: CUDA decode steps replay CUDA "
                         "graphs, CPU runs eagerly. --no-enforce-eager: also torch.compile "
-                        "the CPU decode forward (engine.model.compiled)")
+                        "the CPU decode forward (engine.runner.compiled)")
     p.set_defaults(func=_generate)

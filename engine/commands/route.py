@@ -17,6 +17,8 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("route", help="route OpenAI requests over several replicas by their "
                                      "cached prefixes")
+    from engine.router.build import add_router_args
+
     add_router_args(p)
     p.add_argument("--replica", action="append", default=[], metavar="URL[,EVENTS]",
                    required=True, help="a replica: its HTTP URL and event endpoint (repeat)")
@@ -31,53 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def add_router_args(p: argparse.ArgumentParser) -> None:
-    from engine.router.policy import POLICIES
-
-    p.add_argument("--policy", default="prefix", choices=POLICIES,
-                   help="prefix: least uncached prompt tokens + load (default); "
-                        "least-load; round-robin")
-    p.add_argument("--load-cost-tokens", type=int, default=32, metavar="T",
-                   help="prefix policy: each request queued or running on a replica counts "
-                        "as T prompt tokens to compute there")
-
-
-def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: str | None,
-                 chat_template: str | None = None):
-    """(Router, error message): the error is for the user, the router None then.
-    ``chat_template``: the replicas' --chat-template (a path or the template)."""
-    from engine.router.app import Router
-    from engine.router.policy import Policy
-    from engine.router.replica import Replica, parse_replica
-
-    try:
-        parsed = [parse_replica(s) for s in specs]
-        pol = Policy(policy, load_cost_tokens)
-    except ValueError as e:
-        return None, str(e)
-    tokenizer = None
-    if model is not None:
-        from engine.model.chat_template import load_chat_template
-        from engine.model.errors import ModelLoadError
-        from engine.router.prompt_tokens import load_tokenizer
-
-        try:
-            tokenizer = load_tokenizer(model)
-        except (ModelLoadError, OSError, ValueError) as e:
-            return None, f"cannot load the tokenizer of {model!r}: {e}"
-        if tokenizer is not None and chat_template is not None:
-            try:  # the prompts the replicas will render, for the prefix prediction
-                tokenizer.chat_template = load_chat_template(chat_template)
-            except (ValueError, OSError) as e:
-                return None, str(e)
-    replicas = [Replica(f"r{i}", url, ev, snap) for i, (url, ev, snap) in enumerate(parsed)]
-    return Router(replicas, pol, tokenizer), None
-
-
 def _run(args: argparse.Namespace) -> int:
     import asyncio
     import sys
 
+    from engine.router.build import build_router
     from engine.server.daemon import bind_socket
 
     router, err = build_router(args.replica, args.policy, args.load_cost_tokens, args.model,

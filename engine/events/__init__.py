@@ -1,17 +1,17 @@
-"""kvscope's event stream: schema, KVState mirror, sinks, codec, the engine-side
-EventStream (publisher + recorder), the Subscriber and recordings. Importable without
-torch (numpy, msgpack, pyzmq and zstandard only)."""
+"""kvscope's event protocol and its mirror: the schema (what each event kind carries), the
+sinks the cache reports to, the causes of preemptions and evictions, and ``KVState``, whose
+``apply`` is the one meaning of every event. Importable without torch.
 
-from engine.events.codec import Codec
-from engine.events.recording import Recording, RecordingError, RecordingWarning, RecordingWriter
+The rest of the event stream lives in subpackages: ``engine.events.wire`` (codec,
+publisher, the engine-side EventStream, subscriber, recordings), ``engine.events.analysis``
+(lifecycles, costs, ranges, trace export) and ``engine.events.vllm`` (vLLM's KV-event
+format, both ways)."""
+
 from engine.events.schema import PROTOCOL_VERSION, ProtocolError
 from engine.events.sink import EventSink, ListSink, NullSink
 from engine.events.state import KVState, SeqState, TierState
-from engine.events.stream import BatchConsumer, EventStream
-from engine.events.subscriber import Subscriber
 
 __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "EventSink", "ListSink", "NullSink",
-    "KVState", "SeqState", "TierState", "Codec", "EventStream", "BatchConsumer", "Subscriber",
-    "Recording", "RecordingWriter", "RecordingError", "RecordingWarning",
+    "KVState", "SeqState", "TierState",
 ]

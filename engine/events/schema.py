@@ -51,9 +51,9 @@ which no ``seq_tokens`` reports) and ``output_tokens`` (tokens it generated).
 scheduled_tokens, prefill_tokens, decode_tokens, step_time_s and "tiers": {tier: {"total",
 "used", "cached", "free"}}; counters hit_tokens, query_tokens (prefix cache, in tokens),
 preemptions, evictions, cow_copies, swap_out_blocks, swap_in_blocks,
-prefill_computed_tokens, recomputed_tokens (engine.events.lifecycle's accounting). Counters are
-cumulative since the engine started (as Prometheus counters), so a reader that joins late
-or misses batches still reads correct totals; per-step rates are differences.
+prefill_computed_tokens, recomputed_tokens (engine.events.analysis.lifecycle's accounting).
+Counters are cumulative since the engine started (as Prometheus counters), so a reader that
+joins late or misses batches still reads correct totals; per-step rates are differences.
 """
 
 from __future__ import annotations

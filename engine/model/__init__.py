@@ -1,4 +1,5 @@
-"""The model side: loaders (GGUF, HF directory), the Llama-family forward, the tokenizer.
+"""The model side: loaders (GGUF, HF directory, ``dummy:`` and ``stand-in:`` names), the
+Llama-family forward, the tokenizer.
 
 `from engine.model import load_model` is the entry point; exports are lazy so importing the
 package costs nothing until one is used."""
@@ -10,6 +11,7 @@ from typing import Any
 _EXPORTS = {
     "load_model": "engine.model.loader",
     "read_config": "engine.model.loader",
+    "load_tokenizer": "engine.model.loader",
     "resolve_model": "engine.model.pull",
     "ModelConfig": "engine.model.config",
     "ModelLoadError": "engine.model.errors",

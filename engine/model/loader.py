@@ -1,5 +1,7 @@
-"""The model side's entry point: a model argument ("smollm2", a .gguf file, an HF directory)
-becomes (LlamaModel, Tokenizer | None, ModelConfig)."""
+"""The model side's entry point: a model argument ("smollm2", a .gguf file, an HF directory,
+a ``dummy:`` preset, a ``stand-in:`` model) becomes (model, Tokenizer | None, ModelConfig);
+``read_config`` and ``load_tokenizer`` read the config or the tokenizer alone, without
+weights."""
 
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ def read_config(name_or_path: str | os.PathLike) -> tuple[Path, ModelConfig]:
     """The resolved path and config, without loading weights (``dummy:`` names: the
     preset's name as the path)."""
     from engine.model.dummy import dummy_config, is_dummy
+    from engine.model.stand_in import is_stand_in, stand_in_target
 
     if is_dummy(name_or_path):
         return Path(str(name_or_path)), dummy_config(str(name_or_path))
+    if is_stand_in(name_or_path):
+        return read_config(stand_in_target(str(name_or_path)))
     path = resolve_model(name_or_path)
     if _kind(path) == "hf":
         from engine.model.hf_loader import hf_config
@@ -57,9 +62,15 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     the file and, where relevant, tensor.
     """
     from engine.model.dummy import is_dummy, load_dummy
+    from engine.model.stand_in import is_stand_in, stand_in_for, stand_in_target
 
     if is_dummy(name_or_path):
         return load_dummy(str(name_or_path), device, dtype, seed, hf_config)
+    if is_stand_in(name_or_path):  # no weights: a forward that sleeps (engine.model.stand_in)
+        target = stand_in_target(str(name_or_path))
+        _, config = read_config(target)
+        tokenizer = load_tokenizer(target)
+        return stand_in_for(config, tokenizer), tokenizer, config
     path = resolve_model(name_or_path)
     if _kind(path) == "hf":
         from engine.model.hf_loader import hf_config, hf_tensors
@@ -84,3 +95,26 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     model = LlamaModel.from_tensors(config, gguf_tensors(reader, path, config, dtype), str(path),
                                     device)
     return model, tokenizer, config
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer | None:
+    """The model's tokenizer only (a GGUF's metadata or an HF dir's tokenizer.json), no
+    weights; None when the model has none (an HF dir without tokenizer.json, ``dummy:``)."""
+    from engine.model.dummy import is_dummy
+    from engine.model.stand_in import is_stand_in, stand_in_target
+
+    if is_dummy(name_or_path):
+        return None
+    if is_stand_in(name_or_path):
+        return load_tokenizer(stand_in_target(str(name_or_path)))
+    path = resolve_model(name_or_path)
+    if _kind(path) == "hf":
+        from engine.model.hf_loader import hf_config
+
+        if not (path / "tokenizer.json").is_file():
+            return None
+        return Tokenizer.from_dir(path, hf_config(path).eos_token_ids)
+    from engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
+
+    return Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(path), path),
+                                        str(path))

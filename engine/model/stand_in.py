@@ -1,5 +1,7 @@
 """StandInModel: a model that costs time, not compute, for cluster benchmarks on a small
-machine (``kvscope bench route --stand-in``).
+machine (``kvscope bench route --stand-in``). Named like a model: ``stand-in:MODEL`` (for
+example ``kvscope serve --model stand-in:smollm2``) loads MODEL's config and tokenizer and
+no weights.
 
 Four real replicas of even the 135M model do not fit on a 2-core box at once: each
 would get half a core and the numbers would measure contention. A stand-in replica runs
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,14 +77,22 @@ class StandInModel:
         return logits
 
 
-def load_stand_in(name_or_path: str, device=None, dtype=None):  # noqa: ANN001, ANN201
-    """``load_model``'s signature and result, with a StandInModel and no weights read."""
-    from engine.model.loader import read_config
-    from engine.router.prompt_tokens import load_tokenizer
+PREFIX = "stand-in:"
 
-    _, config = read_config(name_or_path)
-    tokenizer = load_tokenizer(name_or_path)
+
+def is_stand_in(model: object) -> bool:
+    return isinstance(model, str) and model.startswith(PREFIX)
+
+
+def stand_in_target(model: str) -> str:
+    """The real model whose config and tokenizer a ``stand-in:`` name borrows."""
+    return model[len(PREFIX):] or "smollm2"
+
+
+def stand_in_for(config: Any, tokenizer: Any) -> StandInModel:
+    """A StandInModel for ``config``'s vocabulary, answering with ``tokenizer``'s words
+    (token ids 7, 8, 9 without one)."""
     words = tokenizer.encode(WORDS, add_special_tokens=False) if tokenizer else [7, 8, 9]
     eos = set(config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     words = [w for w in words if w not in eos and w < config.vocab_size] or [0]
-    return StandInModel(config.vocab_size, words), tokenizer, config
+    return StandInModel(config.vocab_size, words)

@@ -193,7 +193,7 @@ def _supervise(children: list[Child], stopping: threading.Event) -> None:
 
 def _serve_front(args: argparse.Namespace, children: list[Child], stopping: threading.Event,
                  gpus: int, threads: int) -> int:
-    from engine.commands.route import build_router
+    from engine.router.build import build_router
     from engine.router.serve import serve_router
     from engine.server.daemon import bind_socket
 

@@ -9,24 +9,6 @@ from typing import Any
 from engine.model.tokenizer import Tokenizer
 
 
-def load_tokenizer(model: str) -> Tokenizer | None:
-    """The model's tokenizer only (a GGUF's metadata or an HF dir's tokenizer.json); None
-    when the model has none (then the router routes by load alone)."""
-    from engine.model.pull import resolve_model
-
-    path = resolve_model(model)
-    if path.is_dir():
-        from engine.model.hf_loader import hf_config
-
-        if not (path / "tokenizer.json").is_file():
-            return None
-        return Tokenizer.from_dir(path, hf_config(path).eos_token_ids)
-    from engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
-
-    return Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(path), path),
-                                        str(path))
-
-
 def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: bytes) -> list[int] | None:
     """The first prompt's token ids, or None when the body cannot be read (the replica
     will answer with the error; the router only loses its prediction)."""

@@ -59,7 +59,7 @@ class Replica:
         self.stats: dict[str, Any] = {}
         self.sub = None
         if events is not None:
-            from engine.events.subscriber import Subscriber
+            from engine.events.wire.subscriber import Subscriber
 
             self.sub = Subscriber(events, snapshot, on_apply=self._on_apply,
                                   stale_after_s=stale_after_s)

@@ -118,7 +118,7 @@ class _EngineCollector:
             "prefill_computed_tokens": ("prompt/history tokens computed (prefill chunks)",
                                         "prefill_tokens"),
             "recomputed_prefill_tokens": ("prefill tokens computed again after a preemption "
-                                          "freed them (engine.events.lifecycle)",
+                                          "freed them (engine.events.analysis.lifecycle)",
                                           "recomputed_tokens"),
         }
         for name, (doc, key) in counters.items():

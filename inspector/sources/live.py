@@ -19,8 +19,9 @@ from typing import Any
 import zmq
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from engine.events import Codec, ProtocolError, Subscriber
-from engine.events.lifecycle import LifecycleIndex
+from engine.events import ProtocolError
+from engine.events.analysis.lifecycle import LifecycleIndex
+from engine.events.wire import Codec, Subscriber
 from inspector.errors import InspectError
 from inspector.model import InspectorModel
 

@@ -1,6 +1,6 @@
 """Two moments side by side: pin A and B (steps of the open recording, or a step of
 another recording for B: ``load_other``), see both block maps with every block that
-differs outlined, and a table of what changed (engine.events.ranges.diff_states).
+differs outlined, and a table of what changed (engine.events.analysis.ranges.diff_states).
 
 ``CodeGrid`` draws one tier's block codes: cells with borders and block ids when they
 are big enough to read (small pools), a scaled image otherwise.
@@ -28,8 +28,8 @@ from PySide6.QtWidgets import (
 
 from engine.events import KVState
 from engine.events import schema as S
-from engine.events.ranges import diff_states
-from engine.events.recording import RecordingError
+from engine.events.analysis.ranges import diff_states
+from engine.events.wire.recording import RecordingError
 from inspector import palette as P
 from inspector.views.block_map import grid_width
 
@@ -140,7 +140,7 @@ class CompareView(QWidget):
 
     def load_other(self, path: str, step: int | None = None) -> None:
         """Moment B from another recording (its last step unless ``step``)."""
-        from engine.events.recording import Recording
+        from engine.events.wire.recording import Recording
 
         with Recording(path) as rec:
             if not rec.steps:

@@ -2,7 +2,8 @@
 
 Virtualised: ``paintEvent`` draws only the rows in view (a row is a few rectangles), so
 scrolling costs the same at 100 or 100k sequences. Each row shows its phases
-(engine.events.lifecycle.PHASES) coloured, a light strip whose height follows its block count,
+(engine.events.analysis.lifecycle.PHASES) coloured, a light strip whose height follows its
+block count,
 prefix-hit marks, preemption markers (hover: the cause), and at the end TTFT and TPOT.
 A top lane marks evictions (hover: their causes). The cursor step is a vertical line.
 
@@ -21,7 +22,7 @@ from PySide6.QtCore import QPoint, QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import QHBoxLayout, QScrollBar, QToolTip, QVBoxLayout, QWidget
 
-from engine.events import lifecycle as L
+from engine.events.analysis import lifecycle as L
 from engine.events.causes import describe
 from inspector import palette as P
 

@@ -1,5 +1,5 @@
 """Range summary: what happened between two steps, from
-engine.events.ranges.range_summary. The range is chosen by dragging the shaded region on
+engine.events.analysis.ranges.range_summary. The range is chosen by dragging the shaded region on
 the costs timeline (recompute share, internal fragmentation, prefix hit rate over steps),
 by shift-dragging on the lifecycle view, or with the two step boxes. Below: decode step
 time by context length (latency creep)."""
@@ -19,8 +19,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events.lifecycle import LifecycleIndex
-from engine.events.ranges import range_summary
+from engine.events.analysis.lifecycle import LifecycleIndex
+from engine.events.analysis.ranges import range_summary
 from inspector import palette as P
 
 FIELDS = (

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events.costs import cost_series
+from engine.events.analysis.costs import cost_series
 from inspector import palette as P
 from inspector.model import InspectorModel
 from inspector.views.legend import Legend

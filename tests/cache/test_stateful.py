@@ -130,7 +130,7 @@ class CacheMachine(RuleBasedStateMachine):
             prompt = prompt[: blocks * self.bs] or prompt
         sid = f"s{self.counter}"
         self.counter += 1
-        self.m.add_sequence(sid, prompt, cache_salt=self.m._seqs[src].cache_salt)
+        self.m.add_sequence(sid, prompt, cache_salt=self.m.sequences[src].cache_salt)
         self.digests[sid] = []
         self._digest(sid)
         if data.draw(st.booleans()):
@@ -224,7 +224,7 @@ class CacheMachine(RuleBasedStateMachine):
         self._start_or_resume(data.draw(st.sampled_from(self.seqs())))
 
     def _start_or_resume(self, sid: str) -> None:
-        seq = self.m._seqs[sid]
+        seq = self.m.sequences[sid]
         if seq.status == "running":
             with pytest.raises(CacheError):
                 self.m.resume(sid)

@@ -45,7 +45,7 @@ class TieredCacheMachine(CacheMachine):
 
     # ------------------------------------------------------ simulated runner
     def _store(self, sid: str) -> dict[int, int]:
-        return self.host_kv if self.m._seqs[sid].tier == "cpu" else self.kv
+        return self.host_kv if self.m.sequences[sid].tier == "cpu" else self.kv
 
     def _run_copies(self) -> None:
         bs = self.bs
@@ -126,7 +126,7 @@ class TieredCacheMachine(CacheMachine):
         request with the same prompt arrives: the host tier serves what it kept."""
         src = data.draw(st.sampled_from(self.seqs()))
         prompt = self.m.token_ids(src)
-        salt = self.m._seqs[src].cache_salt
+        salt = self.m.sequences[src].cache_salt
         self.m.finish(src, "stop")
         del self.digests[src]
         self.m.evict_cached(evict)

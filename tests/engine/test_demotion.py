@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.events import KVState
-from engine.events.recording import Recording
+from engine.events.wire.recording import Recording
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 from tests.engine.test_events_fidelity import workload
 

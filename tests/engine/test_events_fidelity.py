@@ -8,8 +8,8 @@ import random
 import socket
 
 from engine.events import KVState
-from engine.events.recording import Recording
-from engine.events.subscriber import Subscriber
+from engine.events.wire.recording import Recording
+from engine.events.wire.subscriber import Subscriber
 from engine.sampling import SamplingParams
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 2

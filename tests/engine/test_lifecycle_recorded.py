@@ -13,10 +13,10 @@ import pytest
 
 from engine.commands import export as export_cmd
 from engine.events import causes as C
-from engine.events.export import COUNTER_TRACKS, REQUESTS_PID, trace_events
-from engine.events.lifecycle import PHASES, LifecycleIndex
-from engine.events.ranges import diff_states, range_summary
-from engine.events.recording import Recording
+from engine.events.analysis.export import COUNTER_TRACKS, REQUESTS_PID, trace_events
+from engine.events.analysis.lifecycle import PHASES, LifecycleIndex
+from engine.events.analysis.ranges import diff_states, range_summary
+from engine.events.wire.recording import Recording
 from engine.sampling import SamplingParams
 from tests.engine.test_events_fidelity import workload
 from tests.swap.test_swap_engine import swap_gib
@@ -265,7 +265,7 @@ def test_decode_time_by_context_equals_events(recorded):
     """/metrics' latency-creep histogram (the engine's decoded contexts and step times)
     equals the lifecycle index's decode bins (the recording's events), per context range;
     the load summary reads the same figures; the timelines' cost series agree."""
-    from engine.events.costs import cost_series
+    from engine.events.analysis.costs import cost_series
     from engine.load.summary import DECODE_BY_CONTEXT, decode_by_context, parse_metrics
     from engine.server.metrics import context_range
 

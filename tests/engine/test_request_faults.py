@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import engine.engine as engine_module
-from engine.events.recording import Recording
 from engine.events.schema import SEQ_FINISH
+from engine.events.wire.recording import Recording
 from engine.sampling import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 

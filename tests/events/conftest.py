@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.events import EventStream, KVState
-from engine.events.subscriber import Subscriber
+from engine.events import KVState
+from engine.events.wire import EventStream
+from engine.events.wire.subscriber import Subscriber
 
 DEADLINE_S = 15.0  # generous: the machine is shared; a healthy run takes milliseconds
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine.events import codec as C
 from engine.events.schema import PROTOCOL_VERSION, ProtocolError
+from engine.events.wire import codec as C
 
 
 def good_batch(seq: int = 1) -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.events import KVState
 from engine.events import causes as C
-from engine.events.lifecycle import PHASES, LifecycleIndex
+from engine.events.analysis.lifecycle import PHASES, LifecycleIndex
 from tests.inspector.batches import synthetic_batches
 
 

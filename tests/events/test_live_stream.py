@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from engine.events import EventStream, KVState, Subscriber
-from engine.events.synthetic import SyntheticCache
+from engine.bench.synthetic import SyntheticCache
+from engine.events import KVState
+from engine.events.wire import EventStream, Subscriber
 from tests.events.conftest import cache_stream, poll_until, port_of, synced_to
 
 EP = "tcp://127.0.0.1:0"
@@ -123,7 +124,7 @@ def test_dropped_batches_are_counted_and_the_stream_resyncs(tmp_path):
         run_steps(stream, gen, 10, [sub])
         assert sub.publisher_dropped == stream.dropped_batches and sub.resyncs >= 1
         assert stream.stats["recording_ok"]
-    from engine.events import Recording
+    from engine.events.wire import Recording
     with Recording(path) as rec:
         assert rec.state_at(gen.step_no).canonical() == gen.canonical()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
+from engine.bench.synthetic import SyntheticCache
 from engine.cli import main
-from engine.events import EventStream, Recording
-from engine.events.synthetic import SyntheticCache
+from engine.events.wire import EventStream, Recording
 from tests.events.conftest import poll_until
 
 

@@ -10,18 +10,12 @@ import time
 
 import pytest
 
-from engine.events import (
-    PROTOCOL_VERSION,
-    EventStream,
-    KVState,
-    Recording,
-    RecordingError,
-    RecordingWarning,
-)
-from engine.events.codec import make_batch
-from engine.events.recording import RecordingWriter
+from engine.bench.synthetic import SyntheticCache
+from engine.events import PROTOCOL_VERSION, KVState
 from engine.events.sink import ListSink
-from engine.events.synthetic import SyntheticCache
+from engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
+from engine.events.wire.codec import make_batch
+from engine.events.wire.recording import RecordingWriter
 
 STEPS = 240
 
@@ -180,7 +174,7 @@ def test_keyframes_by_time(tmp_path):
 
 def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
     """A frame that is small on disk but unpacks beyond the limit is an error."""
-    import engine.events.recording as R
+    import engine.events.wire.recording as R
 
     st = KVState()
     st.apply({"v": 1, "step": 0, "events": [

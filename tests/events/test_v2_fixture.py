@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from engine.events import KVState
-from engine.events.recording import Recording
+from engine.events.wire.recording import Recording
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -15,8 +15,7 @@ import zmq
 from engine.bench.events import ManagerWorkload
 from engine.cache import KVCacheManager
 from engine.cache.hashing import NO_SALT_ROOT
-from engine.events import EventStream, KVState
-from engine.events.codec import make_batch
+from engine.events import KVState
 from engine.events.sink import ListSink
 from engine.events.vllm import wire as W
 from engine.events.vllm.config import KVEventsConfig
@@ -24,6 +23,8 @@ from engine.events.vllm.prefix_cache import VllmPrefixCache
 from engine.events.vllm.publisher import VllmPublisher, is_bind_endpoint
 from engine.events.vllm.subscriber import VllmSubscriber
 from engine.events.vllm.translate import MEDIUM, VllmTranslator
+from engine.events.wire import EventStream
+from engine.events.wire.codec import make_batch
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-kv-events.vllmtrace"
 

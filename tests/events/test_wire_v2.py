@@ -10,11 +10,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from engine.events import PROTOCOL_VERSION, EventStream, KVState, ListSink, ProtocolError
-from engine.events import codec as C
-from engine.events.recording import Recording
+from engine.bench.synthetic import SyntheticCache
+from engine.events import PROTOCOL_VERSION, KVState, ListSink, ProtocolError
 from engine.events.state import pack_ids, unpack_ids
-from engine.events.synthetic import SyntheticCache
+from engine.events.wire import EventStream
+from engine.events.wire import codec as C
+from engine.events.wire.recording import Recording
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SAMPLE = Path(__file__).parents[2] / "assets" / "sample.kvtrace"

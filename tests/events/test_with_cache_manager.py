@@ -8,7 +8,7 @@ import threading
 
 from engine.bench.events import ManagerWorkload
 from engine.cache import KVCacheManager
-from engine.events import EventStream, Recording, Subscriber
+from engine.events.wire import EventStream, Recording, Subscriber
 from tests.events.conftest import poll_until, synced_to
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.bench.synthetic import SyntheticCache
 from engine.events import PROTOCOL_VERSION, ListSink
-from engine.events.synthetic import SyntheticCache
 
 
 def synthetic_batches(n: int, seed: int = 0, **kw: Any) -> list[dict[str, Any]]:

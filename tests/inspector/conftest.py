@@ -11,7 +11,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 from engine.events import KVState  # noqa: E402
-from engine.events.recording import RecordingWriter  # noqa: E402
+from engine.events.wire.recording import RecordingWriter  # noqa: E402
 from tests.inspector.batches import synthetic_batches  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"

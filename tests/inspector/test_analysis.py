@@ -7,9 +7,9 @@ import pytest
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QFontMetrics
 
-from engine.events.lifecycle import LifecycleIndex
-from engine.events.ranges import diff_states, range_summary
-from engine.events.recording import RecordingError
+from engine.events.analysis.lifecycle import LifecycleIndex
+from engine.events.analysis.ranges import diff_states, range_summary
+from engine.events.wire.recording import RecordingError
 from inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H, elide_middle
 from tests.inspector.conftest import expected_state
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import PROTOCOL_VERSION
-from engine.events.recording import RecordingWriter
+from engine.events.wire.recording import RecordingWriter
 from inspector.app import open_recording, run
 from inspector.errors import InspectError
 from tests.inspector.conftest import write_recording

@@ -27,7 +27,7 @@ def two_recordings(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, list
 
 
 def test_replays_share_one_time_axis(app, qtbot, two_recordings) -> None:  # noqa: ANN001
-    from engine.events.recording import Recording
+    from engine.events.wire.recording import Recording
     from inspector.fleet import FleetWindow
 
     batches, paths = two_recordings

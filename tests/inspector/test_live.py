@@ -11,8 +11,8 @@ import msgpack
 import pytest
 import zmq
 
-from engine.events import EventStream
-from engine.events.synthetic import SyntheticCache
+from engine.bench.synthetic import SyntheticCache
+from engine.events.wire import EventStream
 from inspector.errors import InspectError
 from inspector.sources.live import LiveSource
 

@@ -175,7 +175,7 @@ def qapp_focus():  # noqa: ANN201
 
 
 def test_costs_and_alerts_on_the_main_window(replay_window, qapp):  # noqa: ANN001
-    from engine.events.costs import cost_series
+    from engine.events.analysis.costs import cost_series
 
     win = replay_window
     panel = win.analysis

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import EventStream, KVState
+from engine.events import KVState
 from engine.events.vllm import wire as W
 from engine.events.vllm.config import KVEventsConfig
 from engine.events.vllm.prefix_cache import VllmPrefixCache
 from engine.events.vllm.publisher import VllmPublisher
 from engine.events.vllm.recording import VllmRecordingWriter, read_messages
+from engine.events.wire import EventStream
 from inspector.errors import InspectError
 from inspector.sources.vllm import VllmLiveSource, load_vllm_recording
 from inspector.views.vllm_prefix import age_map, block_rows, summary_text, timeline_arrays

@@ -1,4 +1,4 @@
-"""engine.model.compiled: the torch.compile'd CPU decode forward (enforce_eager=False) gives the
+"""engine.runner.compiled: the torch.compile'd CPU decode forward (enforce_eager=False) gives the
 eager forward's greedy fp32 tokens, pads a decode batch to its bucket without touching the KV
 cache with the padding, and falls back to eager (never a crash) when compiling fails or no C++
 compiler exists. Tiny shapes (dummy:tiny, 2 layers): one bucket compiles here."""

@@ -88,7 +88,7 @@ def test_pool_is_sized_from_the_byte_budget_with_scales(loaded):
 
 
 def test_tier_init_event_carries_the_format(loaded, tmp_path):
-    from engine.events.recording import Recording
+    from engine.events.wire.recording import Recording
 
     path = tmp_path / "int4.kvtrace"
     eng = LLMEngine(EngineConfig(kv_cache_dtype="int4", num_gpu_blocks=8,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
+from engine.bench.synthetic import SyntheticCache
 from engine.cache.hashing import chain_hashes
 from engine.events.sink import ListSink
 from engine.events.state import KVState
-from engine.events.synthetic import SyntheticCache
 from engine.router.policy import Policy
 from engine.router.prefix_index import PrefixIndex, prompt_chain
 from engine.router.replica import Replica, parse_replica

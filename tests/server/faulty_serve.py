@@ -18,7 +18,7 @@ KILLER_TOKEN = 4242
 
 def _inject() -> None:
     import engine.engine as engine_module
-    from engine.runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     real_sample, real_sample_batch = engine_module.sample, engine_module.sample_batch
     real_execute = ModelRunner.execute_keeping

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.events.recording import Recording
+from engine.events.wire.recording import Recording
 from tests.server.conftest import Daemon, start_daemon, stop_daemon
 
 CHAT = "/v1/chat/completions"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.events import KVState
-from engine.events.recording import Recording
+from engine.events.wire.recording import Recording
 from engine.reference_generate import generate_reference
 from tests.engine.conftest import GREEDY, PROMPTS, TEST_DTYPE, as_prompt
 

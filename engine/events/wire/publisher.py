@@ -24,8 +24,8 @@ from typing import Any
 
 import zmq
 
-from engine.events import codec as C
 from engine.events.schema import ProtocolError
+from engine.events.wire import codec as C
 
 log = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import zmq
 
-from engine.events import codec as C
-from engine.events.publisher import snapshot_endpoint_for
 from engine.events.schema import ProtocolError
 from engine.events.state import KVState
+from engine.events.wire import codec as C
+from engine.events.wire.publisher import snapshot_endpoint_for
 
 Update = dict[str, Any]
 

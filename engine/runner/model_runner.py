@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 import kernels
-from engine.cache.page_format import KVPages, page_format
-from engine.model.compiled import maybe_compiled
-from engine.model.cuda_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.model.llama import LlamaModel
+from engine.runner.compiled import maybe_compiled
+from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, Graph
+from engine.runner.page_format import KVPages, page_format
 from engine.scheduler import ScheduledSeq
 from kernels import quant
 from kernels.cpu_attention import StepPlan
@@ -58,7 +58,7 @@ class PagedAttention:
         self.k_scales = pages.k_scales or no_scales
         self.v_scales = pages.v_scales or no_scales
         self.calibrate = [pages.format.kv_cache_dtype == "fp8"] * len(pages.k_caches)
-        # Quantized pages hold K and V in a Hadamard-rotated basis (engine.cache.page_format)
+        # Quantized pages hold K and V in a Hadamard-rotated basis (engine.runner.page_format)
         self.rotation = pages.format.rotation(pages.k_caches[0].device)
         self.batch: StepBatch | None = None
         # CPU: the step's attention metadata, built once per batch (kernels.cpu_attention)
@@ -139,25 +139,26 @@ class ModelRunner:
                  max_model_len: int | None = None, max_num_seqs: int = 256) -> None:
         self.model, self.cfg = model, model_config
         # CPU: the torch.compile'd decode forward when asked (enforce_eager False;
-        # engine.model.compiled)
+        # engine.runner.compiled)
         self.compiled = maybe_compiled(model, device, enforce_eager is not False)
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         if device.type == "cpu":
             keep_freed_memory()
-        # kv_dtype: the model dtype, which "auto" pages use; others: engine.cache.page_format
+        # kv_dtype: the model dtype, which "auto" pages use; others: engine.runner.page_format
         # (a mixed arena replaces these pages: one block of each stays as a placeholder)
         self.kv = page_format(kv_cache_dtype, kv_dtype, model_config, block_size).allocate(
             num_blocks if mixed is None else 1, device)
         self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
         self.attn = PagedAttention(self.kv, model_config.head_dim ** -0.5)
-        self.mixed_kv = None  # mixed-precision arena (engine.mixed_kv), ``mixed`` = its layout
+        # mixed-precision arena (engine.runner.mixed_kv), ``mixed`` = its layout
+        self.mixed_kv = None
         if mixed is not None:
-            from engine.mixed_kv import MixedKV, MixedPagedAttention
+            from engine.runner.mixed_kv import MixedKV, MixedPagedAttention
 
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
             self.attn = MixedPagedAttention(self.mixed_kv, model_config.head_dim ** -0.5)
         # CUDA: pure decode steps replay captured graphs unless enforce_eager is True
-        # (engine.model.cuda_graphs); not over the mixed arena, whose kernels were never
+        # (engine.runner.cuda_graphs); not over the mixed arena, whose kernels were never
         # captured on a device.
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and enforce_eager is not True and mixed is None and \

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.events.lifecycle import LifecycleIndex
+from engine.events.analysis.lifecycle import LifecycleIndex
 from engine.events.state import KVState
 
 

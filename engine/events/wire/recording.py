@@ -46,9 +46,9 @@ from typing import Any, BinaryIO
 import msgpack
 import zstandard
 
-from engine.events.codec import Codec
 from engine.events.schema import PROTOCOL_VERSION, READABLE_VERSIONS, ProtocolError
 from engine.events.state import KVState
+from engine.events.wire.codec import Codec
 
 MAGIC = b"KVSTRACE"
 TRAILER_MAGIC = b"KVSINDEX"

@@ -50,13 +50,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from engine.events import codec as C
 from engine.events import schema as S
-from engine.events.publisher import Publisher
-from engine.events.recording import RecordingWriter
 from engine.events.schema import ProtocolError
 from engine.events.sink import EventSink, ListSink, NullSink
 from engine.events.state import KVState
+from engine.events.wire import codec as C
+from engine.events.wire.publisher import Publisher
+from engine.events.wire.recording import RecordingWriter
 
 log = logging.getLogger(__name__)
 

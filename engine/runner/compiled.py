@@ -232,7 +232,7 @@ def maybe_compiled(model: torch.nn.Module, device: torch.device,
                    enforce_eager: bool) -> CompiledDecodeForward | None:
     """The compiled decode forward when it applies: CPU, a plain (unsharded) LlamaModel,
     ``enforce_eager`` off and a C++ compiler present; None (eager) otherwise. CUDA runs
-    graphs instead (engine.model.cuda_graphs)."""
+    graphs instead (engine.runner.cuda_graphs)."""
     if enforce_eager or device.type != "cpu" or type(model) is not LlamaModel:
         return None
     problem = compiler_problem()
