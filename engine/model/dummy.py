@@ -36,7 +36,7 @@ LOAD_FORMATS = ("auto", "dummy")
 INIT_STD = 0.02
 
 # HF config.json dicts of the shapes kvscope is measured at. smollm2-135m is the embedded
-# model's own config (docs: NOTES.md); llama-3-8b is Meta-Llama-3-8B's.
+# model's own config (the GGUF's metadata); llama-3-8b is Meta-Llama-3-8B's.
 PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
