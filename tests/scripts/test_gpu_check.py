@@ -49,8 +49,19 @@ def test_list_prints_each_section_with_its_budget_and_run(capsys):
     out = capsys.readouterr().out.splitlines()
     for s in gpu_check.PLAN:
         assert any(line.split()[:3] == [str(s.run), s.name, str(s.budget_s)] for line in out)
-    assert "run 1: 380 s of work at most (limit 420 s)" in out
+    assert "run 1: 390 s of work at most (limit 420 s)" in out
     assert "run 2: 240 s of work at most (limit 240 s)" in out
+
+
+def test_the_recipe_shows_the_plan_and_a_run_command_the_device_takes():
+    """docs/GPU.md carries --list's output as it is, and run 1's command fits the device
+    tool's 2,000 characters."""
+    gpu_check = _module()
+    doc = (ROOT / "docs" / "GPU.md").read_text()
+    assert "\n".join("    " + line for line in gpu_check.plan_text().splitlines()) in doc
+    run1 = [line.strip() for line in doc.splitlines() if "gpu_check.py $OUT --run 1" in line]
+    assert len(run1) == 1 and len(run1[0]) <= 2000
+    assert "--target /tmp/site .whl/*.whl" in run1[0]
 
 
 @pytest.mark.slow
