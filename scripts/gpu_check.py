@@ -122,6 +122,7 @@ def run_section(out_dir: Path, name: str, smoke: bool) -> dict:
     device = torch.device("cpu" if smoke else "cuda")
     if smoke:
         torch.set_num_threads(1)
+    who = gpu_sections.meta(device)  # before the section: a CUDA error can leave none after
     ctx = gpu_sections.Context(out_dir, smoke, device, deadline=started + kill_at - time.time()
                                - min(WIND_DOWN_S, budget / 4))
     try:
@@ -136,7 +137,7 @@ def run_section(out_dir: Path, name: str, smoke: bool) -> dict:
     result |= {"section": name, "run": SECTIONS[name].run, "budget_s": budget,
                "seconds": round(time.perf_counter() - started, 1),
                "startup_s": round(startup_s, 1),
-               "meta": gpu_sections.meta(device), "smoke": smoke}
+               "meta": who, "smoke": smoke}
     write_json(out_dir / f"{name}.json", result)
     return result
 
