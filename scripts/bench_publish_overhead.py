@@ -33,10 +33,12 @@ def free_port() -> int:
 
 def measure_overhead(loaded, requests: int, max_tokens: int, device: str = "cpu",
                      dtype: str | torch.dtype = "auto", vocab_low: int = 100,
-                     num_blocks: int = 512) -> dict:
+                     num_blocks: int = 512, until: float | None = None) -> dict:
     """Step an events-off and an events-on engine (sharing ``loaded``) alternately over the
     same seeded requests; mean step times, the overhead and the events/s at the on-engine's
-    step rate. Also what scripts/gpu_check.py runs on the device."""
+    step rate. Also what scripts/gpu_check.py runs on the device. With ``until`` (a
+    time.perf_counter() value) the alternation stops there, after a pair of steps, so both
+    engines have run the same steps."""
     vocab = loaded[2].vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab_low, min(40000, vocab - 1))
@@ -58,6 +60,8 @@ def measure_overhead(loaded, requests: int, max_tokens: int, device: str = "cpu"
         times: dict[str, list[float]] = {k: [] for k in engines}
         events = 0
         while any(e.has_unfinished_requests() for e in engines.values()):
+            if until is not None and time.perf_counter() >= until:
+                break
             for name, eng in engines.items():
                 if eng.has_unfinished_requests():
                     t = time.perf_counter()

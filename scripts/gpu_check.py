@@ -1,38 +1,22 @@
-"""Everything issue 18 checks and measures on a GPU, in one script (one or a few calls of
-the device tool): correctness of the kernels and the engine on CUDA, and the numbers of
-docs/BENCHMARKS.md's GPU rows, each side by side in one run.
+"""Everything the GPU device window checks and measures (issue 33), planned to fit one
+15-minute window: run 1 (at most 420 s of work, under a 480 s limit) answers what matters
+first; run 2 (at most 240 s) only when time is left (docs/GPU.md is the recipe).
 
-    python scripts/gpu_check.py OUT_DIR [--call 1|2|3 | --sections a,b,...]
-                                [--budget SECTION=SECONDS ...]
-    python scripts/gpu_check.py OUT_DIR --smoke    # tiny shapes on CPU (CI runs this)
+    python scripts/gpu_check.py --list              # the plan: sections, budgets, runs
+    python scripts/gpu_check.py OUT_DIR --run 1     # on the device (run 2 likewise)
+    python scripts/gpu_check.py OUT_DIR --section NAME   # one section, in this process
+    python scripts/gpu_check.py OUT_DIR --smoke     # every section, tiny shapes, on CPU
 
-Sections (in this order; ``--sections`` picks some, ``--list`` prints them):
-  device      versions, the GPU, measured device-to-device copy bandwidth (read + write
-              bytes), pinned host<->device copies, a bf16 matmul rate
-  kernels     pytest tests/kernels on the device (Triton path: every page format, block
-              sizes 1..256 at 8B head shapes, split-K decode, prefill with cached context)
-  invariance  pytest of the engine's invariance suite on CUDA with dummy SmolLM2-shaped
-              weights in fp32 (block sizes, prefix caching, CoW forks, preemption by
-              recompute and swap, chunked prefill, contiguous layout)
-  quant       same dummy weights: paged pages vs the contiguous layout (fp32: identical),
-              and fp8/int8/int4 pages' greedy agreement with bf16 pages (reported)
-  attention   paged decode attention (Triton) vs the copy bandwidth and vs torch SDPA
-              (flash) on a contiguous cache: batch 1..256, context 1k..32k, bf16 and
-              fp8/int8/int4 pages
-  decode      decode step (forward + logits) of the Llama-3-8B-shaped model at batch
-              1/8/64/256, context 2k, vs its floor (weight + KV bytes over copy bandwidth)
-  syncs       host syncs inside a real engine's decode steps, counted by torch's CUDA
-              sync debug mode, by the line that synchronises (goal: only the sampled ids)
-  events      events + recording on vs off on the real engine, alternating, same requests
-  offline     8B-shaped bf16, 256 mixed-length requests: kvscope vs HF transformers
-              generate (static cache, batched) when transformers is there
-  capacity    `kvscope bench capacity` at 8B shapes and an 8B KV budget
-  swap        `kvscope bench swap` at 8B shapes
+A run starts each section in its own process and kills it at its budget, so a CUDA error,
+a leak or a hang stays in its section and the run always ends inside its limit. Each
+section writes OUT_DIR/<section>.json as soon as it ends (a killed run keeps what
+finished); the run writes OUT_DIR/run<N>.md (the table, with GPU, versions and date,
+rewritten after every section) and OUT_DIR/run<N>.log (every section's whole output), and
+prints the table last. At most 8 files: what the device tool brings back.
 
-Every section is guarded: an exception is recorded with its traceback and the next section
-runs. Each has a time budget (seconds; loops stop early and say so, pytest runs are killed).
-Results go to OUT_DIR/gpu_check.json (rewritten after each section, so a killed run keeps
-what finished) and pytest output to OUT_DIR/<section>.log; a short table is printed last.
+A section's status: ok, miss (measured; a goal of the issue missed), fail (a correctness
+check failed), timeout (killed at its budget), error (it raised: the traceback is in its
+JSON and the log). The exit code is 1 when any section failed, timed out or raised.
 """
 
 from __future__ import annotations
@@ -41,31 +25,23 @@ import os
 import sys
 
 SMOKE = "--smoke" in sys.argv
-if SMOKE:  # the Triton interpreter must be on before kernels' Triton modules are imported
+if SMOKE:  # the Triton interpreter must be on before triton or kernels is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import gc  # noqa: E402
 import importlib.util  # noqa: E402
-import io  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from datetime import UTC, datetime  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve()
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -87,855 +63,227 @@ def _importable_checkout() -> None:
 
 _importable_checkout()
 
-SECTIONS = ("device", "kernels", "invariance", "quant", "attention", "decode", "syncs",
-            "events", "offline", "capacity", "swap")
-# Seconds per section on the device (caps: loops stop early, pytest is killed; a bench
-# called in-process runs to its end). Together ~25 minutes at most, so three calls of the
-# device tool, each under its 10-minute limit: --call 1, 2, 3 (docs/GPU.md). Sections after
-# the first measure the copy bandwidth again themselves (~2 s) when `device` did not run.
-BUDGETS = {"device": 30, "kernels": 240, "invariance": 200, "quant": 90, "attention": 180,
-           "decode": 150, "syncs": 40, "events": 80, "offline": 200, "capacity": 180,
-           "swap": 120}
-CALLS = {"1": ("device", "kernels", "invariance"),
-         "2": ("quant", "attention", "decode", "syncs", "events"),
-         "3": ("offline", "capacity", "swap")}
-SMOKE_BUDGET = 60
-BIG = "dummy:llama-3-8b"  # the performance model
-SMALL = "dummy:smollm2-135m"  # the correctness model
-TINY = "dummy:tiny"  # both, in --smoke
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    run: int  # which device call runs it: 1 (always), 2 (when the window has time left)
+    budget_s: int  # wall seconds, process start included; killed there
+    answers: str
 
 
-@dataclass
-class Context:
-    out_dir: Path
-    smoke: bool
-    device: torch.device
-    budget_s: float = 0.0
-    started: float = 0.0
-    copy_bw: float | None = None  # bytes/s, read + write, of a device-to-device copy
-    _models: dict[tuple[str, str], tuple] = field(default_factory=dict)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def left_s(self) -> float:
-        return self.budget_s - (time.perf_counter() - self.started)
-
-    def over(self) -> bool:
-        return self.left_s() <= 0
-
-    def model(self, name: str, dtype: torch.dtype):
-        """(model, tokenizer, config), loaded once per run and shared between sections."""
-        from engine.model import load_model
-
-        key = (name, str(dtype))
-        if key not in self._models:
-            self.release()
-            self._models[key] = load_model(name, device=self.device, dtype=dtype, seed=0)
-        return self._models[key]
-
-    def release(self) -> None:
-        """Drop loaded models and cached blocks before a section that loads its own."""
-        self._models.clear()
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
+# In run order. Run 1 holds what must come back from the first window (correctness, then
+# the numbers the issue's goals name); run 2 what can wait for time left or the next one.
+# Budgets include the section's process start (torch import, ~3 s there). kernels is the
+# widest: some 50 Triton compilations (page formats x kernels x specialisations) before
+# its tests run, none cached on a fresh machine.
+PLAN = (
+    Section("device", 1, 20, "GPU, versions, copy bandwidth, pinned H2D/D2H, bf16 matmul"),
+    Section("kernels", 1, 110, "Triton on sm_90: every page format, block sizes 1/16/128, "
+                              "split-K decode, prefill with cached context"),
+    Section("invariance", 1, 90, "engine on CUDA, dummy SmolLM2: greedy tokens equal across "
+                                 "block size, prefix caching, CoW, preemption, chunking; "
+                                 "CUDA graphs = eager"),
+    Section("decode", 1, 80, "8B decode step at batch 1/8/64/256, ctx 2k, graphs and eager, "
+                             "vs its floor; host syncs per step"),
+    Section("attention", 1, 60, "paged decode attention vs copy bandwidth and SDPA: batch "
+                                "32/128, ctx 4k/16k, bf16 and int8 pages"),
+    Section("events", 1, 30, "events + recording on vs off on the 8B engine; events/s"),
+    Section("offline", 2, 110, "8B offline throughput vs HF generate (static cache)"),
+    Section("capacity", 2, 50, "kvscope bench capacity at 8B shapes"),
+    Section("swap", 2, 40, "kvscope bench swap at 8B shapes"),
+    Section("quant", 2, 40, "quantized pages' greedy agreement; fp32 paged = contiguous"),
+)
+RUN_LIMITS_S = {1: 420, 2: 240}  # of work; the device call's own limit: run 1 under 480 s
+SECTIONS = {s.name: s for s in PLAN}
+SMOKE_BUDGET_S = 300  # per section on CPU: a hang guard, not a plan
+WIND_DOWN_S = 8  # a section's loops stop this long before its kill (a row, the JSON write)
+KILL_AT = "GPU_CHECK_KILL_AT"  # env: when the run kills this section (time.time() seconds)
+MAX_FILES = 8  # what the device tool brings back from $OUT
 
 
-# ---------------------------------------------------------------- helpers
-def sync(ctx: Context) -> None:
-    if ctx.cuda:
-        torch.cuda.synchronize(ctx.device)
+def budget_s(section: Section, smoke: bool) -> int:
+    return SMOKE_BUDGET_S if smoke else section.budget_s
 
 
-def bench_ms(ctx: Context, fn: Callable[[], Any], rep_ms: int = 60) -> float:
-    """Median milliseconds of ``fn``: triton's do_bench (CUDA events, L2 flushed between
-    runs) on a GPU, a wall clock around a synchronised call elsewhere."""
-    if ctx.cuda:
-        import inspect
+# ---------------------------------------------------------------- one section (a child)
+def run_section(out_dir: Path, name: str, smoke: bool) -> dict:
+    """Run one section in this process and write OUT_DIR/<name>.json: its result, status,
+    seconds and who measured. An exception is recorded with its traceback."""
+    import gpu_sections
+    import torch
 
-        from triton.testing import do_bench
-
-        if "return_mode" in inspect.signature(do_bench).parameters:
-            return float(do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
-        return float(do_bench(fn, warmup=10, rep=rep_ms, quantiles=[0.5]))
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-def copy_bandwidth(ctx: Context) -> float:
-    """Bytes/s of a device-to-device copy counting bytes read and written (METHOD.md)."""
-    if ctx.copy_bw is None:
-        size = (16 << 20) if ctx.smoke else (2 << 30)
-        src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=ctx.device)
-        dst = torch.empty_like(src)
-        ms = bench_ms(ctx, lambda: dst.copy_(src), rep_ms=200)
-        ctx.copy_bw = 2 * size / (ms * 1e-3)
-        del src, dst
-        ctx.release()
-    return ctx.copy_bw
-
-
-def run_pytest(ctx: Context, name: str, args: list[str], env: dict[str, str]) -> dict:
-    """pytest in a child process (its own environment, killed at the section's budget);
-    counts from its summary line, the whole output in OUT_DIR/<name>.log."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *args]
-    child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-    if not ctx.smoke:
-        child_env.pop("TRITON_INTERPRET", None)
-    t0 = time.perf_counter()
+    started = time.perf_counter()
+    budget = budget_s(SECTIONS[name], smoke)
+    # started by a run: its kill time (this process's start counts against the budget);
+    # by hand: the budget from now
+    kill_at = float(os.environ.get(KILL_AT, time.time() + budget))
+    startup_s = time.time() - (kill_at - budget)
+    device = torch.device("cpu" if smoke else "cuda")
+    if smoke:
+        torch.set_num_threads(1)
+    who = gpu_sections.meta(device)  # before the section: a CUDA error can leave none after
+    ctx = gpu_sections.Context(out_dir, smoke, device, deadline=started + kill_at - time.time()
+                               - min(WIND_DOWN_S, budget / 4))
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=child_env, capture_output=True, text=True,
-                              timeout=max(ctx.left_s(), 10))
-        out, rc, timed_out = proc.stdout + proc.stderr, proc.returncode, False
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc, timed_out = None, True
-    (ctx.out_dir / f"{name}.log").write_text(out)
-    counts = {k: 0 for k in ("passed", "failed", "skipped", "error", "errors")}
-    tail = out.strip().splitlines()[-1] if out.strip() else ""
-    for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", tail):
-        counts[kind] += int(n)
-    counts["error"] += counts.pop("errors")
-    failures = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    ok = rc == 0 and not timed_out and counts["passed"] > 0
-    return {"status": "ok" if ok else ("timeout" if timed_out else "fail"),
-            "returncode": rc, "wall_s": round(time.perf_counter() - t0, 1), **counts,
-            "failures": failures[:40], "command": " ".join(cmd[1:]), "env": env,
-            "summary": f"{counts['passed']} passed, {counts['failed']} failed, "
-                       f"{counts['error']} errors, {counts['skipped']} skipped"
-                       + (" (TIMED OUT)" if timed_out else "")}
-
-
-def cli_json(argv: list[str]) -> dict:
-    """Run a `kvscope` command in this process and parse the one JSON object it prints."""
-    from engine.cli import main
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = main(argv)
-    text = buf.getvalue()
-    if rc != 0:
-        raise RuntimeError(f"kvscope {' '.join(argv)} exited {rc}: {text[-2000:]}")
-    return json.loads(text[text.index("{"):])
-
-
-# ---------------------------------------------------------------- sections
-def section_device(ctx: Context) -> dict:
-    import triton
-
-    r: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                         "triton": triton.__version__, "device": str(ctx.device),
-                         "date": datetime.now(UTC).isoformat(timespec="seconds")}
-    if ctx.cuda:
-        props = torch.cuda.get_device_properties(ctx.device)
-        r |= {"name": props.name, "capability": f"{props.major}.{props.minor}",
-              "multiprocessors": props.multi_processor_count,
-              "memory_gib": round(props.total_memory / (1 << 30), 1),
-              "l2_mib": round(getattr(props, "L2_cache_size", 0) / (1 << 20), 1),
-              "cuda": torch.version.cuda}
-    else:
-        r["name"] = platform.processor() or platform.machine()
-    bw = copy_bandwidth(ctx)
-    r["copy_tb_s"] = round(bw / 1e12, 3)
-    if ctx.cuda:  # pinned host <-> device, one way each (the swap tier's ceiling)
-        n = 1 << 30
-        host = torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory()
-        dev = torch.empty(n, dtype=torch.uint8, device=ctx.device)
-        r["h2d_gb_s"] = round(n / (bench_ms(ctx, lambda: dev.copy_(host, non_blocking=True))
-                                   * 1e-3) / 1e9, 1)
-        r["d2h_gb_s"] = round(n / (bench_ms(ctx, lambda: host.copy_(dev, non_blocking=True))
-                                   * 1e-3) / 1e9, 1)
-        del host, dev
-    size = 256 if ctx.smoke else 8192
-    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
-    mats = [torch.randn(size, size, device=ctx.device, dtype=dtype) for _ in "ab"]  # never 0s
-    ms = bench_ms(ctx, lambda: mats[0] @ mats[1])
-    r["matmul_tflop_s"] = round(2 * size ** 3 / (ms * 1e-3) / 1e12, 2)
-    mats.clear()
-    ctx.release()
-    r["summary"] = (f"{r['name']}: copy {r['copy_tb_s']} TB/s, matmul "
-                    f"{r['matmul_tflop_s']} TFLOP/s"
-                    + (f", pinned H2D {r['h2d_gb_s']} / D2H {r['d2h_gb_s']} GB/s"
-                       if ctx.cuda else ""))
-    return r
-
-
-def section_kernels(ctx: Context) -> dict:
-    if ctx.smoke:  # the interpreter: one split-K case and the GPU file (which skips)
-        args = ["tests/kernels/test_triton_attention.py::"
-                "test_decode_split_counts_including_more_splits_than_tiles[3]",
-                "tests/kernels/test_gpu_shapes.py"]
-        return run_pytest(ctx, "kernels", args, {})
-    # tests/kernels' conftest runs the Triton kernels on the GPU when there is one
-    return run_pytest(ctx, "kernels", ["tests/kernels"], {})
-
-
-def section_invariance(ctx: Context) -> dict:
-    env = {"KVSCOPE_TEST_MODEL": TINY if ctx.smoke else SMALL,
-           "KVSCOPE_TEST_DEVICE": ctx.device.type, "KVSCOPE_TEST_DTYPE": "float32"}
-    args = ["tests/engine/test_invariance.py", "tests/swap/test_swap_engine.py",
-            "tests/model/test_cuda_graphs.py"]  # its gpu tests: real graphs vs eager tokens
-    if ctx.smoke:
-        args += ["-k", "block_sizes and 16 or swap_preemption"]
-    return run_pytest(ctx, "invariance", args, env)
-
-
-def _prompts(n: int, vocab: int, seed: int = 0) -> list[dict]:
-    import random
-
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(8, 120))]}
-            for _ in range(n)]
-
-
-def _greedy_tokens(ctx: Context, loaded, prompts: list[dict], max_tokens: int,
-                   **engine_kwargs) -> list[list[int]]:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
-                                 max_model_len=512, **engine_kwargs), loaded=loaded)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    eng.close()
-    return [done[str(i)] for i in range(len(prompts))]
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """Identical sequences, and the mean share of tokens before the first difference."""
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    prefix = []
-    for x, y in zip(a, b, strict=True):
-        k = next((i for i, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), len(x))
-        prefix.append(k / max(len(x), 1))
-    return {"identical": f"{same}/{len(a)}", "mean_common_prefix": round(sum(prefix) /
-                                                                         len(prefix), 3)}
-
-
-def section_quant(ctx: Context) -> dict:
-    from engine.runner.page_format import check_supported
-
-    n, tokens = (4, 6) if ctx.smoke else (16, 32)
-    name = TINY if ctx.smoke else SMALL
-    r: dict[str, Any] = {"model": name, "prompts": n, "max_tokens": tokens}
-    blocks = {"num_gpu_blocks": 512}
-    # fp32: the paged cache must not change a single greedy token against contiguous
-    fp32 = ctx.model(name, torch.float32)
-    prompts = _prompts(n, fp32[2].vocab_size)
-    paged = _greedy_tokens(ctx, fp32, prompts, tokens, **blocks)
-    contiguous = _greedy_tokens(ctx, fp32, prompts, tokens, kv_layout="contiguous", **blocks)
-    r["fp32_paged_vs_contiguous"] = _agreement(paged, contiguous)
-    identical = paged == contiguous
-    # bf16 model (what a GPU runs; on CPU too in --smoke, to catch dtype errors):
-    # quantized pages against bf16 pages, same weights
-    dtype = torch.bfloat16
-    model = ctx.model(name, dtype)
-    base = _greedy_tokens(ctx, model, prompts, tokens, **blocks)
-    r["model_dtype"] = str(dtype).split(".")[-1]
-    r["contiguous_vs_paged"] = _agreement(
-        _greedy_tokens(ctx, model, prompts, tokens, kv_layout="contiguous", **blocks), base)
-    for fmt in ("fp8", "int8", "int4"):
-        try:
-            check_supported(fmt, ctx.device)
-        except ValueError as e:
-            r[fmt] = f"unsupported: {e}"
-            continue
-        r[fmt] = _agreement(_greedy_tokens(ctx, model, prompts, tokens, kv_cache_dtype=fmt,
-                                           **blocks), base)
-    r["status"] = "ok" if identical else "fail"
-    r["summary"] = (f"fp32 paged==contiguous {r['fp32_paged_vs_contiguous']['identical']}; "
-                    + ", ".join(f"{f} {r[f]['mean_common_prefix']:.2f}"
-                                for f in ("fp8", "int8", "int4") if isinstance(r[f], dict))
-                    + f" of tokens agree with {r['model_dtype']} pages")
-    return r
-
-
-def _paged_case(ctx: Context, fmt: str, batch: int, context: int, hkv: int, head_dim: int,
-                block: int):
-    """A decode batch over pages of ``fmt`` (1 layer): every slot written through
-    kernels.reshape_and_cache from random K/V, pages a random permutation of the pool."""
-    import kernels
-    from engine.runner.page_format import PageFormat
-
-    pages_per_seq = -(-context // block)
-    num_blocks = batch * pages_per_seq
-    fmt_ = PageFormat(fmt, torch.bfloat16, 1, block, hkv, head_dim)
-    kv = fmt_.allocate(num_blocks, ctx.device)
-    slots = num_blocks * block
-    chunk = 1 << 18
-    gen = torch.Generator(device=ctx.device).manual_seed(batch * 7 + context)
-    for start in range(0, slots, chunk):
-        n = min(chunk, slots - start)
-        k = torch.randn(n, hkv, head_dim, device=ctx.device, dtype=torch.bfloat16,
-                        generator=gen)
-        v = torch.randn(n, hkv, head_dim, device=ctx.device, dtype=torch.bfloat16,
-                        generator=gen)
-        slot = torch.arange(start, start + n, device=ctx.device)
-        kernels.reshape_and_cache(k, v, kv.k_caches[0], kv.v_caches[0], slot,
-                                  k_scale=kv.k_scales[0] if kv.k_scales else None,
-                                  v_scale=kv.v_scales[0] if kv.v_scales else None)
-    perm = torch.randperm(num_blocks, device="cpu").view(batch, pages_per_seq)
-    tables = perm.to(device=ctx.device, dtype=torch.int32)
-    kv_bytes = 2 * batch * context * hkv * fmt_.bytes_per_token_head
-    return kv, tables, kv_bytes
-
-
-def section_attention(ctx: Context) -> dict:
-    import torch.nn.functional as F
-
-    import kernels
-
-    if ctx.smoke:
-        hq, hkv, d, block = 4, 2, 16, 16
-        batches, contexts, formats = (1, 2), (32,), ("auto", "int8")
-    else:
-        hq, hkv, d, block = 32, 8, 128, 16
-        batches, contexts = (1, 8, 32, 64, 128, 256), (1024, 4096, 16384, 32768)
-        formats = ("auto", "fp8", "int8", "int4")
-    bw = copy_bandwidth(ctx)
-    scale = d ** -0.5
-    rows, truncated = [], False
-    for context in contexts:
-        for batch in batches:
-            if ctx.over():
-                truncated = True
-                break
-            row: dict[str, Any] = {"batch": batch, "context": context}
-            rows.append(row)
-            bf16_bytes = 2 * batch * context * hkv * d * 2
-            free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.cuda else 1 << 40
-            if 3.5 * bf16_bytes > free:  # bf16 pages + contiguous copy + gather temporaries
-                row["skipped"] = f"{bf16_bytes / 2**30:.1f} GiB of bf16 K/V does not fit"
-                continue
-            q = torch.randn(batch, hq, d, device=ctx.device, dtype=torch.bfloat16)
-            seq_lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
-            cu = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
-            out = torch.empty_like(q)
-            for fmt in formats:
-                kv, tables, kv_bytes = _paged_case(ctx, fmt, batch, context, hkv, d, block)
-                scales = {"k_scale": kv.k_scales[0] if kv.k_scales else None,
-                          "v_scale": kv.v_scales[0] if kv.v_scales else None}
-                args = (q, kv.k_caches[0], kv.v_caches[0], tables, seq_lens, cu, scale)
-                with kernels.force_backend("triton"):
-                    ms = bench_ms(ctx, lambda args=args, out=out, scales=scales:
-                                  kernels.paged_attention(*args, out=out, **scales))
-                row[fmt] = {"ms": round(ms, 4), "kv_bytes": kv_bytes,
-                            "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)}
-                if fmt == "auto":  # the same keys, contiguous, through SDPA
-                    row["sdpa"] = _sdpa_row(ctx, q, kv, tables, context, scale, kv_bytes, bw,
-                                            F)
-                del kv, tables, args
-            if "auto" in row:
-                for fmt in formats[1:]:
-                    speed = row["auto"]["ms"] / row[fmt]["ms"]
-                    row[fmt]["speedup_vs_bf16"] = round(speed, 2)
-                    row[fmt]["byte_ratio"] = round(row["auto"]["kv_bytes"] /
-                                                   row[fmt]["kv_bytes"], 2)
-            ctx.release()
-    big = [r for r in rows if r["batch"] >= 32 and r["context"] >= 4096 and "auto" in r]
-    worst = min((r["auto"]["bw_fraction"] for r in big), default=None)
-    r = {"shapes": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": block},
-         "copy_tb_s": round(bw / 1e12, 3), "rows": rows, "truncated": truncated,
-         "goal": "bf16 paged >= 85% of copy bandwidth at batch >= 32, context >= 4k"}
-    if worst is not None:
-        r["worst_bw_fraction_at_goal_shapes"] = worst
-        r["goal_met"] = worst >= 0.85
-    r["summary"] = ((f"bf16 worst {100 * worst:.0f}% of copy bw at B>=32, ctx>=4k "
-                     f"({'met' if worst >= 0.85 else 'MISSED'} 85%)") if worst is not None
-                    else f"{len(rows)} points (none at the goal's shapes)") + \
-        ("; truncated by the time budget" if truncated else "")
-    return r
-
-
-def _sdpa_row(ctx, q, kv, tables, context, scale, kv_bytes, bw, F) -> dict:
-    """torch SDPA (flash backend where it takes the call) on a contiguous [B, Hkv, L, D]
-    cache holding the paged keys in order. GQA as a short query: q viewed [B, Hkv, G, D]
-    attends all L keys without a mask, exactly what decode computes."""
-    batch, hq, d = q.shape
-    hkv = kv.k_caches[0].shape[2]
-    pages = tables.long()
-    k = kv.k_caches[0][pages].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    v = kv.v_caches[0][pages].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    q4 = q.view(batch, hkv, hq // hkv, d)
-
-    def sdpa():
-        return F.scaled_dot_product_attention(q4, k, v, scale=scale)
-
-    backend = "default"
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            sdpa()
-        backend = "flash"
-    except (ImportError, RuntimeError):
-        pass
-    if backend == "flash":
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ms = bench_ms(ctx, sdpa)
-    else:
-        ms = bench_ms(ctx, sdpa)
-    return {"ms": round(ms, 4), "backend": backend,
-            "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)}
-
-
-def section_decode(ctx: Context) -> dict:
-    from engine.model.dummy import weight_bytes
-    from engine.runner.model_runner import ModelRunner, StepBatch
-    from engine.runner.page_format import page_format
-
-    name = TINY if ctx.smoke else BIG
-    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
-    batches, context = ((1, 4), 64) if ctx.smoke else ((1, 8, 64, 256), 2048)
-    model, _, cfg = ctx.model(name, dtype)
-    bs = 16
-    fmt = page_format("auto", dtype, cfg, bs)
-    need = max(batches) * -(-context // bs)
-    free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.cuda else 1 << 34
-    headroom = 8 << 30 if ctx.cuda else 0  # activations and logits at batch 256
-    num_blocks = max(1, min(need, (free - headroom) // fmt.bytes_per_block))
-    # the default: CUDA graphs for the decode step (engine.runner.cuda_graphs); none on CPU
-    # (--smoke), which measures the eager rows only
-    runner = ModelRunner(model, cfg, num_blocks, bs, ctx.device, dtype,
-                         max_model_len=context, max_num_seqs=max(batches))
-    graphs = runner.graphs
-    for t in runner.kv.per_block_tensors:  # attention over random keys, never zeros
-        t.normal_()
-    bw = copy_bandwidth(ctx)
-    w_bytes = weight_bytes(cfg, dtype.itemsize)
-    rows = []
-    for batch in batches:
-        if ctx.over():
-            break
-        ctx_len = min(context, (num_blocks // batch) * bs)
-        pages = -(-ctx_len // bs)
-        table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
-        pos = torch.full((batch,), ctx_len - 1, dtype=torch.int64)
-        dev = ctx.device
-        step = StepBatch(
-            input_ids=torch.randint(3, cfg.vocab_size, (batch,), device=dev),
-            positions=pos.to(dev),
-            slot_mapping=(table[:, -1].long() * bs + (ctx_len - 1) % bs).to(dev),
-            block_tables=table.to(dev),
-            seq_lens=torch.full((batch,), ctx_len, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=dev),
-            sample_index=torch.arange(batch, device=dev))
-        runner.graphs = None
-        ms = bench_ms(ctx, lambda step=step, run=runner: run.execute(step), rep_ms=300)
-        graph_ms = None
-        if graphs is not None:
-            runner.graphs = graphs
-            runner.execute(step)  # the bucket's capture, outside the timing
-            graph_ms = bench_ms(ctx, lambda step=step, run=runner: run.execute(step),
-                                rep_ms=300)
-            ms_best = min(ms, graph_ms)
-        else:
-            ms_best = ms
-        kv_bytes = batch * ctx_len * fmt.bytes_per_block // bs
-        floor_ms = (w_bytes + kv_bytes) / bw * 1e3
-        rows.append({"batch": batch, "context": ctx_len, "step_ms": round(ms, 3),
-                     **({"graph_step_ms": round(graph_ms, 3),
-                         "graph_speedup": round(ms / graph_ms, 2)} if graph_ms else {}),
-                     "floor_ms": round(floor_ms, 3), "x_floor": round(ms_best / floor_ms, 2),
-                     "weight_gb": round(w_bytes / 1e9, 2), "kv_gb": round(kv_bytes / 1e9, 2),
-                     "tokens_per_s": round(batch / (ms * 1e-3), 1),
-                     **({"context_reduced_to_fit": True} if ctx_len < context else {})})
-    runner = None  # free the pages before the next section
-    at64 = next((r for r in rows if r["batch"] == 64), None)
-    r = {"model": name, "dtype": str(dtype).split(".")[-1], "copy_tb_s": round(bw / 1e12, 3),
-         "rows": rows, "measures": "ModelRunner.execute: forward + logits; step_ms eager, "
-                                   "graph_step_ms replaying the bucket's CUDA graph; x_floor "
-                                   "of the faster",
-         **({"graph_buckets_captured": sorted(graphs.graphs)} if graphs is not None else {}),
-         "goal": "<= 1.3x the floor at batch 64"}
-    if at64:
-        r["goal_met"] = at64["x_floor"] <= 1.3
-    r["summary"] = ", ".join(
-        f"B{x['batch']} {x['step_ms']:.1f}"
-        + (f"/{x['graph_step_ms']:.1f}" if "graph_step_ms" in x else "")
-        + f" ms ({x['x_floor']}x floor)" for x in rows) + (" [eager/graphs]" if graphs else "")
-    return r
-
-
-def section_syncs(ctx: Context) -> dict:
-    """Every synchronising CUDA call made during pure-decode engine steps, eager and with
-    CUDA graphs, counted with ``torch.cuda.set_sync_debug_mode("warn")`` (a warning per
-    sync, raised at the Python line that caused it). On CPU nothing synchronises: the count
-    is 0 and only the eager code path is exercised."""
-    name = TINY if ctx.smoke else BIG
-    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
-    loaded = ctx.model(name, dtype)
-    # graphs (the default): CUDA only; on CPU the default is eager
-    modes = {mode: _decode_syncs(ctx, loaded, enforce_eager=True if mode == "eager" else None)
-             for mode in (("eager", "graphs") if ctx.cuda else ("eager",))}
-    return {"model": name, **modes,
-            "goal": "no host sync inside the step except the sampled ids",
-            "summary": "; ".join(
-                f"{mode}: {m['syncs_per_step']:.1f} syncs per decode step at batch {m['batch']}"
-                + (f" (top: {next(iter(m['sites']))})" if m["sites"] else "")
-                for mode, m in modes.items())}
-
-
-def _decode_syncs(ctx: Context, loaded, enforce_eager: bool | None) -> dict:
-    import warnings
-    from collections import Counter
-
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
-
-    batch, steps = 8, 8
-    eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
-                                 num_gpu_blocks=256, enable_prefix_caching=False,
-                                 enforce_eager=enforce_eager), loaded=loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
-    for i, p in enumerate(_prompts(batch, loaded[2].vocab_size, seed=1)):
-        eng.add_request(str(i), p, params)
-    for _ in range(200):  # prefill everything, then two warm decode steps (graph captured)
-        eng.step()
-        if all(len(s.output_token_ids) >= 2 for s in eng.scheduler.running) and \
-                len(eng.scheduler.running) == batch:
-            break
-    sites: Counter[str] = Counter()
-    sync(ctx)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if ctx.cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(steps):
-                eng.step()
-        finally:
-            if ctx.cuda:
-                torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            path = Path(w.filename)
-            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
-            sites[f"{where}:{w.lineno}"] += 1
-    graphs = eng.runner.graphs
-    eng.close()
-    return {"batch": batch, "steps": steps, "syncs_per_step": sum(sites.values()) / steps,
-            "sites": dict(sites.most_common(15)),
-            **({"graph_replays": graphs.replays} if graphs is not None else {})}
-
-
-def section_events(ctx: Context) -> dict:
-    from bench_publish_overhead import measure_overhead
-
-    name = TINY if ctx.smoke else BIG
-    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
-    loaded = ctx.model(name, dtype)
-    requests, tokens, blocks = (4, 4, 64) if ctx.smoke else (64, 64, 4096)
-    r = measure_overhead(loaded, requests, tokens, str(ctx.device), dtype, num_blocks=blocks)
-    r["model"] = name
-    r["summary"] = (f"step {r['step_ms_off']} ms off / {r['step_ms_on']} ms on "
-                    f"({r['overhead_pct']:+.1f}%), {r['events_per_s_at_step_rate']:.0f} "
-                    "events/s at the engine's step rate")
-    return r
-
-
-def section_offline(ctx: Context) -> dict:
-    from engine.bench.capacity import make_workload
-
-    name = TINY if ctx.smoke else BIG
-    dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
-    n, max_len, hf_batch = (6, 128, 4) if ctx.smoke else (256, 2048, 32)
-    loaded = ctx.model(name, dtype)
-    workload = make_workload(n, 0, loaded[2].vocab_size, max_len)
-    useful = sum(out for _, out in workload)
-    r: dict[str, Any] = {"model": name, "requests": n, "output_tokens": useful,
-                         "prompt_tokens": sum(len(p) for p, _ in workload),
-                         "workload": "kvscope bench capacity's lognormal mix, seed 0"}
-    r["kvscope"] = _kvscope_offline(ctx, loaded, workload, max_len)
-    loaded = None  # HF's model takes the memory next
-    ctx.release()
-    if importlib.util.find_spec("transformers") is None:
-        r["hf"] = "not available (transformers is not installed here)"
-    else:
-        r["hf"] = _hf_offline(ctx, name, dtype, workload, hf_batch)
-    ks = r["kvscope"]["tokens_per_s"]
-    if isinstance(r["hf"], dict) and r["hf"].get("tokens_per_s"):
-        r["ratio"] = round(ks / r["hf"]["tokens_per_s"], 2)
-        r["goal_met"] = r["ratio"] >= 3
-    r["goal"] = "kvscope >= 3x HF generate (static cache, batched)"
-    r["summary"] = f"kvscope {ks:.0f} tok/s" + (
-        f", HF {r['hf']['tokens_per_s']:.0f} tok/s = {r['ratio']}x" if "ratio" in r
-        else f", HF: {r['hf'] if isinstance(r['hf'], str) else r['hf'].get('error', '?')}")
-    return r
-
-
-def _kvscope_offline(ctx: Context, loaded, workload, max_len: int) -> dict:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
-
-    eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
-                                 max_model_len=max_len, enable_prefix_caching=False,
-                                 **({"num_gpu_blocks": 256} if ctx.smoke else {})),
-                    loaded=loaded)
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for i in range(2):  # compile the kernels outside the timed run
-        eng.add_request(f"warm{i}", {"prompt_token_ids": workload[i][0]}, warm)
-    while eng.has_unfinished_requests():
-        eng.step()
-    for i, (ids, out_len) in enumerate(workload):
-        eng.add_request(str(i), {"prompt_token_ids": ids},
-                        SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
-    generated, steps = 0, 0
-    sync(ctx)
-    t0 = time.perf_counter()
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                generated += len(out.outputs[0].token_ids)
-        steps += 1
-    sync(ctx)
-    wall = time.perf_counter() - t0
-    result = {"tokens_per_s": round(generated / wall, 1), "wall_s": round(wall, 2),
-              "generated": generated, "steps": steps,
-              "kv_capacity_tokens": eng.cache_capacity_tokens,
-              "preemptions": eng.scheduler.num_preemptions}
-    eng.close()
-    del eng
-    return result
-
-
-def _hf_offline(ctx: Context, name: str, dtype: torch.dtype, workload, batch: int) -> dict:
-    """HF transformers generate on a LlamaForCausalLM of the same shapes (its own random
-    weights), left-padded batches in workload order, each batch generating its longest
-    requested output; only the requested tokens count."""
-    try:
-        import transformers
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from engine.model.dummy import PRESETS
-
-        hf_cfg = dict(PRESETS[name.split(":", 1)[1]])
-        hf_cfg.pop("model_type")
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(ctx.device):
-                model = LlamaForCausalLM(LlamaConfig(**hf_cfg)).eval()
-        finally:
-            torch.set_default_dtype(default)
-    except Exception as e:  # an API change between transformers versions: report it
-        return {"error": f"could not build the HF model: {type(e).__name__}: {e}"}
-    cache = "static"
-    holder = [model]  # (dropped after the run, so its memory goes before the next section)
-
-    def generate(ids: list[list[int]], new: int):
-        model = holder[0]
-        nonlocal cache
-        width = max(len(x) for x in ids)
-        input_ids = torch.zeros(len(ids), width, dtype=torch.long)
-        mask = torch.zeros(len(ids), width, dtype=torch.long)
-        for i, x in enumerate(ids):  # left padding
-            input_ids[i, width - len(x):] = torch.tensor(x)
-            mask[i, width - len(x):] = 1
-        kw = dict(input_ids=input_ids.to(ctx.device), attention_mask=mask.to(ctx.device),
-                  max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-        if cache == "static":
-            try:
-                return model.generate(**kw, cache_implementation="static")
-            except Exception as e:  # noqa: BLE001  (report, then measure the default cache)
-                cache = f"dynamic (static failed: {type(e).__name__}: {str(e)[:200]})"
-        return model.generate(**kw)
-
-    done, completed = 0, 0
-    with torch.inference_mode():
-        generate([workload[0][0][:16]], 2)  # warm-up
-        sync(ctx)
-        t0 = time.perf_counter()
-        for start in range(0, len(workload), batch):
-            if ctx.over():
-                break
-            chunk = workload[start:start + batch]
-            generate([p for p, _ in chunk], max(o for _, o in chunk))
-            done += sum(o for _, o in chunk)
-            completed += len(chunk)
-        sync(ctx)
-        wall = time.perf_counter() - t0
-    holder.clear()
-    del model
-    ctx.release()
-    return {"transformers": transformers.__version__, "cache": cache, "batch": batch,
-            "requests_done": completed, "generated_useful": done, "wall_s": round(wall, 2),
-            "tokens_per_s": round(done / wall, 1) if done else None,
-            "truncated_by_budget": completed < len(workload)}
-
-
-def section_capacity(ctx: Context) -> dict:
-    ctx.release()
-    if ctx.smoke:
-        argv = ["--model", TINY, "--num-requests", "6", "--budget-tokens", "1024",
-                "--max-model-len", "256"]
-    else:  # 8 GiB of bf16 8B KV (128 KiB a token): 65536 tokens, 32 contiguous 2k slots
-        argv = ["--model", BIG, "--num-requests", "128", "--budget-tokens", "65536",
-                "--max-model-len", "2048"]
-    r = cli_json(["bench", "capacity", *argv, "--json"])
-    r["command"] = "kvscope bench capacity " + " ".join(argv)
-    r["summary"] = (f"peak running {r['paged_peak_running']} vs {r['contiguous_peak_running']}"
-                    f" ({r['concurrency_ratio']:.1f}x), waste {r['paged_waste_pct']}% vs "
-                    f"{r['contiguous_waste_pct']}%, {r['paged_tokens_per_s']} vs "
-                    f"{r['contiguous_tokens_per_s']} tok/s")
-    return r
-
-
-def section_swap(ctx: Context) -> dict:
-    ctx.release()
-    if ctx.smoke:
-        argv = ["--model", TINY, "--pool-blocks", "64", "--prefix-tokens", "64", "--repeat",
-                "1"]
-    else:  # 2 MiB blocks: a 2 GiB pool, 1 GiB moved each way
-        argv = ["--model", BIG, "--pool-blocks", "1024", "--swap-blocks", "512",
-                "--prefix-tokens", "2048"]
-    r = cli_json(["bench", "swap", *argv, "--json"])
-    r["command"] = "kvscope bench swap " + " ".join(argv)
-    r["goal"] = "swap >= 80% of a pinned copy_ each way"
-    r["goal_met"] = r["swap_out_vs_copy"] >= 0.8 and r["swap_in_vs_copy"] >= 0.8
-    r["summary"] = (f"out {r['swap_out_gb_s']:.1f} GB/s ({100 * r['swap_out_vs_copy']:.0f}% "
-                    f"of copy), in {r['swap_in_gb_s']:.1f} GB/s "
-                    f"({100 * r['swap_in_vs_copy']:.0f}%); TTFT host hit "
-                    f"{r.get('ttft_host_hit_s', math.nan) * 1e3:.0f} ms vs recompute "
-                    f"{r.get('ttft_recompute_s', math.nan) * 1e3:.0f} ms")
-    return r
-
-
-RUNNERS: dict[str, Callable[[Context], dict]] = {
-    "device": section_device, "kernels": section_kernels, "invariance": section_invariance,
-    "quant": section_quant, "attention": section_attention, "decode": section_decode,
-    "syncs": section_syncs, "events": section_events, "offline": section_offline,
-    "capacity": section_capacity, "swap": section_swap,
-}
-
-
-# ---------------------------------------------------------------- driver
-def run_section(ctx: Context, name: str, budget: float) -> dict:
-    ctx.budget_s, ctx.started = budget, time.perf_counter()
-    try:
-        result = RUNNERS[name](ctx)
+        result = gpu_sections.RUNNERS[name](ctx)
         result.setdefault("status", "ok")
-    except Exception as e:  # noqa: BLE001  (one section's failure must not stop the rest)
+    except Exception as e:  # noqa: BLE001  (recorded; the run goes on with the next section)
+        traceback.print_exc()
         result = {"status": "error", "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc(), "summary": f"{type(e).__name__}: {e}"}
-        with contextlib.suppress(Exception):
-            ctx.release()
-    result["seconds"] = round(time.perf_counter() - ctx.started, 1)
-    result["budget_s"] = budget
     if result["status"] == "ok" and result.get("goal_met") is False:
         result["status"] = "miss"  # ran and measured, a performance goal missed
+    result |= {"section": name, "run": SECTIONS[name].run, "budget_s": budget,
+               "seconds": round(time.perf_counter() - started, 1),
+               "startup_s": round(startup_s, 1),
+               "meta": who, "smoke": smoke}
+    write_json(out_dir / f"{name}.json", result)
     return result
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Whole or not at all (a kill mid-write leaves the previous file or none)."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------- the run (the driver)
+def child_command(out_dir: Path, name: str, smoke: bool) -> list[str]:
+    return [sys.executable, str(SCRIPT), str(out_dir), "--section", name,
+            *(["--smoke"] if smoke else [])]
+
+
+def launch(out_dir: Path, section: Section, smoke: bool, log: Path,
+           command: Callable[[Path, str, bool], list[str]]) -> dict:
+    """One section in its own process (and process group, so a pytest it started dies with
+    it; not its own session, which would outlive the device call were the run killed), its
+    output appended to ``log``, killed at the budget. Its JSON, or what the run saw when it
+    wrote none."""
+    path = out_dir / f"{section.name}.json"
+    path.unlink(missing_ok=True)  # a stale file from an earlier run must not pass for this one
+    budget = budget_s(section, smoke)
+    t0 = time.perf_counter()
+    with log.open("a") as sink:
+        sink.write(f"\n===== {section.name} (budget {budget} s) =====\n")
+        sink.flush()
+        proc = subprocess.Popen(command(out_dir, section.name, smoke), cwd=ROOT,
+                                stdout=sink, stderr=subprocess.STDOUT, process_group=0,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                     KILL_AT: str(time.time() + budget)})
+        try:
+            rc = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    path.with_suffix(".json.tmp").unlink(missing_ok=True)  # a write the kill cut short
+    wall = round(time.perf_counter() - t0, 1)
+    if path.is_file():
+        result = json.loads(path.read_text())
+    else:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        why = (f"killed at its {budget} s budget" if rc is None else f"exited {rc} without "
+               "writing its result")
+        result = {"status": "timeout" if rc is None else "error", "section": section.name,
+                  "run": section.run, "budget_s": budget, "seconds": wall,
+                  "summary": f"{why}; log tail: {' | '.join(tail)[-300:]}", "log_tail": tail}
+        write_json(path, result)
+    result["wall_s"] = wall
+    return result
+
+
+def run_plan(out_dir: Path, sections: list[Section], smoke: bool, stem: str,
+             command: Callable[[Path, str, bool], list[str]] = child_command) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log, md = out_dir / f"{stem}.log", out_dir / f"{stem}.md"
+    log.write_text(f"scripts/gpu_check.py {' '.join(sys.argv[1:])}\n")
+    results: dict[str, dict] = {}
+    for section in sections:
+        print(f"[gpu_check] {section.name} (run {section.run}, budget "
+              f"{budget_s(section, smoke)} s) ...", flush=True)
+        result = launch(out_dir, section, smoke, log, command)
+        results[section.name] = result
+        md.write_text(markdown(results, stem))
+        print(f"[gpu_check] {section.name}: {result['status']} in {result['wall_s']} s: "
+              f"{result.get('summary', '')}", flush=True)
+    print()
+    print(table(results))
+    print(f"\nresults: {out_dir}/<section>.json, {md.name} (the table for "
+          f"docs/BENCHMARKS.md), {log.name} (all output)")
+    bad = [n for n, r in results.items() if r["status"] in ("error", "fail", "timeout")]
+    return 1 if bad else 0
 
 
 def table(results: dict[str, dict]) -> str:
     lines = [f"{'section':<11} {'status':<7} {'s':>6}  result",
              f"{'-' * 11} {'-' * 7} {'-' * 6}  {'-' * 50}"]
     for name, r in results.items():
-        summary = str(r.get("summary", ""))[:160].replace("\n", " ")
-        lines.append(f"{name:<11} {r['status']:<7} {r['seconds']:>6.1f}  {summary}")
+        summary = str(r.get("summary", ""))[:200].replace("\n", " ")
+        lines.append(f"{name:<11} {r['status']:<7} {r['wall_s']:>6.1f}  {summary}")
     return "\n".join(lines)
 
 
-def _meta(ctx: Context) -> dict:
-    """Who measured what, in every result file (a call may skip the device section)."""
-    import triton
-
-    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "triton": triton.__version__, "device": str(ctx.device)}
-    if ctx.cuda:
-        meta["gpu"] = torch.cuda.get_device_name(ctx.device)
-    return meta
-
-
-def markdown(report: dict) -> str:
+def markdown(results: dict[str, dict], stem: str) -> str:
     """The table as markdown, with the machine and date, ready for docs/BENCHMARKS.md."""
-    m = report["meta"]
-    lines = [f"{m.get('gpu', m['device'])}, torch {m['torch']}, triton {m['triton']}, "
-             f"{m['date']} (`scripts/gpu_check.py {' '.join(report['argv'][1:])}`)", "",
+    m = next((r["meta"] for r in results.values() if "meta" in r), {})
+    head = (f"{m.get('gpu', m.get('device', '?'))}, torch {m.get('torch', '?')}, triton "
+            f"{m.get('triton', '?')}, {m.get('date', '?')}") if m else "no section finished"
+    lines = [f"{head} (`scripts/gpu_check.py` {stem})", "",
              "| section | status | seconds | result |", "|---|---|---|---|"]
-    for name, r in report["sections"].items():
+    for name, r in results.items():
         summary = str(r.get("summary", "")).replace("|", "/").replace("\n", " ")
-        lines.append(f"| {name} | {r['status']} | {r['seconds']} | {summary} |")
+        lines.append(f"| {name} | {r['status']} | {r['wall_s']} | {summary} |")
     return "\n".join(lines) + "\n"
+
+
+def plan_text() -> str:
+    lines = [f"{'run':<4} {'section':<11} {'budget':>7}  answers"]
+    for s in PLAN:
+        lines.append(f"{s.run:<4} {s.name:<11} {s.budget_s:>5} s  {s.answers}")
+    for run, limit in RUN_LIMITS_S.items():
+        total = sum(s.budget_s for s in PLAN if s.run == run)
+        lines.append(f"run {run}: {total} s of work at most (limit {limit} s)")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", nargs="?", type=Path)
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help="comma-separated, in any order (run in the documented order)")
-    ap.add_argument("--call", choices=sorted(CALLS),
-                    help="the sections of device-tool call N of 3 (each fits 10 minutes): "
-                         + "; ".join(f"{k}: {','.join(v)}" for k, v in CALLS.items()))
-    ap.add_argument("--budget", action="append", default=[], metavar="SECTION=SECONDS",
-                    help="override a section's time budget")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--run", type=int, choices=sorted(RUN_LIMITS_S),
+                       help="the sections of device call N (docs/GPU.md)")
+    which.add_argument("--section", choices=list(SECTIONS),
+                       help="one section, in this process (what a run starts per section)")
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on CPU (Triton interpreter): exercises every code path")
-    ap.add_argument("--list", action="store_true", help="print the sections and budgets")
+                    help="tiny shapes on CPU (Triton interpreter); without --run/--section, "
+                         "every section")
+    ap.add_argument("--list", action="store_true", help="print the plan")
     args = ap.parse_args(argv)
     if args.list:
-        for name in SECTIONS:
-            call = next(k for k, v in CALLS.items() if name in v)
-            print(f"{name:<11} {BUDGETS[name]:>4} s  (--call {call})")
+        print(plan_text())
         return 0
     if args.out_dir is None:
         ap.error("OUT_DIR is required")
-    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if args.call:
-        chosen = list(CALLS[args.call])
-    unknown = sorted(set(chosen) - set(SECTIONS))
-    if unknown:
-        ap.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
-    budgets = dict(BUDGETS) if not args.smoke else dict.fromkeys(SECTIONS, SMOKE_BUDGET)
-    for item in args.budget:
-        key, _, value = item.partition("=")
-        if key not in SECTIONS:
-            ap.error(f"--budget {item!r}: unknown section")
-        budgets[key] = float(value)
-    if not args.smoke and not torch.cuda.is_available():
-        print("gpu_check.py: no CUDA device here; use --smoke for the CPU code-path check",
-              file=sys.stderr)
-        return 2
+    if args.run is None and args.section is None and not args.smoke:
+        ap.error("choose --run 1, --run 2, --section NAME or --smoke")
+    if not args.smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check.py: no CUDA device here; use --smoke for the CPU code-path check",
+                  file=sys.stderr)
+            return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if args.smoke:
-        torch.set_num_threads(1)
-    ctx = Context(args.out_dir, args.smoke, device)
-    report: dict[str, Any] = {"smoke": args.smoke, "argv": sys.argv[1:], "meta": _meta(ctx),
-                              "sections": {}}
-    stem = f"gpu_check_call{args.call}" if args.call else "gpu_check"
-    path = args.out_dir / f"{stem}.json"
-    for name in (s for s in SECTIONS if s in chosen):
-        print(f"[gpu_check] {name} (budget {budgets[name]:.0f} s) ...", flush=True)
-        result = run_section(ctx, name, budgets[name])
-        report["sections"][name] = result
-        path.write_text(json.dumps(report, indent=1, default=str))
-        print(f"[gpu_check] {name}: {result['status']} in {result['seconds']} s: "
-              f"{result.get('summary', '')}", flush=True)
-    (args.out_dir / f"{stem}.md").write_text(markdown(report))
-    print()
-    print(table(report["sections"]))
-    print(f"\nfull results: {path} (and {stem}.md, the table for docs/BENCHMARKS.md)")
-    bad = [n for n, r in report["sections"].items() if r["status"] in ("error", "fail",
-                                                                          "timeout")]
-    return 1 if bad else 0
+    if args.section:
+        result = run_section(args.out_dir, args.section, args.smoke)
+        print(f"[gpu_check] {args.section}: {result['status']} in {result['seconds']} s: "
+              f"{result.get('summary', '')}")
+        return 1 if result["status"] in ("error", "fail", "timeout") else 0
+    sections = [s for s in PLAN if args.run is None or s.run == args.run]
+    stem = f"run{args.run}" if args.run else "smoke"
+    return run_plan(args.out_dir, sections, args.smoke, stem)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Triton paged attention at Llama-3-8B's head shapes (32 q / 8 KV heads, head_dim 128) on
 the GPU, against the CPU reference: every page format, block sizes 1..256, split-K decode
 over long contexts and prefill with cached context. Too big for the interpreter, so these
-run only on a CUDA device (scripts/gpu_check.py, section kernels); the interpreter tests
-beside this file cover the same code paths at tiny shapes on CPU."""
+run only on a CUDA device (scripts/gpu_check.py's kernels section runs block sizes 1, 16
+and 128 of them); the interpreter tests beside this file cover the same code paths at tiny
+shapes on CPU."""
 
 from __future__ import annotations
 
