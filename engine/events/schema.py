@@ -23,8 +23,9 @@ readers take its absence as the default its kind's docstring names. What each ki
 
 The events are plain maps in the engine (``sink.emit(kind, **fields)``) and after
 decoding; the types here are the contract both sides follow. The codec checks every
-decoded event of a known kind against its type (``engine.events.wire.codec``), and
-``tests/events/test_schema.py`` checks that what the cache manager emits fits them.
+decoded event of a known kind against its type and hands it on with the fields its type
+declares (``engine.events.wire.codec``); ``tests/events/test_schema.py`` checks that
+what the cache manager emits fits the types.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ BlockIds = list[int] | bytes
 _T = TypeVar("_T")
 Opt = _T | UnsetType
 """An optional field: absent (``UNSET``) unless the writer has it. Absence is kept apart
-from every value, so a decoded event holds exactly the fields that were sent."""
+from every value (a default would be left out when sent explicitly), so a decoded event
+holds exactly the declared fields that were sent."""
 
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True,

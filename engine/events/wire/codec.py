@@ -65,7 +65,6 @@ DEFAULT_MAX_BYTES = 256 << 20
 _SEQ = struct.Struct(">Q")
 
 
-
 # ------------------------------------------------------------------ message types
 class _Message(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True,
                omit_defaults=True, gc=False):
@@ -141,8 +140,8 @@ def _accepted(t: Any) -> tuple[type, ...]:
     if isinstance(t, mi.UnionType):
         return tuple(x for u in t.types for x in _accepted(u))
     return {mi.IntType: (int,), mi.FloatType: (int, float), mi.StrType: (str,),
-            mi.BoolType: (bool,), mi.ListType: (list,), mi.DictType: (dict,),
-            mi.LiteralType: (int,)}.get(type(t), (object,))
+            mi.BoolType: (bool,), mi.ListType: (list,), mi.DictType: (dict,)
+            }.get(type(t), (object,))
 
 
 # Required field -> accepted types, per message type (checked by ``check_envelope``).
