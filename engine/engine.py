@@ -602,40 +602,44 @@ class LLMEngine:
 
     # ------------------------------------------------------------- events
     def _close_step(self, step_time: float, out) -> None:
+        # (imported here: this method is the stats' one producer)
+        from engine.events.stats import StepStats, TierStats
+
         self.step_count += 1
         m = self.cache.metrics()
-        self.stats = {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "swapped": len(self.scheduler.swapped),
-            "scheduled_tokens": out.num_batched_tokens if out else 0,
-            "prefill_tokens": sum(s.num_new_tokens for s in out.scheduled
-                                  if s.num_new_tokens > 1) if out else 0,
-            "decode_tokens": sum(1 for s in out.scheduled if s.num_new_tokens == 1) if out else 0,
-            "preemptions": self.scheduler.num_preemptions,
-            "step_time_s": step_time,
-            "hit_tokens": m["prefix_hit_tokens"],
-            "query_tokens": m["prefix_query_tokens"],
-            "evictions": m["evictions"],
-            "cow_copies": m["cow_copies"],
-            "demoted_blocks": m["demoted_blocks"],
-            "used_tokens": m["used_tokens"],
-            "tiers": m["tiers"],
-        }
+        swap: dict[str, Any] = {}  # the cpu tier's counters, reported when it exists
+        if self.swapper is not None:
+            swap = {**self.swapper.stats(), **{k: m[k] for k in (
+                "swap_outs", "swap_ins", "swap_out_blocks", "swap_in_blocks",
+                "offloaded_blocks", "host_hit_tokens", "swap_fallbacks")}}
+        self.stats = StepStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            swapped=len(self.scheduler.swapped),
+            scheduled_tokens=out.num_batched_tokens if out else 0,
+            prefill_tokens=sum(s.num_new_tokens for s in out.scheduled
+                               if s.num_new_tokens > 1) if out else 0,
+            decode_tokens=sum(1 for s in out.scheduled if s.num_new_tokens == 1) if out else 0,
+            preemptions=self.scheduler.num_preemptions,
+            step_time_s=step_time,
+            hit_tokens=m["prefix_hit_tokens"],
+            query_tokens=m["prefix_query_tokens"],
+            evictions=m["evictions"],
+            cow_copies=m["cow_copies"],
+            demoted_blocks=m["demoted_blocks"],
+            used_tokens=m["used_tokens"],
+            tiers={name: TierStats(**t) for name, t in m["tiers"].items()},
+            prefill_computed_tokens=self.num_prefill_computed_tokens,
+            recomputed_tokens=self.num_recomputed_tokens,
+            **swap,
+        )
         # context length (positions attended) of each token decoded this step: the
         # /metrics decode-time-by-context histogram reads it (not published in stats)
         self.decode_contexts = [s.seq.num_computed_tokens for s in out.scheduled
                                 if s.num_new_tokens == 1] if out else []
-        self.stats["prefill_computed_tokens"] = self.num_prefill_computed_tokens
-        self.stats["recomputed_tokens"] = self.num_recomputed_tokens
-        if self.swapper is not None:
-            self.stats.update(self.swapper.stats())
-            self.stats.update({k: m[k] for k in (
-                "swap_outs", "swap_ins", "swap_out_blocks", "swap_in_blocks",
-                "offloaded_blocks", "host_hit_tokens", "swap_fallbacks")})
         self.cache.flush_step_events()
         if self.events:
-            self.events.end_step(self.step_count, self.stats)
+            self.events.end_step(self.step_count, self.stats.to_map())
 
     @_holding_cache_lock
     def close(self) -> None:

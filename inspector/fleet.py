@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.events.stats import StepStats
 from inspector.errors import InspectError
 from inspector.model import InspectorModel
 from inspector.views.block_map import BlockMapView
@@ -57,11 +58,11 @@ def resolve_router(url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
 
 
 def hit_rate_text(state: Any) -> str:
-    s = state.stats if isinstance(state.stats, dict) else {}
-    q, h = s.get("query_tokens"), s.get("hit_tokens")
+    s = StepStats.read(state.stats)
+    q, h = s.query_tokens, s.hit_tokens or 0
     if not q:
         return "prefix hits —"
-    return f"prefix hits {h / q:.1%} ({int(h):,}/{int(q):,} tokens)"
+    return f"prefix hits {h / q:.1%} ({h:,}/{q:,} tokens)"
 
 
 class ReplicaPanel(QWidget):

@@ -1,7 +1,8 @@
 """Timeline: per-step statistics over a whole run, in growable numpy columns.
 
-It records what each batch *reports* (its ``stats`` map and how many events of each kind
-it carries); it never derives cache state. Missing stats read as 0 (NaN for ratios).
+It records what each batch *reports* (its ``stats``, engine.events.stats.StepStats, and
+how many events of each kind it carries); it never derives cache state. Stats a batch
+does not report read as 0 (NaN for ratios).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from engine.events import schema as S
+from engine.events.stats import StepStats
 
 COLUMNS = (
     "step", "time", "gpu_used", "gpu_cached", "gpu_free", "cpu_used", "cpu_cached", "cpu_free",
@@ -23,11 +25,10 @@ COLUMNS = (
 
 
 _IDX = {name: i for i, name in enumerate(COLUMNS)}
-_STEP, _TIME, _PREEMPT, _EVICT, _EVENTS, _DEMOTE = (
-    _IDX[k] for k in ("step", "time", "preemptions", "evictions", "events", "demotions"))
-_STAT_COLS = tuple((_IDX[k], k) for k in (
-    "running", "waiting", "swapped", "hit_tokens", "query_tokens", "scheduled_tokens",
-    "step_time_s"))
+(_STEP, _TIME, _PREEMPT, _EVICT, _EVENTS, _DEMOTE, _RUNNING, _WAITING, _SWAPPED, _HIT,
+ _QUERY, _SCHEDULED, _STEP_TIME) = (_IDX[k] for k in (
+    "step", "time", "preemptions", "evictions", "events", "demotions", "running", "waiting",
+    "swapped", "hit_tokens", "query_tokens", "scheduled_tokens", "step_time_s"))
 _TIER_COLS = {t: (_IDX[f"{t}_used"], _IDX[f"{t}_cached"], _IDX[f"{t}_free"])
               for t in ("gpu", "cpu")}
 
@@ -56,7 +57,7 @@ class Timeline:
             grown = np.zeros((len(COLUMNS), self._data.shape[1] * 2), dtype=np.float64)
             grown[:, : self.n] = self._data[:, : self.n]
             self._data = grown
-        stats = batch.get("stats") or {}
+        st = StepStats.read(batch.get("stats"))
         events = batch.get("events") or ()
         preempts = evicted = demoted = 0
         for e in events:
@@ -70,24 +71,28 @@ class Timeline:
         col, n = self._data, self.n
         col[_STEP, n] = _num(batch.get("step", n))
         col[_TIME, n] = _num(batch.get("time", 0.0))
-        for i, key in _STAT_COLS:
-            col[i, n] = _num(stats.get(key, 0))
+        col[_RUNNING, n] = st.running or 0
+        col[_WAITING, n] = st.waiting or 0
+        col[_SWAPPED, n] = st.swapped or 0
+        col[_HIT, n] = st.hit_tokens or 0
+        col[_QUERY, n] = st.query_tokens or 0
+        col[_SCHEDULED, n] = st.scheduled_tokens or 0
+        col[_STEP_TIME, n] = st.step_time_s or 0.0
         # Per-step marks come from the events themselves (the stats' counters are
         # cumulative totals, see engine.events.schema).
         col[_PREEMPT, n] = preempts
         col[_EVICT, n] = evicted
         col[_DEMOTE, n] = demoted
         col[_EVENTS, n] = len(events)
-        tiers = stats.get("tiers") or {}
         for tier, (iu, ic, i_f) in _TIER_COLS.items():
-            t = tiers.get(tier) or {}
-            cached, free = _num(t.get("cached", 0)), _num(t.get("free", 0))
-            if "used" in t:
-                used = _num(t["used"])
-            elif "total" in t:  # a reporter may give total, free and cached only
-                used = _num(t["total"]) - free - cached
+            t = st.tier(tier)
+            cached, free = t.cached or 0, t.free or 0
+            if t.used is not None:
+                used = t.used
+            elif t.total is not None:  # a reporter may give total, free and cached only
+                used = t.total - free - cached
             else:
-                used = 0.0
+                used = 0
             col[iu, n], col[ic, n], col[i_f, n] = used, cached, free
         self.n += 1
 

@@ -96,7 +96,8 @@ class Tracer:
             parts.clear()
             t0 = time.perf_counter()
             out = step(engine)
-            s = engine.stats
+            s = engine.stats  # a StepStats; a plain map in trees before it
+            s = s.to_map() if hasattr(s, "to_map") else s
             rec(("step", t0, time.perf_counter(), parts.get("schedule", 0.0),
                  parts.get("forward", 0.0), parts.get("process", 0.0), parts.get("close", 0.0),
                  s.get("prefill_tokens", 0), s.get("decode_tokens", 0)))

@@ -158,7 +158,7 @@ def run_workload(loaded, name: str, config: str, args: argparse.Namespace,
                 else:
                     active.discard(i)
             steps += 1
-            running.append(eng.stats["running"])
+            running.append(eng.stats.running)
         wall = time.perf_counter() - t0
         m = eng.cache.metrics()
         return {

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from engine.events import schema as S
 from engine.events.sink import EventSink
 
 
@@ -105,18 +106,18 @@ class SyntheticCache:
                 return False
             for b in victims:
                 gpu.set_hash(b, None)
-            sink.emit("evict", tier="gpu", blocks=victims)
+            sink.emit(S.EVICT, tier="gpu", blocks=victims)
         blocks = gpu.take_free(n)
         gpu.add_ref(blocks, +1)
         s.table.extend(blocks)
         s.tier = "gpu"
-        sink.emit("alloc", tier="gpu", seq=s.sid, blocks=blocks)
+        sink.emit(S.ALLOC, tier="gpu", seq=s.sid, blocks=blocks)
         return True
 
     def _free_table(self, sink: EventSink, s: _Seq) -> None:
         if s.table:
             self.tiers[s.tier].add_ref(s.table, -1)
-            sink.emit("free", tier=s.tier, seq=s.sid, blocks=list(s.table))
+            sink.emit(S.FREE, tier=s.tier, seq=s.sid, blocks=list(s.table))
             s.table = []
         s.tokens = s.reported = 0  # "free" resets num_tokens
 
@@ -141,7 +142,7 @@ class SyntheticCache:
             if hits:
                 gpu.add_ref(hits, +1)
                 s.table.extend(hits)
-                sink.emit("hit", tier="gpu", seq=s.sid, blocks=hits,
+                sink.emit(S.HIT, tier="gpu", seq=s.sid, blocks=hits,
                           tokens=len(hits) * self.block_size)
             room = need - len(s.table)
             if cpu.evictable and room > 1 and rng.random() < 0.5:
@@ -152,7 +153,7 @@ class SyntheticCache:
                         gpu.hashes[b] = cpu.hashes[a]
                     gpu.add_ref(dst, +1)
                     s.table.extend(dst)
-                    sink.emit("host_hit", seq=s.sid, src=src, dst=dst,
+                    sink.emit(S.HOST_HIT, seq=s.sid, src=src, dst=dst,
                               tokens=len(src) * self.block_size)
                 else:
                     gpu.free.update(dst)
@@ -161,7 +162,7 @@ class SyntheticCache:
                 self._free_table(sink, s)
                 return False
             s.tokens = s.prompt
-        sink.emit("seq_start" if s.status == "waiting" else "seq_resume", seq=s.sid)
+        sink.emit(S.SEQ_START if s.status == "waiting" else S.SEQ_RESUME, seq=s.sid)
         s.status = "running"
         return True
 
@@ -172,9 +173,9 @@ class SyntheticCache:
         dst = gpu.take_free(len(s.table))
         cpu.add_ref(s.table, -1)
         gpu.add_ref(dst, +1)
-        sink.emit("swap_in", seq=s.sid, src=list(s.table), dst=list(dst))
+        sink.emit(S.SWAP_IN, seq=s.sid, src=list(s.table), dst=list(dst))
         s.table, s.tier, s.status = dst, "gpu", "running"
-        sink.emit("seq_resume", seq=s.sid)
+        sink.emit(S.SEQ_RESUME, seq=s.sid)
         return True
 
     def _preempt(self, sink: EventSink, s: _Seq) -> None:
@@ -183,13 +184,13 @@ class SyntheticCache:
             dst = cpu.take_free(len(s.table))
             self.tiers["gpu"].add_ref(s.table, -1)
             cpu.add_ref(dst, +1)
-            sink.emit("swap_out", seq=s.sid, src=list(s.table), dst=list(dst))
+            sink.emit(S.SWAP_OUT, seq=s.sid, src=list(s.table), dst=list(dst))
             s.table, s.tier, s.status = dst, "cpu", "swapped"
-            sink.emit("seq_preempt", seq=s.sid, mode="swap")
+            sink.emit(S.SEQ_PREEMPT, seq=s.sid, mode="swap")
         else:
             self._free_table(sink, s)
             s.status = "preempted"  # waiting again, will be resumed (not started)
-            sink.emit("seq_preempt", seq=s.sid, mode="recompute")
+            sink.emit(S.SEQ_PREEMPT, seq=s.sid, mode="recompute")
 
     def _decode(self, sink: EventSink, s: _Seq) -> bool:
         """One token for s: COW a shared tail, grow the table, store a filled block."""
@@ -203,7 +204,7 @@ class SyntheticCache:
             gpu.add_ref([src], -1)
             gpu.add_ref([dst], +1)
             s.table[last] = dst
-            sink.emit("cow", tier="gpu", seq=s.sid, logical=[last], src=[src], dst=[dst])
+            sink.emit(S.COW, tier="gpu", seq=s.sid, logical=[last], src=[src], dst=[dst])
         if s.tokens >= self._capacity(s) and not self._alloc(sink, s, 1):
             return False
         s.tokens += 1
@@ -211,7 +212,7 @@ class SyntheticCache:
             b = s.table[s.tokens // self.block_size - 1]
             if b not in gpu.hashes:
                 gpu.set_hash(b, self._hash())
-                sink.emit("store", tier="gpu", blocks=[b], hashes=[gpu.hashes[b]])
+                sink.emit(S.STORE, tier="gpu", blocks=[b], hashes=[gpu.hashes[b]])
         return True
 
     def _offload(self, sink: EventSink) -> None:
@@ -225,12 +226,12 @@ class SyntheticCache:
                 return
             for b in victims:
                 cpu.set_hash(b, None)
-            sink.emit("evict", tier="cpu", blocks=victims)
+            sink.emit(S.EVICT, tier="cpu", blocks=victims)
         dst = cpu.take_free(len(src))
         hashes = [gpu.hashes[b] for b in src]
         for b, h in zip(dst, hashes, strict=True):
             cpu.set_hash(b, h)
-        sink.emit("offload", src=src, dst=dst, hashes=hashes)
+        sink.emit(S.OFFLOAD, src=src, dst=dst, hashes=hashes)
 
     # --------------------------------------------------------------------- step
     def step(self, sink: EventSink) -> dict[str, Any]:
@@ -240,7 +241,7 @@ class SyntheticCache:
         if not self._started:
             self._started = True
             for name, t in self.tiers.items():
-                sink.emit("tier_init", tier=name, num_blocks=t.num_blocks,
+                sink.emit(S.TIER_INIT, tier=name, num_blocks=t.num_blocks,
                           block_size=self.block_size, format="auto")
         # arrivals (some forks of a running sequence)
         while rng.random() < self.arrival_rate and len(self.seqs) < 4 * self.max_running:
@@ -250,13 +251,13 @@ class SyntheticCache:
             parent = rng.choice(running) if running and rng.random() < 0.2 else None
             s = _Seq(sid, prompt=rng.randint(1, 6 * self.block_size))
             self.seqs[sid] = s
-            sink.emit("seq_add", seq=sid, prompt_tokens=s.prompt,
+            sink.emit(S.SEQ_ADD, seq=sid, prompt_tokens=s.prompt,
                       parent=parent.sid if parent else None)
             if parent is not None:
                 self.tiers["gpu"].add_ref(parent.table, +1)
                 s.table, s.tokens, s.prompt = list(parent.table), parent.tokens, parent.tokens
                 s.reported = parent.reported  # "fork" copies the parent's num_tokens
-                sink.emit("fork", tier="gpu", seq=sid, parent=parent.sid,
+                sink.emit(S.FORK, tier="gpu", seq=sid, parent=parent.sid,
                           blocks=list(parent.table))
         # schedule: swapped first, then waiting, up to max_running
         running = sum(s.status == "running" for s in self.seqs.values())
@@ -276,7 +277,7 @@ class SyntheticCache:
             if r < 0.04:
                 self._free_table(sink, s)
                 del self.seqs[s.sid]
-                sink.emit("seq_finish", seq=s.sid, reason=rng.choice(["stop", "length"]))
+                sink.emit(S.SEQ_FINISH, seq=s.sid, reason=rng.choice(["stop", "length"]))
             elif r < 0.07 or not self._decode(sink, s):
                 self._preempt(sink, s)
             else:
@@ -285,7 +286,7 @@ class SyntheticCache:
         for s in changed:
             s.reported = s.tokens
         if changed:
-            sink.emit("seq_tokens", seqs=[s.sid for s in changed],
+            sink.emit(S.SEQ_TOKENS, seqs=[s.sid for s in changed],
                       num_tokens=[s.tokens for s in changed])
         if rng.random() < 0.2:
             self._offload(sink)

@@ -163,8 +163,8 @@ class BlockPool:
             entry[b] = None
         self.num_evictions += n
         if self.sink.enabled:
-            cause: C.Cause = {C.POLICY: self.evictable.name,
-                              C.REASON: reason or self.reason, C.FREE_BLOCKS: free}
+            cause: dict[str, Any] = {C.POLICY: self.evictable.name,  # a C.Cause map
+                                     C.REASON: reason or self.reason, C.FREE_BLOCKS: free}
             if reason != C.R_RESET:
                 cause[C.NEEDED_BY] = self.requester
                 cause[C.BLOCKS_NEEDED] = needed if needed is not None else n

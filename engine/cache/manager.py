@@ -265,7 +265,7 @@ class KVCacheManager:
             self.sink.emit(S.SEQ_START, seq=seq_id)
 
     def preempt(self, seq_id: str, mode: str = "recompute",
-                cause: C.Cause | None = None) -> str:
+                cause: dict[str, Any] | None = None) -> str:
         """Take a running sequence off the gpu; returns the mode used.
 
         "recompute": running -> waiting, all blocks freed (its token ids are kept, so it

@@ -1,6 +1,8 @@
-"""kvscope's event protocol and its mirror: the schema (what each event kind carries), the
-sinks the cache reports to, the causes of preemptions and evictions, and ``KVState``, whose
-``apply`` is the one meaning of every event. Importable without torch.
+"""kvscope's event protocol and its mirror: the schema (each event kind as a type: what it
+carries and means), the step statistics (``stats.StepStats``), the sinks the cache reports
+to, the causes of preemptions and evictions, and ``KVState``, whose ``apply`` is the one
+meaning of every event. Importable without torch; ``python -m engine.events`` prints the
+kinds and the stats as tables.
 
 The rest of the event stream lives in subpackages: ``engine.events.wire`` (codec,
 publisher, the engine-side EventStream, subscriber, recordings), ``engine.events.analysis``

@@ -12,7 +12,10 @@ Torch-free.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
 
 # cause keys (the wire names)
 NEEDED_BY = "needed_by"  # the sequence whose allocation forced the decision (or None)
@@ -42,13 +45,16 @@ EVICT_RULES = {
 }
 
 
-class Cause(TypedDict, total=False):
-    needed_by: str | None
-    blocks_needed: int
-    free_blocks: int
-    policy: str
-    reason: str
-    fallback: str
+class Cause(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """The ``cause`` map's type (the keys above; every one optional, see the module
+    docstring). Emitters build the map itself (``{NEEDED_BY: ..., ...}``)."""
+
+    needed_by: str | None | UnsetType = UNSET
+    blocks_needed: int | UnsetType = UNSET
+    free_blocks: int | UnsetType = UNSET
+    policy: str | UnsetType = UNSET
+    reason: str | UnsetType = UNSET
+    fallback: str | UnsetType = UNSET
 
 
 def describe(cause: Any, kind: str = "seq_preempt", victim: str | None = None) -> str:

@@ -6,64 +6,42 @@ Torch-free. A *batch* is one engine step:
      "events": [event, ...], "stats": {...}}
 
 The publisher adds "seq" (strictly increasing per epoch) and "epoch". An *event* is a
-self-describing map ``{"kind": KIND, ...fields}``. Block ids are ints, per tier,
-``0 <= id < num_blocks``; bulk changes carry id lists (protocol 1: msgpack arrays of ints;
-protocol 2: the same ids packed as little-endian int32 bytes, see ``BLOCK_ID_FIELDS``).
-Sequence ids are strings.
+self-describing map ``{"kind": KIND, ...fields}``. Each kind is declared once, below, as
+a typed structure (an ``Event`` subclass tagged with its wire name): its fields, their
+types, which are optional, and what it means. ``python -m engine.events`` prints them as
+a table. Block ids are ints, per tier, ``0 <= id < num_blocks``; bulk changes carry id
+lists (``BlockIds``: protocol 1 writes msgpack arrays of ints, protocol 2 the same ids
+packed as little-endian int32 bytes, in the fields ``BLOCK_ID_FIELDS``). Sequence ids are
+strings; ``tier`` is "gpu" or "cpu".
+
 Readers ignore fields they do not know and count (then ignore) kinds they do not know,
-so adding a field or a kind never breaks a reader. What each kind *means* is defined in
-one place only: ``engine.events.state.KVState.apply``.
+so adding a field or a kind never breaks a reader. An optional field may be absent;
+readers take its absence as the default its kind's docstring names. What each kind
+*means* is defined in one place only: ``engine.events.state.KVState.apply``.
 
-Kinds and fields (``tier`` is "gpu" or "cpu"; ``blocks``/``src``/``dst`` are id lists):
+``stats`` is the step's statistics map, declared as ``engine.events.stats.StepStats``.
 
-    tier_init    tier, num_blocks, block_size, format    (re)create a tier, all blocks free
-    seq_add      seq, prompt_tokens, priority=0, parent=None   new sequence, status waiting
-    seq_start    seq                                     waiting -> running (first schedule)
-    alloc        tier, seq, blocks                       fresh blocks appended to seq's table
-    hit          tier, seq, blocks, tokens               cached blocks shared into seq's table
-    store        tier, blocks, hashes                    full blocks enter the prefix cache
-    evict        tier, blocks                            blocks leave the prefix cache
-    free         tier, seq, blocks                       seq drops its whole block table
-    fork         tier, seq, parent, blocks               child shares all of parent's blocks
-    cow          tier, seq, logical, src, dst            copy-on-write: table[logical[i]] src->dst
-    seq_tokens   seqs, num_tokens                        token counts of sequences that changed
-    seq_preempt  seq, mode ("recompute" | "swap")        running -> waiting | swapped
-    seq_resume   seq                                     waiting | swapped -> running
-    seq_finish   seq, reason ("stop" | "length" | "abort")   sequence leaves (table empty)
-    swap_out     seq, src, dst                           seq's table moves gpu src -> cpu dst
-    swap_in      seq, src, dst                           seq's table moves cpu src -> gpu dst
-    offload      src, dst, hashes                        cached gpu blocks written to host dst
-    host_hit     seq, src, dst, tokens                   host-cached src loaded into gpu dst
-    quantize     tier, blocks, format                    demotion: the blocks' format changes
-                                                         in place (refs, hashes, tables kept);
-                                                         a block that becomes free reverts to
-                                                         the tier's format
-
-Optional ``cause`` on ``seq_preempt`` and ``evict`` (engine.events.causes; older readers
-ignore it, and readers must accept its absence): ``{"needed_by": seq | None,
-"blocks_needed", "free_blocks", "policy", "reason", "fallback"?}``: the sequence whose
-allocation forced the decision, how many blocks it asked for, how many it could take at
-that moment, the rule that picked the victim and what kind of allocation it was.
-Optional on ``seq_finish``: ``num_tokens`` (positions computed, including its last step,
-which no ``seq_tokens`` reports) and ``output_tokens`` (tokens it generated).
-
-``stats`` is a free-form map; known keys: gauges running, waiting, swapped,
-scheduled_tokens, prefill_tokens, decode_tokens, step_time_s and "tiers": {tier: {"total",
-"used", "cached", "free"}}; counters hit_tokens, query_tokens (prefix cache, in tokens),
-preemptions, evictions, cow_copies, swap_out_blocks, swap_in_blocks,
-prefill_computed_tokens, recomputed_tokens (engine.events.analysis.lifecycle's accounting).
-Counters are cumulative since the engine started (as Prometheus counters), so a reader that
-joins late or misses batches still reads correct totals; per-step rates are differences.
+The events are plain maps in the engine (``sink.emit(kind, **fields)``) and after
+decoding; the types here are the contract both sides follow. The codec checks every
+decoded event of a known kind against its type and hands it on with the fields its type
+declares (``engine.events.wire.codec``); ``tests/events/test_schema.py`` checks that
+what the cache manager emits fits the types.
 """
 
 from __future__ import annotations
+
+from typing import Any, TypeVar, Union
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from engine.events.causes import Cause
 
 PROTOCOL_VERSION = 2
 # Version 2 differs from 1 only in the wire form of id lists (``BLOCK_ID_FIELDS``: packed
 # little-endian int32 bytes, msgpack bin) and in snapshots (ref counts and id lists
 # packed, hashes packed int64). Readers take both; version-1 recordings replay as before.
 READABLE_VERSIONS = (1, 2)
-BLOCK_ID_FIELDS = ("blocks", "src", "dst")
 
 TIERS = ("gpu", "cpu")
 SEQ_STATUSES = ("waiting", "running", "swapped")
@@ -71,7 +49,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 PREEMPT_MODES = ("recompute", "swap")
 KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4")
 
-# Event kinds. Names are the wire strings.
+# Event kinds. Names are the wire strings (each ``Event`` subclass below is tagged with one).
 TIER_INIT = "tier_init"
 SEQ_ADD = "seq_add"
 SEQ_START = "seq_start"
@@ -92,11 +70,6 @@ OFFLOAD = "offload"
 HOST_HIT = "host_hit"
 QUANTIZE = "quantize"
 
-EVENT_KINDS = (
-    TIER_INIT, SEQ_ADD, SEQ_START, ALLOC, HIT, STORE, EVICT, FREE, FORK, COW, SEQ_TOKENS,
-    SEQ_PREEMPT, SEQ_RESUME, SEQ_FINISH, SWAP_OUT, SWAP_IN, OFFLOAD, HOST_HIT, QUANTIZE,
-)
-
 # Per-block state codes, as the inspector's uint8 block map uses them. Derived from a
 # block's ref count and whether it holds a prefix-cache hash (see KVState.block_codes).
 BLOCK_FREE = 0  # ref 0, no hash: reused first
@@ -109,8 +82,250 @@ BLOCK_STATE_NAMES = ("free", "cached", "used", "shared")
 class ProtocolError(ValueError):
     """A batch or event that does not follow the protocol (or does not fit the state)."""
 
-# Optional ``store`` fields, present when the sink's ``store_detail`` is on (a vLLM-format
-# publisher listens): per stored block, its parent's chain hash (None for a sequence's
-# first block) and its token ids. Readers that do not need them ignore them.
+
+# ------------------------------------------------------------------- field types
+BlockIds = list[int] | bytes
+"""A list of block ids: msgpack ints (protocol 1) or packed little-endian int32 (2)."""
+
+_T = TypeVar("_T")
+Opt = _T | UnsetType
+"""An optional field: absent (``UNSET``) unless the writer has it. Absence is kept apart
+from every value (a default would be left out when sent explicitly), so a decoded event
+holds exactly the declared fields that were sent."""
+
+
+class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True,
+            gc=False):
+    """One change of the cache's state. Subclasses are the kinds, tagged with their wire
+    name; a subclass's docstring says what the kind means (first paragraph) and what a
+    reader takes for its absent optional fields (the rest)."""
+
+
+# Events, in the order of EVENT_KINDS. The field comments say what a field holds where
+# its name does not.
+class TierInit(Event, tag=TIER_INIT):
+    """(Re)create a tier, all blocks free.
+
+    Absent format: "auto"."""
+
+    tier: str
+    num_blocks: int
+    block_size: int  # tokens per block
+    format: Opt[str] = UNSET  # the tier's KV page format (KV_FORMATS)
+
+
+class SeqAdd(Event, tag=SEQ_ADD):
+    """A new sequence, status waiting.
+
+    Absent: prompt_tokens 0, priority 0, parent None."""
+
+    seq: str
+    prompt_tokens: Opt[int] = UNSET
+    priority: Opt[int] = UNSET
+    parent: Opt[str | None] = UNSET  # the sequence it was forked from
+
+
+class SeqStart(Event, tag=SEQ_START):
+    """Waiting -> running (its first schedule)."""
+
+    seq: str
+
+
+class Alloc(Event, tag=ALLOC):
+    """Fresh blocks appended to the sequence's block table."""
+
+    tier: str
+    seq: str
+    blocks: BlockIds
+
+
+class Hit(Event, tag=HIT):
+    """Cached blocks shared into the sequence's block table.
+
+    Absent tokens: 0."""
+
+    tier: str
+    seq: str
+    blocks: BlockIds
+    tokens: Opt[int] = UNSET  # prompt tokens the hit saves computing
+
+
+class Store(Event, tag=STORE):
+    """Full blocks enter the prefix cache under their chain hashes."""
+
+    tier: str
+    blocks: BlockIds
+    hashes: list[int]
+    # with the sink's ``store_detail`` (a vLLM-format publisher listens): per block, its
+    # parent's chain hash (None for a sequence's first block) and its token ids
+    parents: Opt[list[int | None]] = UNSET
+    tokens: Opt[list[list[int]]] = UNSET
+
+
+class Evict(Event, tag=EVICT):
+    """Blocks leave the prefix cache (their hashes are dropped)."""
+
+    tier: str
+    blocks: BlockIds
+    cause: Opt[Cause] = UNSET  # why (engine.events.causes)
+
+
+class Free(Event, tag=FREE):
+    """The sequence drops its whole block table."""
+
+    tier: str
+    seq: str
+    blocks: BlockIds  # the table, in order
+
+
+class Fork(Event, tag=FORK):
+    """The child sequence shares all of its parent's blocks."""
+
+    tier: str
+    seq: str
+    parent: str
+    blocks: BlockIds  # the parent's table
+
+
+class Cow(Event, tag=COW):
+    """Copy-on-write: ``table[logical[i]]`` moves from ``src[i]`` to ``dst[i]``."""
+
+    tier: str
+    seq: str
+    logical: list[int]
+    src: BlockIds
+    dst: BlockIds
+
+
+class SeqTokens(Event, tag=SEQ_TOKENS):
+    """Token counts of the sequences that changed this step."""
+
+    seqs: list[str]
+    num_tokens: list[int]
+
+
+class SeqPreempt(Event, tag=SEQ_PREEMPT):
+    """Running -> waiting (mode "recompute") or swapped (mode "swap")."""
+
+    seq: str
+    mode: str  # PREEMPT_MODES
+    cause: Opt[Cause] = UNSET  # why (engine.events.causes)
+
+
+class SeqResume(Event, tag=SEQ_RESUME):
+    """Waiting or swapped -> running."""
+
+    seq: str
+
+
+class SeqFinish(Event, tag=SEQ_FINISH):
+    """The sequence leaves (its table is empty).
+
+    Absent counts: not reported."""
+
+    seq: str
+    reason: str  # FINISH_REASONS
+    # positions computed, including its last step (which no seq_tokens reports)
+    num_tokens: Opt[int] = UNSET
+    output_tokens: Opt[int] = UNSET  # tokens it generated
+
+
+class SwapOut(Event, tag=SWAP_OUT):
+    """The sequence's table moves from gpu ``src`` to cpu ``dst``."""
+
+    seq: str
+    src: BlockIds
+    dst: BlockIds
+
+
+class SwapIn(Event, tag=SWAP_IN):
+    """The sequence's table moves from cpu ``src`` to gpu ``dst``."""
+
+    seq: str
+    src: BlockIds
+    dst: BlockIds
+
+
+class Offload(Event, tag=OFFLOAD):
+    """Cached gpu blocks ``src`` are written to host blocks ``dst``, cached there."""
+
+    src: BlockIds
+    dst: BlockIds
+    hashes: list[int]
+
+
+class HostHit(Event, tag=HOST_HIT):
+    """Host-cached ``src`` loaded into gpu ``dst``, appended to the table.
+
+    Absent tokens: 0."""
+
+    seq: str
+    src: BlockIds
+    dst: BlockIds
+    tokens: Opt[int] = UNSET  # prompt tokens the hit saves computing
+
+
+class Quantize(Event, tag=QUANTIZE):
+    """Demotion: the blocks' page format changes in place (refs, hashes and tables kept;
+    a block that becomes free reverts to the tier's format)."""
+
+    tier: str
+    blocks: BlockIds
+    format: str
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.__struct_config__.tag: cls for cls in (
+        TierInit, SeqAdd, SeqStart, Alloc, Hit, Store, Evict, Free, Fork, Cow, SeqTokens,
+        SeqPreempt, SeqResume, SeqFinish, SwapOut, SwapIn, Offload, HostHit, Quantize)
+}
+EVENT_KINDS = tuple(EVENT_TYPES)
+AnyEvent = Union[tuple(EVENT_TYPES.values())]  # noqa: UP007 (a tagged union, by "kind")
+
+# The id-list fields (packed on the wire in protocol 2), from the types.
+BLOCK_ID_FIELDS = tuple(dict.fromkeys(
+    f.name for cls in EVENT_TYPES.values() for f in msgspec.structs.fields(cls)
+    if f.type == BlockIds))
+# Optional ``store`` fields, present when the sink's ``store_detail`` is on.
 STORE_PARENTS = "parents"
 STORE_TOKENS = "tokens"
+
+
+# --------------------------------------------------------------------- the table
+def type_name(t: Any) -> str:
+    """A short name for a field's type (``msgspec.inspect`` form): "int", "ids",
+    "list[str]", "str | None", a struct's class name."""
+    mi = msgspec.inspect
+    if isinstance(t, mi.UnionType):
+        names = [type_name(x) for x in t.types]
+        return "ids" if sorted(names) == ["bytes", "list[int]"] else " | ".join(names)
+    if isinstance(t, mi.ListType):
+        return f"list[{type_name(t.item_type)}]"
+    if isinstance(t, mi.DictType):
+        return "map"
+    if isinstance(t, mi.StructType):
+        return t.cls.__name__
+    if isinstance(t, mi.NoneType):
+        return "None"
+    if isinstance(t, mi.AnyType):
+        return "any"
+    return type(t).__name__.removesuffix("Type").lower()
+
+
+def fields_text(cls: type[msgspec.Struct]) -> str:
+    """``tier: str, blocks: ids, cause?: Cause`` (``?``: optional)."""
+    info = msgspec.inspect.type_info(cls)
+    return ", ".join(f"{f.name}{'' if f.required else '?'}: {type_name(f.type)}"
+                     for f in info.fields)
+
+
+def meaning(cls: type) -> str:
+    """The first paragraph of a class's docstring, on one line."""
+    return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+def kinds_table() -> str:
+    """One line per kind: its wire name, its fields, its meaning."""
+    rows = [(kind, fields_text(cls), meaning(cls)) for kind, cls in EVENT_TYPES.items()]
+    w = max(len(k) for k, _, _ in rows)
+    return "\n".join(f"{k:<{w}}  {f}\n{'':<{w}}    {m}" for k, f, m in rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.events.stats import StepStats
 from engine.router.prefix_index import PrefixIndex, prompt_chain
 
 
@@ -56,7 +57,7 @@ class Replica:
         self.prefix_caching = True
         self.epoch: str | None = None
         self.epochs_seen = 0  # starts of its publisher (1 = the first we joined)
-        self.stats: dict[str, Any] = {}
+        self.stats = StepStats()  # of the last batch applied
         self.sub = None
         if events is not None:
             from engine.events.wire.subscriber import Subscriber
@@ -89,9 +90,7 @@ class Replica:
             self.index.rebuild(state)
         else:
             self.index.on_batch(update, state)
-        stats = getattr(state, "stats", None)
-        if isinstance(stats, dict):
-            self.stats = stats
+        self.stats = StepStats.read(getattr(state, "stats", None))
 
     @property
     def stream_status(self) -> str:
@@ -109,8 +108,8 @@ class Replica:
         running + waiting when others send it work too (whichever is larger)."""
         s = self.stats
         engine = 0
-        if isinstance(s.get("running"), int) and isinstance(s.get("waiting"), int):
-            engine = s["running"] + s["waiting"]
+        if s.running is not None and s.waiting is not None:
+            engine = s.running + s.waiting
         return max(self.in_flight, engine)
 
     def predicted_cached_tokens(self, token_ids: list[int] | None) -> int:

@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.events.schema import FINISH_REASONS
+from engine.events.stats import StepStats
 from engine.outputs import RequestOutput
 
 P = "kvscope:"
@@ -186,17 +187,17 @@ class ServerMetrics:
 
     # -------------------------------------------------- engine-thread hooks
     def on_step(self, engine: Any) -> None:
-        st = engine.stats or {}
+        st = StepStats.read(engine.stats)
         now = time.monotonic()
         if self.itl is not None:
-            decoded = int(st.get("decode_tokens", 0) or 0)
+            decoded = st.decode_tokens or 0
             if decoded and self._last_step_end is not None:
                 gap = now - self._last_step_end
                 for _ in range(decoded):
                     self.itl.observe(gap)
             self._last_step_end = now if engine.has_unfinished_requests() else None
-        step_time = st.get("step_time_s")
-        if isinstance(step_time, (int, float)):
+        step_time = st.step_time_s
+        if step_time is not None:
             for ctx in getattr(engine, "decode_contexts", ()):
                 self.decode_by_context.labels(
                     **self._labels, context_tokens=context_range(ctx)).observe(step_time)
@@ -208,16 +209,17 @@ class ServerMetrics:
             "usage": gpu["used"] / max(1, gpu["total"]),
             "num_blocks": gpu["total"],
             "cpu_usage": cpu["used"] / max(1, cpu["total"]) if cpu else 0.0,
-            "running": 0 if idle else st.get("running", 0),
-            "waiting": 0 if idle else st.get("waiting", 0),
-            "swapped": 0 if idle else st.get("swapped", 0),
+            "running": 0 if idle else st.running or 0,
+            "waiting": 0 if idle else st.waiting or 0,
+            "swapped": 0 if idle else st.swapped or 0,
             "query_tokens": m["prefix_query_tokens"],
             "hit_tokens": m["prefix_hit_tokens"],
-            "preemptions": st.get("preemptions", m.get("preemptions", 0)),
+            "preemptions": m.get("preemptions", 0) if st.preemptions is None
+            else st.preemptions,
             "evictions": m["evictions"],
             # Cumulative swap counts, once the CPU swap tier reports them in its stats.
-            "swap_out_blocks": st.get("swap_out_blocks", 0),
-            "swap_in_blocks": st.get("swap_in_blocks", 0),
+            "swap_out_blocks": st.swap_out_blocks or 0,
+            "swap_in_blocks": st.swap_in_blocks or 0,
             "prefill_tokens": getattr(engine, "num_prefill_computed_tokens", 0),
             "recomputed_tokens": getattr(engine, "num_recomputed_tokens", 0),
             "fragmentation": 1 - m["used_tokens"] / (gpu["used"] * engine.cache.block_size)

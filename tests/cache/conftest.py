@@ -9,6 +9,7 @@ import pytest
 from engine.cache import KVCacheManager
 from engine.events.sink import ListSink
 from engine.events.state import KVState
+from tests.events.conftest import assert_declared
 
 
 class Mirrored:
@@ -23,9 +24,11 @@ class Mirrored:
         self.sync()
 
     def sync(self) -> list[dict[str, Any]]:
-        """End a step: flush, apply the batch, and require mirror == manager."""
+        """End a step: flush, apply the batch, and require mirror == manager (and every
+        event to fit its declared type)."""
         self.m.flush_step_events()
         events = self.sink.drain()
+        assert_declared(events)
         self.events += events
         self.state.apply({"v": 1, "step": self.step, "events": events})
         self.step += 1

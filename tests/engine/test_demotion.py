@@ -28,7 +28,7 @@ def test_mirror_equals_kv_state_every_step_while_demoting(make_engine, tmp_path)
         expected[eng.step_count] = state
         formats_seen |= set(state["tiers"]["gpu"]["block_formats"].values())
     assert formats_seen == {"int8", "int4"}
-    assert eng.stats["demoted_blocks"] > 0
+    assert eng.stats.demoted_blocks > 0
     eng.close()
     expected[eng.step_count] = eng.kv_state()
     state = KVState()
@@ -47,7 +47,7 @@ def test_greedy_outputs_without_memory_pressure_are_unchanged(make_engine, refer
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, GREEDY)
     done = run_all(eng)
-    assert eng.stats["demoted_blocks"] == 0
+    assert eng.stats.demoted_blocks == 0
     for i, p in enumerate(PROMPTS):
         assert done[f"r{i}"].outputs[0].token_ids == reference[p], p
 
@@ -60,7 +60,7 @@ def test_demotion_under_pressure_still_generates(make_engine):
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, GREEDY)
     done = run_all(eng)
-    assert eng.stats["demoted_blocks"] > 0
+    assert eng.stats.demoted_blocks > 0
     assert all(len(done[f"r{i}"].outputs[0].token_ids) == GREEDY.max_tokens
                for i in range(len(PROMPTS)))
 

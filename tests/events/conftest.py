@@ -1,5 +1,6 @@
 """Helpers for the event-stream tests: polling with deadlines (no sleeps), a TCP proxy
-that can cut a live connection, and the reference workload."""
+that can cut a live connection, the reference workload, and the check that events fit
+their declared types."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import msgspec
 import pytest
 
 from engine.events import KVState
+from engine.events import schema as S
 from engine.events.wire import EventStream
 from engine.events.wire.subscriber import Subscriber
 
@@ -41,6 +45,22 @@ def cache_stream(cache, *args, **kwargs) -> EventStream:
     cache stand-in), as LLMEngine wires it: steps run under ``stream.engine_lock``."""
     return EventStream(*args, snapshot_fn=cache.canonical, engine_lock=threading.Lock(),
                        **kwargs)
+
+
+def assert_declared(events: Iterable[dict[str, Any]]) -> None:
+    """Every event is of a declared kind and fits its type (engine.events.schema): each
+    field it carries is declared with that type, every required field is there. (Lists
+    in the engine may be tuples: a msgpack array either way.)"""
+    for ev in events:
+        cls = S.EVENT_TYPES.get(ev["kind"])
+        assert cls is not None, f"undeclared kind {ev['kind']!r}"
+        undeclared = set(ev) - {"kind", *cls.__struct_fields__}
+        assert not undeclared, f"{ev['kind']} carries undeclared {sorted(undeclared)}"
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(ev))  # tuples -> lists
+        try:
+            msgspec.convert(wire, cls)
+        except msgspec.ValidationError as e:
+            raise AssertionError(f"{ev['kind']} does not fit its type: {e} ({ev})") from None
 
 
 def apply_all(batches: list[dict]) -> KVState:

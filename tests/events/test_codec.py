@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from engine.events import schema as S
 from engine.events.schema import PROTOCOL_VERSION, ProtocolError
 from engine.events.wire import codec as C
 
@@ -94,3 +95,77 @@ def test_request_and_reply_envelopes():
         assert codec.decode(codec.encode(msg)) == msg
     with pytest.raises(ProtocolError, match="'ok' is int"):
         codec.decode(codec.encode(C.make_request(C.MSG_REPLAY_END, epoch="e", ok=1)))
+
+
+def _engine_batches() -> list[dict]:
+    """What the real cache manager emits (a small pool: evictions with their causes,
+    store details) and the synthetic workload (swaps, offloads, host hits), as batches
+    of protocol 2 (ids packed) and protocol 1 (lists)."""
+    from engine.bench.events import ManagerWorkload
+    from engine.bench.synthetic import SyntheticCache
+    from engine.cache import KVCacheManager
+    from engine.events.sink import ListSink
+
+    sink, gen = ListSink(), SyntheticCache(seed=4)
+    sink.store_detail = True
+    work = ManagerWorkload(KVCacheManager(48, 4, num_cpu_blocks=16, sink=sink), seed=1,
+                           max_running=12, vocab=50)
+    steps = []
+    for _ in range(150):
+        stats = work.step()
+        steps.append((sink.drain(), stats))
+        stats = gen.step(sink)
+        steps.append((sink.drain(), stats))
+    out = []
+    for i, (events, stats) in enumerate(steps):
+        out.append(C.make_batch("e", i + 1, i, 0.5, C.pack_events([dict(e) for e in events]),
+                                stats))
+        out.append({**C.make_batch("e", i + 1, i, 0.5, [dict(e) for e in events], stats),
+                    "v": 1})
+    return out
+
+
+def test_typed_and_checked_decoding_give_the_same_maps():
+    """Codec.decode reads batches of known kinds straight into their types; the checked
+    path (plain maps, then each event converted) is the reference: same maps, and the
+    events as they were sent."""
+    codec = C.Codec()
+    batches = _engine_batches()
+    assert {e["kind"] for b in batches for e in b["events"]} >= set(S.EVENT_KINDS) - {
+        S.QUANTIZE}
+    assert any("cause" in e for b in batches for e in b["events"])
+    for b in batches:
+        data = codec.encode(b)
+        assert codec.decode(data) == codec.decode_checked(data) == msgpack.unpackb(data)
+    assert codec.num_errors == 0
+
+
+def test_each_event_is_checked_against_its_kind():
+    codec = C.Codec()
+    ok = {"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [1, 2]}
+    for bad, words in [
+        ({**ok, "seq": 7}, r"event 1 \(alloc\): Expected `str`, got `int` - at `\$.seq`"),
+        ({**ok, "blocks": "1,2"}, r"\(alloc\).*`\$.blocks`"),
+        ({**ok, "blocks": [1, True]}, r"\(alloc\).*got `bool` - at `\$.blocks\[1\]`"),
+        ({"kind": "alloc", "tier": "gpu", "blocks": [1]}, r"\(alloc\).*missing.*`seq`"),
+        ({"kind": "seq_finish", "seq": "a", "reason": "stop", "num_tokens": None},
+         r"\(seq_finish\).*`\$.num_tokens`"),
+        ({"kind": "evict", "tier": "gpu", "blocks": [1], "cause": {"blocks_needed": "3"}},
+         r"\(evict\).*`\$.cause.blocks_needed`"),
+    ]:
+        msg = C.make_batch("e", 1, 1, 0.0, [{"kind": "seq_add", "seq": "a"}, bad])
+        with pytest.raises(ProtocolError, match=words):
+            codec.decode(codec.encode(msg))
+    assert codec.errors["envelope"] == 6 and codec.num_errors == 6
+
+
+def test_unknown_kinds_pass_and_undeclared_event_fields_are_dropped():
+    """Forward compatibility: a newer writer's kinds reach the readers as sent (they
+    count and skip them); fields a kind does not declare are left out, the declared ones
+    kept as sent (an optional field given at a reader's default too)."""
+    codec = C.Codec()
+    events = [{"kind": "teleport", "blocks": [1], "to": "moon"},
+              {"kind": "seq_add", "seq": "a", "priority": 0, "colour": "red"}]
+    got = codec.decode(codec.encode(C.make_batch("e", 1, 1, 0.0, events)))
+    assert got["events"] == [events[0], {"kind": "seq_add", "seq": "a", "priority": 0}]
+    assert codec.num_errors == 0

@@ -54,6 +54,20 @@ def test_payload_layout_is_msgspecs():
     assert list(msgpack.unpackb(plain)[1][0]) == ["type", "block_hashes", "medium"]  # omitted
 
 
+def test_payload_is_what_msgspec_writes_for_the_typed_events():
+    """The hand encoder writes, byte for byte, what msgspec (as vLLM) writes for the same
+    events as their declared types: tag first, declared order, None defaults left out."""
+    import msgspec
+
+    events = [W.block_stored([11, 12], 10, list(range(32)), 16, "GPU"),
+              W.block_stored([13], None, list(range(16)), 16, None),
+              W.block_removed([11], "CPU"), W.all_blocks_cleared()]
+    typed = msgspec.convert(events, list[W.BlockStored | W.BlockRemoved | W.AllBlocksCleared])
+    for rank in (0, None):
+        body = [1.5, typed] + ([] if rank is None else [rank])
+        assert W.Encoder().encode(1.5, events, rank) == msgspec.msgpack.encode(body)
+
+
 def test_layout_equals_the_real_vllm_capture():
     """Every event of the committed vLLM 0.32 capture has exactly the keys, in the order,
     that kvscope's encoder writes for the same event."""

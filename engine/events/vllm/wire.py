@@ -1,6 +1,6 @@
 """vLLM's KV-event wire contract (vLLM 0.32/0.33, ``vllm/distributed/kv_events.py``),
-encoded and decoded by hand with ``msgpack`` so the inspector needs neither vLLM nor
-msgspec.
+encoded and decoded with ``msgpack`` as maps (the event types below are the field table),
+so the inspector needs no vLLM.
 
 Frames on the PUB socket: ``[topic, seq (8-byte big-endian, from 0), payload]``.
 
@@ -10,16 +10,11 @@ trailing field with default None, so it is left out when None; vLLM's publisher 
 fills it, 0 on a single rank). Each event is a tagged struct (``tag=True``, not array
 like): a msgpack MAP whose first key ``"type"`` names the class, then the fields in
 declaration order; fields WITHOUT a default are always written (None as nil), fields with
-a default are left out while they hold it (``omit_defaults``):
-
-    BlockStored   block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-                  lora_name | extra_keys, group_idx, kv_cache_spec_kind,
-                  kv_cache_spec_sliding_window, locality, ownership, session_id
-    BlockRemoved  block_hashes, medium | group_idx, locality, ownership
-    AllBlocksCleared  (no fields)
-
-(left of ``|``: always present; right: only when not None). Block hashes are ints or
-bytes (vLLM's ``ExternalBlockHash``); kvscope's are signed 64-bit ints.
+a default are left out while they hold it (``omit_defaults``). The event types and their
+fields are the classes ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared`` below
+(``FIELDS``: per type, the fields always written and those written only when not None).
+Block hashes are ints or bytes (vLLM's ``ExternalBlockHash``); kvscope's are signed
+64-bit ints.
 
 Replay (ROUTER): the client sends one frame, the start seq as 8 bytes big-endian (with a
 DEALER: ``[b"", start]``); the publisher answers ``[b"", topic, seq, payload]`` per
@@ -35,8 +30,9 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 import msgpack
+import msgspec
 
-BLOCK_STORED = "BlockStored"
+BLOCK_STORED = "BlockStored"  # the tags of the event types below
 BLOCK_REMOVED = "BlockRemoved"
 ALL_BLOCKS_CLEARED = "AllBlocksCleared"
 EVENT_TYPES = (BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED)
@@ -49,25 +45,19 @@ TAG = "type"  # msgspec's default tag field
 END_SEQ = -1  # the replay's end marker, signed
 SEQ_BYTES = 8
 
-# Field order as vLLM declares them: (required fields, fields omitted while None).
-FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    BLOCK_STORED: (
-        ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-         "medium", "lora_name"),
-        ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-         "locality", "ownership", "session_id"),
-    ),
-    BLOCK_REMOVED: (("block_hashes", "medium"), ("group_idx", "locality", "ownership")),
-    ALL_BLOCKS_CLEARED: ((), ()),
-}
-
 
 class VllmWireError(ValueError):
     """A frame or payload that does not follow vLLM's KV-event contract."""
 
 
-class BlockStored(TypedDict, total=False):
-    type: str
+class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """vLLM's KV event types, as ``vllm/distributed/kv_events.py`` declares them (the
+    tag, in ``TAG``, is the class name). Fields without a default are always written;
+    the defaulted ones only when not None. kvscope builds and reads these events as
+    maps; the classes are the field table (``FIELDS``)."""
+
+
+class BlockStored(_Event):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
@@ -75,12 +65,34 @@ class BlockStored(TypedDict, total=False):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
-class BlockRemoved(TypedDict, total=False):
-    type: str
+class BlockRemoved(_Event):
     block_hashes: list[int | bytes]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(_Event):
+    pass
+
+
+# Per event type, in declared order: (fields always written, fields omitted while None).
+FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    cls.__name__: tuple(tuple(f.encode_name for f in msgspec.structs.fields(cls)
+                              if (f.default is msgspec.NODEFAULT) == always)
+                        for always in (True, False))  # type: ignore[misc]
+    for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
+}
 
 
 class EventBatch(TypedDict):

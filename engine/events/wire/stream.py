@@ -168,8 +168,8 @@ class EventStream:
             return
         events = self.sink.drain()  # type: ignore[attr-defined]
         self.seq += 1
-        stats = dict(stats) if stats else {}
-        stats["dropped_batches"] = self.dropped_batches
+        stats = dict(stats) if stats else {}  # a StepStats map (engine.events.stats)
+        stats["dropped_batches"] = self.dropped_batches  # StepStats.dropped_batches
         batch = C.make_batch(self.epoch, self.seq, step, time.time(), events, stats)
         self._last_meta = (step, batch["time"], stats)
         snap, wanted = None, self._snap_wanted

@@ -41,6 +41,7 @@ import zmq
 
 from engine.events.schema import ProtocolError
 from engine.events.state import KVState
+from engine.events.stats import StepStats
 from engine.events.wire import codec as C
 from engine.events.wire.publisher import snapshot_endpoint_for
 
@@ -248,8 +249,8 @@ class Subscriber:
         return True
 
     def _note_drops(self, stats: Any) -> None:
-        dropped = stats.get("dropped_batches") if isinstance(stats, dict) else None
-        if isinstance(dropped, int):
+        dropped = StepStats.read(stats).dropped_batches
+        if dropped is not None:
             self.publisher_dropped = dropped
 
     # ------------------------------------------------------------ DEALER replies
