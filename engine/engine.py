@@ -1,11 +1,13 @@
 """LLMEngine: requests in, tokens out, one engine step at a time.
 
-A step is: schedule (cache manager allocates, maybe preempts) -> execute copy-on-write
-orders -> build the batch and run the model -> sample -> update sequences (append tokens,
-check stops, fork n>1 children) -> close the step's event batch. Everything the cache
-does during a step is reported through the cache manager's event sink; ``kv_state()``
-returns the manager's own view of the cache in ``KVState.canonical()`` form, so the two
-can be compared at any step.
+A step flows one way: schedule (the scheduler makes every cache call: demotion, then
+allocation, maybe preemption; its ``SchedulerOutput`` carries the block tables, slot
+mappings and tensor orders) -> execute (the runner performs the orders, builds the batch
+and runs the model) -> sample (the ``Sampler``; n > 1 children are forked first) ->
+process (the scheduler appends the tokens and finishes sequences; request outputs) ->
+close the step's event batch. Everything the cache does during a step is reported
+through the cache manager's event sink; ``kv_state()`` returns the manager's own view of
+the cache in ``KVState.canonical()`` form, so the two can be compared at any step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from engine.cache import KVCacheManager
 from engine.completion import CompletionState
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.events.analysis.lifecycle import classify_chunk
 from engine.events.sink import NullSink
 from engine.model import load_model
 from engine.outputs import RequestMetrics, RequestOutput
@@ -32,19 +33,9 @@ from engine.request import Sequence
 from engine.runner import mixed_kv
 from engine.runner.model_runner import ModelRunner
 from engine.runner.page_format import check_supported, page_format
-from engine.sampling import (
-    RequestOutputKind,
-    SamplingParams,
-    adjust_logits,
-    greedy_batch,
-    make_generator,
-    prompt_logprobs,
-    sample,
-    sample_batch,
-    top_logprobs,
-    top_logprobs_batch,
-)
-from engine.scheduler import Scheduler
+from engine.sampler import SampleError, Sampler, SampleRow
+from engine.sampling import RequestOutputKind, SamplingParams, make_generator, prompt_logprobs
+from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -130,18 +121,14 @@ class LLMEngine:
                                       kv_cache_dtype=config.kv_cache_dtype, mixed=self.mixed,
                                       enforce_eager=config.enforce_eager,
                                       max_model_len=self.max_model_len,
-                                      max_num_seqs=config.max_num_seqs)
-        self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
-        if num_cpu_blocks:
-            from engine.runner.swapper import Swapper
-
-            self.swapper = Swapper(self.runner.kv.per_block_tensors, num_cpu_blocks)
+                                      max_num_seqs=config.max_num_seqs,
+                                      num_cpu_blocks=num_cpu_blocks)
+        self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
+        self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.step_count = 0
         self._seeds = np.random.default_rng(config.seed)  # same draw order as LLM's reference
         self.stats: dict[str, Any] = {}
-        self.num_prefill_computed_tokens = 0  # counters, as events.analysis.lifecycle counts
-        self.num_recomputed_tokens = 0
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %s pages)", num_blocks,
                  config.block_size, num_blocks * config.block_size, config.kv_layout,
                  self.page_format.name)
@@ -331,11 +318,19 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
-        for seq in req.seqs:
-            if seq.status != "finished":
-                self.scheduler.finish(seq, "abort")
+        self.scheduler.abort(req.seqs)
         if self.events:  # make the frees visible even when no step follows
-            self.cache.flush_step_events()
+            self.scheduler.flush_events()
+
+    @property
+    def num_prefill_computed_tokens(self) -> int:
+        """Tokens computed as prefill so far, as engine.events.analysis.lifecycle counts."""
+        return self.scheduler.num_prefill_computed_tokens
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Prefill tokens computed again after a recompute preemption."""
+        return self.scheduler.num_recomputed_tokens
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -351,31 +346,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     @_holding_cache_lock
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> sample -> process; the request outputs this step
+        changed (finished ones, and every change of a CUMULATIVE request)."""
         t0 = time.perf_counter()
-        if self.mixed is not None:  # make room for the next admission by demoting first
-            self.cache.demote_cold_blocks(mixed_kv.admission_need(self.scheduler))
         out = self.scheduler.schedule()
-        if self.mixed is not None:  # before copy-on-write and the forward pass
-            self.runner.demote(self.cache.take_demotion_orders())
-        if self.swapper is not None:  # before copy-on-write (cache.take_swap_rounds)
-            self.swapper.execute(self.cache.take_swap_rounds())
-        touched: dict[str, _Request] = {}
-        for seq in out.truncated:
-            touched[seq.request_id] = self.requests[seq.request_id]
-        if not out.is_empty:
-            orders = self.cache.take_copy_orders()
-            tables = [self.cache.block_table(s.seq.seq_id) for s in out.scheduled]
-            if self.mixed is not None:  # the kernels read page codes
-                codes = self.cache.page_codes
-                orders = [(codes([a])[0], codes([b])[0]) for a, b in orders]
-                tables = [codes(t) for t in tables]
-            self.runner.copy_blocks(orders)
-            batch = self.runner.prepare(out.scheduled, tables)
-            plan = self._prompt_logprob_plan(out)
-            logits, kept = self.runner.execute_keeping(
-                batch, [row for rows in plan.values() for row, _ in rows] or None)
-            if kept is not None:
-                self._add_prompt_logprobs(plan, kept, touched)
+        touched = {seq.request_id: self.requests[seq.request_id] for seq in out.truncated}
+        plan = self._prompt_logprob_plan(out)
+        logits, kept = self.runner.run(out, [row for rows in plan.values()
+                                             for row, _ in rows] or None)
+        if kept is not None:
+            self._add_prompt_logprobs(plan, kept, touched)
+        if logits is not None:
             self._process(out, logits, touched)
         self._close_step(time.perf_counter() - t0, out)
         return [self._output(req) for req in touched.values()
@@ -413,165 +394,65 @@ class LLMEngine:
                                                                req.params.prompt_logprobs))
             except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
                 self._fail_request(req, e, touched)
+                self.scheduler.abort(req.seqs)
             first += len(rows)
             if len(req.prompt_logprobs) == len(req.prompt_token_ids):
                 req.seqs[0].prefix_lookup = True
 
     def _fail_request(self, req: _Request, exc: Exception,
                       touched: dict[str, _Request]) -> None:
-        """One request broke inside the step: finish it alone (abort: its blocks are
-        freed and the event stream shows seq_finish "abort"); the step goes on."""
-        log.exception("request %s failed inside the step; aborting it alone", req.request_id)
+        """One request broke inside the step: it fails alone (the caller aborts its
+        sequences: their blocks are freed and the event stream shows seq_finish "abort");
+        the step goes on."""
+        log.error("request %s failed inside the step; aborting it alone", req.request_id,
+                  exc_info=exc)
         req.error = f"{type(exc).__name__}: {exc}"
-        for seq in req.seqs:
-            if seq.status != "finished":
-                self.scheduler.finish(seq, "abort")
         touched[req.request_id] = req
 
-    def _process(self, out, logits: torch.Tensor, touched: dict[str, _Request]) -> None:
+    def _process(self, out: SchedulerOutput, logits: torch.Tensor,
+                 touched: dict[str, _Request]) -> None:
+        """Sample the step's rows and hand the tokens to the scheduler, in row order (a
+        failed request's sequences are aborted in its place in that order)."""
         now = time.monotonic()
-        rows: list[tuple[Sequence, int]] = []  # (sequence, logits row) that sample
-        r = 0
+        sampled: list[SampledToken] = []
+        for result in self.sampler.sample(self._sample_rows(out, now), logits):
+            req = self.requests[result.seq.request_id]
+            if isinstance(result, SampleError):
+                self._fail_request(req, result.error, touched)
+                sampled += [SampledToken(seq, None, "abort") for seq in req.seqs]
+            else:
+                touched[req.request_id] = req
+                sampled.append(result)
+        self.scheduler.update_from_output(out, sampled, now)
+
+    def _sample_rows(self, out: SchedulerOutput, now: float) -> list[SampleRow]:
+        """The step's rows that sample, in batch order; a request with n > 1 forks its
+        children when its parent's prompt is done, before its first token lands, so they
+        share every prompt block copy-on-write (and sample from the parent's row)."""
+        rows: list[SampleRow] = []
+        r = -1  # the logits row: the runner returns one per scheduled sequence that samples
         for s in out.scheduled:
-            seq = s.seq
-            sampling = s.samples
-            self._count_prefill(seq, s.num_new_tokens)
-            seq.num_computed_tokens += s.num_new_tokens
-            if not sampling:
+            if not s.samples:
                 continue
-            req = self.requests[seq.request_id]
             r += 1
+            seq = s.seq
+            req = self.requests[seq.request_id]
             if req.error is not None:
                 continue
-            rows.append((seq, r - 1))
-            # n > 1: fork the children when the parent's prompt is done, before its first
-            # token lands, so they share every prompt block copy-on-write.
+            rows.append(self._row(req, seq, r))
             if seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
                 for i in range(1, req.params.n):
                     child = self._new_seq(req, i, seq.priority)
-                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_computed_tokens = s.start + s.num_new_tokens
                     child.ever_started, child.first_scheduled_time = True, now
                     child.num_cached_tokens = seq.num_cached_tokens
                     self.scheduler.add_forked(seq, child)
-                    rows.append((child, r - 1))
-        # Row by row, so that an exception one request causes (its parameters, its text)
-        # fails that request only; each row draws from its own generator either way. Rows
-        # that ban nothing are drawn in one batch first (``_draw_batched``); a row it did
-        # not draw (banned tokens, or the batch failed) samples alone here.
-        drawn = self._draw_batched(rows, logits)
-        for seq, row in rows:
-            req = self.requests[seq.request_id]
-            if req.error is not None:  # a sibling failed earlier in this step
-                continue
-            state = req.completions[seq.seq_id]
-            try:
-                if seq.seq_id in drawn:
-                    tok, logprob, top = drawn[seq.seq_id]
-                    done = state.add(tok, logprob, top)
-                else:
-                    row_logits = logits[row:row + 1]
-                    token, logprob = sample(row_logits, [seq.params],
-                                            [req.generators[seq.seq_id]],
-                                            [state.banned_token_ids()],
-                                            [state.allowed_mask(row_logits.shape[-1])],
-                                            state.scores(row_logits))
-                    top = top_logprobs(row_logits, [seq.params], token)[0]
-                    tok = int(token[0])
-                    done = state.add(tok, float(logprob[0]), top)
-            except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
-                self._fail_request(req, e, touched)
-                continue
-            touched[req.request_id] = req
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self.cache.append_token_ids(seq.seq_id, [tok])
-            if done:
-                self.scheduler.finish(seq, req.completions[seq.seq_id].output.finish_reason)
-
-    def _draw_batched(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor
-                      ) -> dict[str, tuple[int, float, dict[int, float] | None]]:
-        """(token, logprob, top logprobs) per sequence id for the rows that ban nothing (a
-        grammar's mask, which allows rather than bans, goes with the batch):
-        greedy ones by one argmax, tempered ones by one ``sample_batch`` (each row's own
-        generator, the same draw as row by row), the top logprobs of those that asked by
-        one ``top_logprobs_batch``: a few device reads a step, not a few per row. Empty
-        when any of it fails: every row then samples alone, so a fault stays with its own
-        request (a tempered row whose draw was already taken then draws again: its seed's
-        sequence shifts by one, in this fault path only)."""
-        greedy, tempered = [], []
-        for seq, row in rows:
-            req = self.requests[seq.request_id]
-            if req.error is None and not req.completions[seq.seq_id].banned_token_ids():
-                (greedy if seq.params.greedy else tempered).append((seq, row))
-        drawn: dict[str, tuple[int, float, dict[int, float] | None]] = {}
-        try:
-            for part in (greedy, tempered):
-                if not part:
-                    continue
-                rows_logits = self._rows(logits, [row for _, row in part])
-                allowed = self._grammar_masks(part, rows_logits.shape[-1])
-                scores = self._scores(part, rows_logits)
-                if part is greedy:
-                    ids, logprobs = greedy_batch(rows_logits, allowed, scores)
-                else:
-                    ids, logprobs = sample_batch(
-                        rows_logits, [s.params for s, _ in part],
-                        [self.requests[s.request_id].generators[s.seq_id] for s, _ in part],
-                        allowed, scores)
-                drawn |= {s.seq_id: (t, lp, None) for (s, _), t, lp in
-                          zip(part, ids, logprobs, strict=True)}
-            asked = [(s, row) for s, row in greedy + tempered if s.params.logprobs is not None]
-            if asked:
-                tops = top_logprobs_batch(self._rows(logits, [row for _, row in asked]),
-                                          [s.params.logprobs for s, _ in asked],
-                                          [drawn[s.seq_id][0] for s, _ in asked])
-                for (s, _), top in zip(asked, tops, strict=True):
-                    drawn[s.seq_id] = (*drawn[s.seq_id][:2], top)
-        except Exception:  # noqa: BLE001 - row by row isolates the culprit
-            log.exception("batched sampling failed; sampling row by row")
-            return {}
-        return drawn
-
-    def _grammar_masks(self, part: list[tuple[Sequence, int]], vocab: int
-                       ) -> torch.Tensor | None:
-        """Bool [len(part), vocab]: each row's grammar mask (all True for a row without
-        one); None when no row follows a grammar."""
-        states = [self.requests[s.request_id].completions[s.seq_id] for s, _ in part]
-        if all(st.matcher is None for st in states):
-            return None
-        everything = torch.ones(vocab, dtype=torch.bool)
-        return torch.stack([everything if st.matcher is None else st.allowed_mask(vocab)
-                            for st in states])
-
-    def _scores(self, part: list[tuple[Sequence, int]], rows_logits: torch.Tensor
-                ) -> torch.Tensor | None:
-        """The rows' scores with their logit biases and penalties, for the batch at once (a
-        new tensor: the logits stay raw for the logprobs); None when no row has any."""
-        states = [self.requests[s.request_id].completions[s.seq_id] for s, _ in part]
-        if not any(st.params.adjusts_logits for st in states):
-            return None
-        none = torch.empty(0, dtype=torch.long)
-        seen, counted = zip(*(st.penalty_state() if st.params.adjusts_logits
-                              else (none, (none, none.float())) for st in states), strict=True)
-        return adjust_logits(rows_logits.float(), [st.params for st in states],
-                             list(seen), list(counted))
+                    rows.append(self._row(req, child, r))
+        return rows
 
     @staticmethod
-    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """``logits[rows]``, without the copy when that is every row in order (the usual
-        step: 256 x 49k floats are 50 MB)."""
-        if rows == list(range(logits.shape[0])):
-            return logits
-        return logits[torch.tensor(rows, device=logits.device)]
-
-    def _count_prefill(self, seq: Sequence, n: int) -> None:
-        """Prefill and recomputed tokens, as engine.events.analysis.lifecycle counts them."""
-        a = seq.num_computed_tokens
-        pre, redo = classify_chunk(a, a + n, len(seq.prompt_token_ids),
-                                   seq.max_computed_tokens)
-        self.num_prefill_computed_tokens += pre
-        self.num_recomputed_tokens += redo
-        seq.max_computed_tokens = max(seq.max_computed_tokens, a + n)
+    def _row(req: _Request, seq: Sequence, row: int) -> SampleRow:
+        return SampleRow(seq, row, req.completions[seq.seq_id], req.generators[seq.seq_id])
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = [req.completions[s.seq_id].output.snapshot() for s in req.seqs]
@@ -601,9 +482,9 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------- events
-    def _close_step(self, step_time: float, out) -> None:
+    def _close_step(self, step_time: float, out: SchedulerOutput | None) -> None:
         self.step_count += 1
-        m = self.cache.metrics()
+        m = self.scheduler.end_step()  # closes the cache's event batch
         self.stats = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -633,7 +514,6 @@ class LLMEngine:
             self.stats.update({k: m[k] for k in (
                 "swap_outs", "swap_ins", "swap_out_blocks", "swap_in_blocks",
                 "offloaded_blocks", "host_hit_tokens", "swap_fallbacks")})
-        self.cache.flush_step_events()
         if self.events:
             self.events.end_step(self.step_count, self.stats)
 

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine.cache", "inspector"),
     ("engine.device", "engine.extras", "engine.config", "engine.request", "engine.outputs",
      "engine.model", "engine.sampling", "engine.structured", "engine.completion"),
-    ("engine.scheduler", "engine.runner", "engine.reference_generate"),
+    ("engine.scheduler", "engine.runner", "engine.sampler", "engine.reference_generate"),
     ("engine.distributed",),
     ("engine.engine",),
     ("engine", "engine.llm", "engine.server"),
