@@ -30,7 +30,7 @@ from engine.events.sink import NullSink
 from engine.model import load_model
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Sequence
-from engine.runner import mixed_kv
+from engine.runner import kv_budget, mixed_kv
 from engine.runner.model_runner import ModelRunner
 from engine.runner.page_format import check_supported, page_format
 from engine.sampler import SampleError, Sampler, SampleRow
@@ -90,8 +90,9 @@ class LLMEngine:
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
-        num_blocks = self._num_kv_blocks()
-        num_cpu_blocks = self._num_cpu_blocks()
+        num_blocks = kv_budget.num_gpu_blocks(config, self.page_format, self.mixed, self.model,
+                                              mc, self.device)
+        num_cpu_blocks = kv_budget.num_cpu_blocks(config, self.page_format)
         # Held while the cache changes: the event stream's thread snapshots the cache (for
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
@@ -136,57 +137,6 @@ class LLMEngine:
             self._close_step(0.0, None)  # the tier_init events become batch 0
 
     # ---------------------------------------------------------------- set-up
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        per_block = self.page_format.bytes_per_block  # scales included
-        if self.mixed is not None:
-            per_block = mixed_kv.bytes_per_frame(self.mixed, self.model_config.num_layers)
-        if cfg.num_gpu_blocks is not None:
-            return cfg.num_gpu_blocks
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._profile_cuda_budget()
-        else:
-            from engine.config import DEFAULT_CPU_KV_BYTES
-            budget = DEFAULT_CPU_KV_BYTES
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
-                             f"{per_block} bytes; raise it")
-        return int(blocks)
-
-    def _num_cpu_blocks(self) -> int:
-        """Blocks of the cpu tier: ``swap_space`` GiB of pages of the device's format."""
-        cfg = self.config
-        blocks = int(cfg.swap_space * (1 << 30)) // self.page_format.bytes_per_block
-        if cfg.preemption_mode == "swap" and blocks < 1:
-            raise ValueError(f"preemption_mode='swap' needs swap_space > 0 GiB holding at "
-                             f"least one block of {self.page_format.bytes_per_block} bytes")
-        return blocks
-
-    @torch.inference_mode()
-    def _profile_cuda_budget(self) -> int:
-        """Free memory after a forward of max_num_batched_tokens, times the utilisation."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.config.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        from kernels.contiguous import contiguous_attention
-
-        scale = self.model_config.head_dim ** -0.5
-
-        def attn(layer, q, k, v):
-            return contiguous_attention(q, k, v, 0, scale)
-
-        self.model.compute_logits(self.model.forward(ids, pos, attn)[-1:])
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_other = total - free - torch.cuda.memory_allocated(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        return int(total * self.config.gpu_memory_utilization - peak - used_other)
-
     def _open_events(self):
         cfg = self.config
         from engine.events.vllm.config import KVEventsConfig
