@@ -16,52 +16,29 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.cache import KVCacheManager
-from engine.completion import CompletionState
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.events.sink import NullSink
 from engine.model import load_model
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request import Sequence
+from engine.request_state import RequestState
 from engine.runner import kv_budget, mixed_kv
 from engine.runner.model_runner import ModelRunner
 from engine.runner.page_format import check_supported, page_format
 from engine.sampler import SampleError, Sampler, SampleRow
-from engine.sampling import RequestOutputKind, SamplingParams, make_generator, prompt_logprobs
+from engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once (rows x vocab fp32)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    seed: int  # base seed: params.seed, else drawn from the engine's seeded generator
-    seqs: list[Sequence] = field(default_factory=list)  # index order once forked
-    generators: dict[str, torch.Generator | None] = field(default_factory=dict)
-    completions: dict[str, CompletionState] = field(default_factory=dict)
-    # params.prompt_logprobs: one entry per prompt token computed so far (the first is None)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    error: str | None = None  # this request failed inside a step (only it)
-
-    @property
-    def finished(self) -> bool:
-        if self.error is not None:
-            return True
-        return len(self.seqs) == self.params.n and all(s.status == "finished" for s in self.seqs)
 
 
 def _holding_cache_lock(method):
@@ -126,7 +103,7 @@ class LLMEngine:
                                       num_cpu_blocks=num_cpu_blocks)
         self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
         self.sampler = Sampler()
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.step_count = 0
         self._seeds = np.random.default_rng(config.seed)  # same draw order as LLM's reference
         self.stats: dict[str, Any] = {}
@@ -204,8 +181,8 @@ class LLMEngine:
                              "with tensor_parallel_size > 1")
         now = time.monotonic() if arrival_time is None else arrival_time
         seed = int(self._seeds.integers(2**62))
-        req = _Request(request_id, text, ids, params, now,
-                       params.seed if params.seed is not None else seed)
+        req = RequestState(request_id, text, ids, params, now,
+                           params.seed if params.seed is not None else seed)
         seq = self._new_seq(req, 0, priority)
         if params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position's logits: a prefix-cache hit would
@@ -216,19 +193,8 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
-    def _new_seq(self, req: _Request, index: int, priority: int) -> Sequence:
-        sid = req.request_id if index == 0 else f"{req.request_id}#{index}"
-        seq = Sequence(sid, req.request_id, index, list(req.prompt_token_ids), req.params,
-                       priority=priority, arrival_time=req.arrival_time)
-        budget = min(req.params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
-        state = CompletionState(index, req.params, self.tokenizer, req.prompt_token_ids,
-                                self._eos_ids, budget)
-        seq.output_token_ids = state.output.token_ids  # one list, two views
-        req.seqs.append(seq)
-        req.completions[sid] = state
-        req.generators[sid] = (None if req.params.greedy
-                               else make_generator(req.seed, index, "cpu"))
-        return seq
+    def _new_seq(self, req: RequestState, index: int, priority: int) -> Sequence:
+        return req.add_seq(index, priority, self.tokenizer, self._eos_ids, self.max_model_len)
 
     @property
     def _eos_ids(self) -> set[int]:
@@ -331,7 +297,7 @@ class LLMEngine:
         return plan
 
     def _add_prompt_logprobs(self, plan: dict[str, list[tuple[int, int]]],
-                             kept: torch.Tensor, touched: dict[str, _Request]) -> None:
+                             kept: torch.Tensor, touched: dict[str, RequestState]) -> None:
         first = 0  # kept holds the plan's rows in order
         for rid, rows in plan.items():
             req = self.requests[rid]
@@ -349,8 +315,8 @@ class LLMEngine:
             if len(req.prompt_logprobs) == len(req.prompt_token_ids):
                 req.seqs[0].prefix_lookup = True
 
-    def _fail_request(self, req: _Request, exc: Exception,
-                      touched: dict[str, _Request]) -> None:
+    def _fail_request(self, req: RequestState, exc: Exception,
+                      touched: dict[str, RequestState]) -> None:
         """One request broke inside the step: it fails alone (the caller aborts its
         sequences: their blocks are freed and the event stream shows seq_finish "abort");
         the step goes on."""
@@ -360,7 +326,7 @@ class LLMEngine:
         touched[req.request_id] = req
 
     def _process(self, out: SchedulerOutput, logits: torch.Tensor,
-                 touched: dict[str, _Request]) -> None:
+                 touched: dict[str, RequestState]) -> None:
         """Sample the step's rows and hand the tokens to the scheduler, in row order (a
         failed request's sequences are aborted in its place in that order)."""
         now = time.monotonic()
@@ -401,35 +367,13 @@ class LLMEngine:
         return rows
 
     @staticmethod
-    def _row(req: _Request, seq: Sequence, row: int) -> SampleRow:
+    def _row(req: RequestState, seq: Sequence, row: int) -> SampleRow:
         return SampleRow(seq, row, req.completions[seq.seq_id], req.generators[seq.seq_id])
 
-    def _output(self, req: _Request) -> RequestOutput:
-        outs = [req.completions[s.seq_id].output.snapshot() for s in req.seqs]
-        finished = req.finished
-        if finished:
+    def _output(self, req: RequestState) -> RequestOutput:
+        if req.finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=finished,
-            metrics=self._metrics(req),
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None
-            else None,
-            error=req.error,
-        )
-
-    def _metrics(self, req: _Request) -> RequestMetrics:
-        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        done = [s.finished_time for s in req.seqs if s.finished_time is not None]
-        return RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_token_time=min(firsts) if firsts else None,
-            finished_time=max(done) if req.finished and done else None,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_generation_tokens=sum(len(s.output_token_ids) for s in req.seqs),
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in req.seqs),
-        )
+        return req.output()
 
     # ------------------------------------------------------------- events
     def _close_step(self, step_time: float, out: SchedulerOutput | None) -> None:
