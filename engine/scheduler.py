@@ -187,7 +187,7 @@ class Scheduler:
         self.num_prefill_computed_tokens = 0
         self.num_recomputed_tokens = 0
         # a mixed-precision arena (--kv-demotion): the runner addresses pages by page code
-        self.page_codes = cache.page_codes if cache.demotion is not None else None
+        self._page_codes = cache.page_codes if cache.demotion is not None else None
 
     # ------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -237,7 +237,7 @@ class Scheduler:
         """The step's batch, with the cache's tables and orders for the runner. Over a
         mixed-precision arena, cold blocks are demoted first: that makes room for the next
         admission before the scheduler would evict cached prefixes or leave it waiting."""
-        if self.page_codes is not None:
+        if self._page_codes is not None:
             self.cache.demote_cold_blocks(self._admission_need())
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -292,7 +292,7 @@ class Scheduler:
     def _hand_over(self, out: SchedulerOutput) -> None:
         """Take what the runner needs from the cache: every queued order, and each
         scheduled sequence's block table, in the runner's addressing."""
-        cache, codes = self.cache, self.page_codes
+        cache, codes = self.cache, self._page_codes
         out.demotions = cache.take_demotion_orders()
         out.swap_rounds = cache.take_swap_rounds()
         out.copies = cache.take_copy_orders()
