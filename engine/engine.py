@@ -1,11 +1,13 @@
 """LLMEngine: requests in, tokens out, one engine step at a time.
 
-A step is: schedule (cache manager allocates, maybe preempts) -> execute copy-on-write
-orders -> build the batch and run the model -> sample -> update sequences (append tokens,
-check stops, fork n>1 children) -> close the step's event batch. Everything the cache
-does during a step is reported through the cache manager's event sink; ``kv_state()``
-returns the manager's own view of the cache in ``KVState.canonical()`` form, so the two
-can be compared at any step.
+A step flows one way: schedule (the scheduler makes every cache call: demotion, then
+allocation, maybe preemption; its ``SchedulerOutput`` carries the block tables, slot
+mappings and tensor orders) -> execute (the runner performs the orders, builds the batch
+and runs the model) -> sample (the ``Sampler``; n > 1 children are forked first) ->
+process (the scheduler appends the tokens and finishes sequences; request outputs) ->
+close the step's event batch. Everything the cache does during a step is reported
+through the cache manager's event sink; ``kv_state()`` returns the manager's own view of
+the cache in ``KVState.canonical()`` form, so the two can be compared at any step.
 """
 
 from __future__ import annotations
@@ -14,63 +16,30 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.cache import KVCacheManager
-from engine.completion import CompletionState
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.events.analysis.lifecycle import classify_chunk
 from engine.events.sink import NullSink
+from engine.events.stats import StepStats, TierStats
 from engine.model import load_model
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request import Sequence
-from engine.runner import mixed_kv
+from engine.request_state import RequestState
+from engine.runner import kv_budget, mixed_kv
 from engine.runner.model_runner import ModelRunner
 from engine.runner.page_format import check_supported, page_format
-from engine.sampling import (
-    RequestOutputKind,
-    SamplingParams,
-    adjust_logits,
-    greedy_batch,
-    make_generator,
-    prompt_logprobs,
-    sample,
-    sample_batch,
-    top_logprobs,
-    top_logprobs_batch,
-)
-from engine.scheduler import Scheduler
+from engine.sampler import SampleError, Sampler, SampleRow
+from engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
+from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once (rows x vocab fp32)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    seed: int  # base seed: params.seed, else drawn from the engine's seeded generator
-    seqs: list[Sequence] = field(default_factory=list)  # index order once forked
-    generators: dict[str, torch.Generator | None] = field(default_factory=dict)
-    completions: dict[str, CompletionState] = field(default_factory=dict)
-    # params.prompt_logprobs: one entry per prompt token computed so far (the first is None)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    error: str | None = None  # this request failed inside a step (only it)
-
-    @property
-    def finished(self) -> bool:
-        if self.error is not None:
-            return True
-        return len(self.seqs) == self.params.n and all(s.status == "finished" for s in self.seqs)
 
 
 def _holding_cache_lock(method):
@@ -99,8 +68,9 @@ class LLMEngine:
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
-        num_blocks = self._num_kv_blocks()
-        num_cpu_blocks = self._num_cpu_blocks()
+        num_blocks = kv_budget.num_gpu_blocks(config, self.page_format, self.mixed, self.model,
+                                              mc, self.device)
+        num_cpu_blocks = kv_budget.num_cpu_blocks(config, self.page_format)
         # Held while the cache changes: the event stream's thread snapshots the cache (for
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
@@ -130,18 +100,14 @@ class LLMEngine:
                                       kv_cache_dtype=config.kv_cache_dtype, mixed=self.mixed,
                                       enforce_eager=config.enforce_eager,
                                       max_model_len=self.max_model_len,
-                                      max_num_seqs=config.max_num_seqs)
-        self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
-        if num_cpu_blocks:
-            from engine.runner.swapper import Swapper
-
-            self.swapper = Swapper(self.runner.kv.per_block_tensors, num_cpu_blocks)
-        self.requests: dict[str, _Request] = {}
+                                      max_num_seqs=config.max_num_seqs,
+                                      num_cpu_blocks=num_cpu_blocks)
+        self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
         self.step_count = 0
         self._seeds = np.random.default_rng(config.seed)  # same draw order as LLM's reference
-        self.stats: dict[str, Any] = {}
-        self.num_prefill_computed_tokens = 0  # counters, as events.analysis.lifecycle counts
-        self.num_recomputed_tokens = 0
+        self.stats = StepStats()
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %s pages)", num_blocks,
                  config.block_size, num_blocks * config.block_size, config.kv_layout,
                  self.page_format.name)
@@ -149,57 +115,6 @@ class LLMEngine:
             self._close_step(0.0, None)  # the tier_init events become batch 0
 
     # ---------------------------------------------------------------- set-up
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        per_block = self.page_format.bytes_per_block  # scales included
-        if self.mixed is not None:
-            per_block = mixed_kv.bytes_per_frame(self.mixed, self.model_config.num_layers)
-        if cfg.num_gpu_blocks is not None:
-            return cfg.num_gpu_blocks
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._profile_cuda_budget()
-        else:
-            from engine.config import DEFAULT_CPU_KV_BYTES
-            budget = DEFAULT_CPU_KV_BYTES
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
-                             f"{per_block} bytes; raise it")
-        return int(blocks)
-
-    def _num_cpu_blocks(self) -> int:
-        """Blocks of the cpu tier: ``swap_space`` GiB of pages of the device's format."""
-        cfg = self.config
-        blocks = int(cfg.swap_space * (1 << 30)) // self.page_format.bytes_per_block
-        if cfg.preemption_mode == "swap" and blocks < 1:
-            raise ValueError(f"preemption_mode='swap' needs swap_space > 0 GiB holding at "
-                             f"least one block of {self.page_format.bytes_per_block} bytes")
-        return blocks
-
-    @torch.inference_mode()
-    def _profile_cuda_budget(self) -> int:
-        """Free memory after a forward of max_num_batched_tokens, times the utilisation."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.config.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        from kernels.contiguous import contiguous_attention
-
-        scale = self.model_config.head_dim ** -0.5
-
-        def attn(layer, q, k, v):
-            return contiguous_attention(q, k, v, 0, scale)
-
-        self.model.compute_logits(self.model.forward(ids, pos, attn)[-1:])
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_other = total - free - torch.cuda.memory_allocated(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        return int(total * self.config.gpu_memory_utilization - peak - used_other)
-
     def _open_events(self):
         cfg = self.config
         from engine.events.vllm.config import KVEventsConfig
@@ -267,8 +182,8 @@ class LLMEngine:
                              "with tensor_parallel_size > 1")
         now = time.monotonic() if arrival_time is None else arrival_time
         seed = int(self._seeds.integers(2**62))
-        req = _Request(request_id, text, ids, params, now,
-                       params.seed if params.seed is not None else seed)
+        req = RequestState(request_id, text, ids, params, now,
+                           params.seed if params.seed is not None else seed)
         seq = self._new_seq(req, 0, priority)
         if params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position's logits: a prefix-cache hit would
@@ -279,19 +194,8 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
-    def _new_seq(self, req: _Request, index: int, priority: int) -> Sequence:
-        sid = req.request_id if index == 0 else f"{req.request_id}#{index}"
-        seq = Sequence(sid, req.request_id, index, list(req.prompt_token_ids), req.params,
-                       priority=priority, arrival_time=req.arrival_time)
-        budget = min(req.params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
-        state = CompletionState(index, req.params, self.tokenizer, req.prompt_token_ids,
-                                self._eos_ids, budget)
-        seq.output_token_ids = state.output.token_ids  # one list, two views
-        req.seqs.append(seq)
-        req.completions[sid] = state
-        req.generators[sid] = (None if req.params.greedy
-                               else make_generator(req.seed, index, "cpu"))
-        return seq
+    def _new_seq(self, req: RequestState, index: int, priority: int) -> Sequence:
+        return req.add_seq(index, priority, self.tokenizer, self._eos_ids, self.max_model_len)
 
     @property
     def _eos_ids(self) -> set[int]:
@@ -331,11 +235,19 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
-        for seq in req.seqs:
-            if seq.status != "finished":
-                self.scheduler.finish(seq, "abort")
+        self.scheduler.abort(req.seqs)
         if self.events:  # make the frees visible even when no step follows
-            self.cache.flush_step_events()
+            self.scheduler.flush_events()
+
+    @property
+    def num_prefill_computed_tokens(self) -> int:
+        """Tokens computed as prefill so far, as engine.events.analysis.lifecycle counts."""
+        return self.scheduler.num_prefill_computed_tokens
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Prefill tokens computed again after a recompute preemption."""
+        return self.scheduler.num_recomputed_tokens
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -351,31 +263,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     @_holding_cache_lock
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> sample -> process; the request outputs this step
+        changed (finished ones, and every change of a CUMULATIVE request)."""
         t0 = time.perf_counter()
-        if self.mixed is not None:  # make room for the next admission by demoting first
-            self.cache.demote_cold_blocks(mixed_kv.admission_need(self.scheduler))
         out = self.scheduler.schedule()
-        if self.mixed is not None:  # before copy-on-write and the forward pass
-            self.runner.demote(self.cache.take_demotion_orders())
-        if self.swapper is not None:  # before copy-on-write (cache.take_swap_rounds)
-            self.swapper.execute(self.cache.take_swap_rounds())
-        touched: dict[str, _Request] = {}
-        for seq in out.truncated:
-            touched[seq.request_id] = self.requests[seq.request_id]
-        if not out.is_empty:
-            orders = self.cache.take_copy_orders()
-            tables = [self.cache.block_table(s.seq.seq_id) for s in out.scheduled]
-            if self.mixed is not None:  # the kernels read page codes
-                codes = self.cache.page_codes
-                orders = [(codes([a])[0], codes([b])[0]) for a, b in orders]
-                tables = [codes(t) for t in tables]
-            self.runner.copy_blocks(orders)
-            batch = self.runner.prepare(out.scheduled, tables)
-            plan = self._prompt_logprob_plan(out)
-            logits, kept = self.runner.execute_keeping(
-                batch, [row for rows in plan.values() for row, _ in rows] or None)
-            if kept is not None:
-                self._add_prompt_logprobs(plan, kept, touched)
+        touched = {seq.request_id: self.requests[seq.request_id] for seq in out.truncated}
+        plan = self._prompt_logprob_plan(out)
+        logits, kept = self.runner.run(out, [row for rows in plan.values()
+                                             for row, _ in rows] or None)
+        if kept is not None:
+            self._add_prompt_logprobs(plan, kept, touched)
+        if logits is not None:
             self._process(out, logits, touched)
         self._close_step(time.perf_counter() - t0, out)
         return [self._output(req) for req in touched.values()
@@ -400,7 +298,7 @@ class LLMEngine:
         return plan
 
     def _add_prompt_logprobs(self, plan: dict[str, list[tuple[int, int]]],
-                             kept: torch.Tensor, touched: dict[str, _Request]) -> None:
+                             kept: torch.Tensor, touched: dict[str, RequestState]) -> None:
         first = 0  # kept holds the plan's rows in order
         for rid, rows in plan.items():
             req = self.requests[rid]
@@ -413,200 +311,75 @@ class LLMEngine:
                                                                req.params.prompt_logprobs))
             except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
                 self._fail_request(req, e, touched)
+                self.scheduler.abort(req.seqs)
             first += len(rows)
             if len(req.prompt_logprobs) == len(req.prompt_token_ids):
                 req.seqs[0].prefix_lookup = True
 
-    def _fail_request(self, req: _Request, exc: Exception,
-                      touched: dict[str, _Request]) -> None:
-        """One request broke inside the step: finish it alone (abort: its blocks are
-        freed and the event stream shows seq_finish "abort"); the step goes on."""
-        log.exception("request %s failed inside the step; aborting it alone", req.request_id)
+    def _fail_request(self, req: RequestState, exc: Exception,
+                      touched: dict[str, RequestState]) -> None:
+        """One request broke inside the step: it fails alone (the caller aborts its
+        sequences: their blocks are freed and the event stream shows seq_finish "abort");
+        the step goes on."""
+        log.error("request %s failed inside the step; aborting it alone", req.request_id,
+                  exc_info=exc)
         req.error = f"{type(exc).__name__}: {exc}"
-        for seq in req.seqs:
-            if seq.status != "finished":
-                self.scheduler.finish(seq, "abort")
         touched[req.request_id] = req
 
-    def _process(self, out, logits: torch.Tensor, touched: dict[str, _Request]) -> None:
+    def _process(self, out: SchedulerOutput, logits: torch.Tensor,
+                 touched: dict[str, RequestState]) -> None:
+        """Sample the step's rows and hand the tokens to the scheduler, in row order (a
+        failed request's sequences are aborted in its place in that order)."""
         now = time.monotonic()
-        rows: list[tuple[Sequence, int]] = []  # (sequence, logits row) that sample
-        r = 0
+        sampled: list[SampledToken] = []
+        for result in self.sampler.sample(self._sample_rows(out, now), logits):
+            req = self.requests[result.seq.request_id]
+            if isinstance(result, SampleError):
+                self._fail_request(req, result.error, touched)
+                sampled += [SampledToken(seq, None, "abort") for seq in req.seqs]
+            else:
+                touched[req.request_id] = req
+                sampled.append(result)
+        self.scheduler.update_from_output(out, sampled, now)
+
+    def _sample_rows(self, out: SchedulerOutput, now: float) -> list[SampleRow]:
+        """The step's rows that sample, in batch order; a request with n > 1 forks its
+        children when its parent's prompt is done, before its first token lands, so they
+        share every prompt block copy-on-write (and sample from the parent's row)."""
+        rows: list[SampleRow] = []
+        r = -1  # the logits row: the runner returns one per scheduled sequence that samples
         for s in out.scheduled:
-            seq = s.seq
-            sampling = s.samples
-            self._count_prefill(seq, s.num_new_tokens)
-            seq.num_computed_tokens += s.num_new_tokens
-            if not sampling:
+            if not s.samples:
                 continue
-            req = self.requests[seq.request_id]
             r += 1
+            seq = s.seq
+            req = self.requests[seq.request_id]
             if req.error is not None:
                 continue
-            rows.append((seq, r - 1))
-            # n > 1: fork the children when the parent's prompt is done, before its first
-            # token lands, so they share every prompt block copy-on-write.
+            rows.append(self._row(req, seq, r))
             if seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
                 for i in range(1, req.params.n):
                     child = self._new_seq(req, i, seq.priority)
-                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_computed_tokens = s.start + s.num_new_tokens
                     child.ever_started, child.first_scheduled_time = True, now
                     child.num_cached_tokens = seq.num_cached_tokens
                     self.scheduler.add_forked(seq, child)
-                    rows.append((child, r - 1))
-        # Row by row, so that an exception one request causes (its parameters, its text)
-        # fails that request only; each row draws from its own generator either way. Rows
-        # that ban nothing are drawn in one batch first (``_draw_batched``); a row it did
-        # not draw (banned tokens, or the batch failed) samples alone here.
-        drawn = self._draw_batched(rows, logits)
-        for seq, row in rows:
-            req = self.requests[seq.request_id]
-            if req.error is not None:  # a sibling failed earlier in this step
-                continue
-            state = req.completions[seq.seq_id]
-            try:
-                if seq.seq_id in drawn:
-                    tok, logprob, top = drawn[seq.seq_id]
-                    done = state.add(tok, logprob, top)
-                else:
-                    row_logits = logits[row:row + 1]
-                    token, logprob = sample(row_logits, [seq.params],
-                                            [req.generators[seq.seq_id]],
-                                            [state.banned_token_ids()],
-                                            [state.allowed_mask(row_logits.shape[-1])],
-                                            state.scores(row_logits))
-                    top = top_logprobs(row_logits, [seq.params], token)[0]
-                    tok = int(token[0])
-                    done = state.add(tok, float(logprob[0]), top)
-            except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
-                self._fail_request(req, e, touched)
-                continue
-            touched[req.request_id] = req
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self.cache.append_token_ids(seq.seq_id, [tok])
-            if done:
-                self.scheduler.finish(seq, req.completions[seq.seq_id].output.finish_reason)
-
-    def _draw_batched(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor
-                      ) -> dict[str, tuple[int, float, dict[int, float] | None]]:
-        """(token, logprob, top logprobs) per sequence id for the rows that ban nothing (a
-        grammar's mask, which allows rather than bans, goes with the batch):
-        greedy ones by one argmax, tempered ones by one ``sample_batch`` (each row's own
-        generator, the same draw as row by row), the top logprobs of those that asked by
-        one ``top_logprobs_batch``: a few device reads a step, not a few per row. Empty
-        when any of it fails: every row then samples alone, so a fault stays with its own
-        request (a tempered row whose draw was already taken then draws again: its seed's
-        sequence shifts by one, in this fault path only)."""
-        greedy, tempered = [], []
-        for seq, row in rows:
-            req = self.requests[seq.request_id]
-            if req.error is None and not req.completions[seq.seq_id].banned_token_ids():
-                (greedy if seq.params.greedy else tempered).append((seq, row))
-        drawn: dict[str, tuple[int, float, dict[int, float] | None]] = {}
-        try:
-            for part in (greedy, tempered):
-                if not part:
-                    continue
-                rows_logits = self._rows(logits, [row for _, row in part])
-                allowed = self._grammar_masks(part, rows_logits.shape[-1])
-                scores = self._scores(part, rows_logits)
-                if part is greedy:
-                    ids, logprobs = greedy_batch(rows_logits, allowed, scores)
-                else:
-                    ids, logprobs = sample_batch(
-                        rows_logits, [s.params for s, _ in part],
-                        [self.requests[s.request_id].generators[s.seq_id] for s, _ in part],
-                        allowed, scores)
-                drawn |= {s.seq_id: (t, lp, None) for (s, _), t, lp in
-                          zip(part, ids, logprobs, strict=True)}
-            asked = [(s, row) for s, row in greedy + tempered if s.params.logprobs is not None]
-            if asked:
-                tops = top_logprobs_batch(self._rows(logits, [row for _, row in asked]),
-                                          [s.params.logprobs for s, _ in asked],
-                                          [drawn[s.seq_id][0] for s, _ in asked])
-                for (s, _), top in zip(asked, tops, strict=True):
-                    drawn[s.seq_id] = (*drawn[s.seq_id][:2], top)
-        except Exception:  # noqa: BLE001 - row by row isolates the culprit
-            log.exception("batched sampling failed; sampling row by row")
-            return {}
-        return drawn
-
-    def _grammar_masks(self, part: list[tuple[Sequence, int]], vocab: int
-                       ) -> torch.Tensor | None:
-        """Bool [len(part), vocab]: each row's grammar mask (all True for a row without
-        one); None when no row follows a grammar."""
-        states = [self.requests[s.request_id].completions[s.seq_id] for s, _ in part]
-        if all(st.matcher is None for st in states):
-            return None
-        everything = torch.ones(vocab, dtype=torch.bool)
-        return torch.stack([everything if st.matcher is None else st.allowed_mask(vocab)
-                            for st in states])
-
-    def _scores(self, part: list[tuple[Sequence, int]], rows_logits: torch.Tensor
-                ) -> torch.Tensor | None:
-        """The rows' scores with their logit biases and penalties, for the batch at once (a
-        new tensor: the logits stay raw for the logprobs); None when no row has any."""
-        states = [self.requests[s.request_id].completions[s.seq_id] for s, _ in part]
-        if not any(st.params.adjusts_logits for st in states):
-            return None
-        none = torch.empty(0, dtype=torch.long)
-        seen, counted = zip(*(st.penalty_state() if st.params.adjusts_logits
-                              else (none, (none, none.float())) for st in states), strict=True)
-        return adjust_logits(rows_logits.float(), [st.params for st in states],
-                             list(seen), list(counted))
+                    rows.append(self._row(req, child, r))
+        return rows
 
     @staticmethod
-    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """``logits[rows]``, without the copy when that is every row in order (the usual
-        step: 256 x 49k floats are 50 MB)."""
-        if rows == list(range(logits.shape[0])):
-            return logits
-        return logits[torch.tensor(rows, device=logits.device)]
+    def _row(req: RequestState, seq: Sequence, row: int) -> SampleRow:
+        return SampleRow(seq, row, req.completions[seq.seq_id], req.generators[seq.seq_id])
 
-    def _count_prefill(self, seq: Sequence, n: int) -> None:
-        """Prefill and recomputed tokens, as engine.events.analysis.lifecycle counts them."""
-        a = seq.num_computed_tokens
-        pre, redo = classify_chunk(a, a + n, len(seq.prompt_token_ids),
-                                   seq.max_computed_tokens)
-        self.num_prefill_computed_tokens += pre
-        self.num_recomputed_tokens += redo
-        seq.max_computed_tokens = max(seq.max_computed_tokens, a + n)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        outs = [req.completions[s.seq_id].output.snapshot() for s in req.seqs]
-        finished = req.finished
-        if finished:
+    def _output(self, req: RequestState) -> RequestOutput:
+        if req.finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=finished,
-            metrics=self._metrics(req),
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None
-            else None,
-            error=req.error,
-        )
-
-    def _metrics(self, req: _Request) -> RequestMetrics:
-        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        done = [s.finished_time for s in req.seqs if s.finished_time is not None]
-        return RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_token_time=min(firsts) if firsts else None,
-            finished_time=max(done) if req.finished and done else None,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_generation_tokens=sum(len(s.output_token_ids) for s in req.seqs),
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in req.seqs),
-        )
+        return req.output()
 
     # ------------------------------------------------------------- events
-    def _close_step(self, step_time: float, out) -> None:
-        # (imported here: this method is the stats' one producer)
-        from engine.events.stats import StepStats, TierStats
-
+    def _close_step(self, step_time: float, out: SchedulerOutput | None) -> None:
         self.step_count += 1
-        m = self.cache.metrics()
+        m = self.scheduler.end_step()  # closes the cache's event batch
         swap: dict[str, Any] = {}  # the cpu tier's counters, reported when it exists
         if self.swapper is not None:
             swap = {**self.swapper.stats(), **{k: m[k] for k in (
@@ -637,7 +410,6 @@ class LLMEngine:
         # /metrics decode-time-by-context histogram reads it (not published in stats)
         self.decode_contexts = [s.seq.num_computed_tokens for s in out.scheduled
                                 if s.num_new_tokens == 1] if out else []
-        self.cache.flush_step_events()
         if self.events:
             self.events.end_step(self.step_count, self.stats.to_map())
 

@@ -43,6 +43,13 @@ finishes with reason "length" instead of looping forever.
 
 Layouts: "paged" allocates blocks on demand; "contiguous" reserves ``max_model_len``
 tokens of blocks at admission (the HF/FasterTransformer baseline, for comparison only).
+
+The scheduler makes every cache call of a step, and the step flows one way through it:
+``schedule()`` (demotion first, then the batch) hands the runner a ``SchedulerOutput``
+that carries the step's block tables, slot mappings and tensor orders;
+``update_from_output`` takes the sampled tokens back (computed tokens, appends,
+finishes); ``end_step`` closes the step's event batch and reads the cache's figures for
+the step stats.
 """
 
 from __future__ import annotations
@@ -50,9 +57,13 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from engine.cache.slots import slot_mapping
+from engine.cache.transfers import Round
 from engine.config import EngineConfig
 from engine.events import causes as C
+from engine.events.analysis.lifecycle import classify_chunk
 from engine.request import Sequence
 
 # Every this many waiting requests raise the prefill cap beside decodes by one more P.
@@ -91,25 +102,53 @@ def _decodes(seq: Sequence) -> bool:
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step.
+
+    ``start`` (the position of its first token computed this step) and ``samples`` are
+    fixed when it is scheduled: ``update_from_output`` moves the sequence on afterwards.
+    ``slot_mapping`` holds one slot per new token (positions ``start`` ..
+    ``start + num_new_tokens - 1``, in order): what ``allocate_slots`` returned for them.
+    ``block_table`` is the sequence's whole table after the step's allocations (filled in
+    by ``schedule`` before it returns). Both are in the runner's addressing: a slot is
+    ``page * block_size + offset`` where a page is the block id, or over a mixed-precision
+    arena (``--kv-demotion``) the block's page code (``KVCacheManager.page_codes``)."""
+
     seq: Sequence
     num_new_tokens: int
+    start: int
+    slot_mapping: list[int]
+    block_table: list[int] = field(default_factory=list)
+    samples: bool = field(init=False)
 
-    @property
-    def start(self) -> int:
-        """Position of the first token computed this step."""
-        return self.seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens: a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        # True when this chunk reaches the end of the known tokens: a token is sampled.
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
+    """Everything the runner needs for one step (and the engine to process it).
+
+    Invariants, once ``schedule`` returns it (nothing in it changes afterwards):
+    - ``scheduled`` is in the order of the running queue, one entry per sequence; each
+      entry's ``block_table`` covers its ``slot_mapping`` (see ``ScheduledSeq``).
+    - The orders are every one the cache queued until ``schedule`` returned (copy-on-write
+      copies of the previous step's forks included), each queue taken once. The runner
+      executes them before the step's forward pass, in this order: ``demotions``
+      ((source, destination) page codes: one batched gather then scatter, no order reads
+      a page another writes), ``swap_rounds`` (in order, each round's gpu->cpu copies
+      before its cpu->gpu ones; engine.cache.transfers), ``copies`` (copy-on-write
+      (src, dst), in the runner's addressing).
+    - ``preempted``: sequences this step took off the gpu (recompute or swap);
+      ``truncated``: sequences finished "length" because they could never fit.
+    """
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     truncated: list[Sequence] = field(default_factory=list)  # could never fit: finished
+    demotions: list[tuple[int, int]] = field(default_factory=list)
+    swap_rounds: list[Round] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -118,6 +157,18 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    """What a step's sampling did to one sequence, as ``update_from_output`` applies it:
+    ``token_id`` is appended to it, then, when ``finish_reason`` is set, it is finished.
+    ``token_id`` None: nothing to append (a failed request's sequences are finished with
+    reason "abort" so, in their place in the step's order)."""
+
+    seq: Sequence
+    token_id: int | None
+    finish_reason: str | None = None
 
 
 class Scheduler:
@@ -131,6 +182,12 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.swapped: list[Sequence] = []  # sorted by Sequence.sort_key; blocks on the cpu
         self.num_preemptions = 0
+        # tokens computed as prefill, and those of them computed again after a recompute
+        # preemption (engine.events.analysis.lifecycle counts them the same way)
+        self.num_prefill_computed_tokens = 0
+        self.num_recomputed_tokens = 0
+        # a mixed-precision arena (--kv-demotion): the runner addresses pages by page code
+        self._page_codes = cache.page_codes if cache.demotion is not None else None
 
     # ------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -151,6 +208,13 @@ class Scheduler:
         keys = [s.sort_key() for s in queue]
         queue.insert(bisect.bisect_right(keys, seq.sort_key()), seq)
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Finish the sequences not finished yet with reason "abort" (their request failed
+        or was aborted)."""
+        for seq in seqs:
+            if seq.status != "finished":
+                self.finish(seq, "abort")
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished, stopped or aborted) and free its blocks."""
         if seq.status == "running":
@@ -170,6 +234,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        """The step's batch, with the cache's tables and orders for the runner. Over a
+        mixed-precision arena, cold blocks are demoted first: that makes room for the next
+        admission before the scheduler would evict cached prefixes or leave it waiting."""
+        if self._page_codes is not None:
+            self.cache.demote_cold_blocks(self._admission_need())
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
@@ -202,8 +271,9 @@ class Scheduler:
                     continue  # a later step goes on with this prompt
             # Counted as they go (a step may hold hundreds of sequences): _grow preempts
             # only sequences not scheduled yet, so nothing counted is ever taken back.
-            if self._grow(seq, n, scheduled, out):
-                scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+            slots = self._grow(seq, n, scheduled, out)
+            if slots is not None:
+                scheduled[seq.seq_id] = ScheduledSeq(seq, n, seq.num_computed_tokens, slots)
                 used += n
                 prompt_used += 0 if decodes else n
             budget = self.config.max_num_batched_tokens - used
@@ -216,30 +286,64 @@ class Scheduler:
 
         # Keep the order of self.running so batches are deterministic.
         out.scheduled = [scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled]
+        self._hand_over(out)
         return out
 
+    def _hand_over(self, out: SchedulerOutput) -> None:
+        """Take what the runner needs from the cache: every queued order, and each
+        scheduled sequence's block table, in the runner's addressing."""
+        cache, codes = self.cache, self._page_codes
+        out.demotions = cache.take_demotion_orders()
+        out.swap_rounds = cache.take_swap_rounds()
+        out.copies = cache.take_copy_orders()
+        if codes is None:
+            for s in out.scheduled:
+                s.block_table = cache.block_table(s.seq.seq_id)
+            return
+        bs = cache.block_size
+        out.copies = [(codes([a])[0], codes([b])[0]) for a, b in out.copies]
+        for s in out.scheduled:
+            table = cache.block_table(s.seq.seq_id)
+            s.block_table = codes(table)
+            page = dict(zip(table, s.block_table, strict=True))
+            s.slot_mapping = [page[x // bs] * bs + x % bs for x in s.slot_mapping]
+
+    def _admission_need(self) -> int:
+        """Blocks the first waiting sequence's next chunk needs (0: none waiting): demotion
+        frees that many frames first. Capped by the running-sequence limit: no room is
+        made for a sequence that could not run anyway."""
+        cfg = self.config
+        if not self.waiting or len(self.running) >= cfg.max_num_seqs:
+            return 0
+        seq = self.waiting[0]
+        n = min(seq.num_tokens_to_compute, cfg.max_num_batched_tokens)
+        return -(-n // cfg.block_size)
+
     def _grow(self, seq: Sequence, n: int, scheduled: dict[str, ScheduledSeq],
-              out: SchedulerOutput) -> bool:
+              out: SchedulerOutput) -> list[int] | None:
         """Get blocks for ``n`` more tokens of a running sequence, preempting others if
         needed: only sequences not scheduled in this step (``seq`` itself, maybe), so a
-        step's scheduled tokens never shrink. False when ``seq`` itself had to go."""
-        if self.config.kv_layout == "contiguous":
-            return True  # everything was reserved at admission
-        while self.cache.allocate_slots(seq.seq_id, n) is None:
+        step's scheduled tokens never shrink. Returns the tokens' slots; None when ``seq``
+        itself had to go."""
+        if self.config.kv_layout == "contiguous":  # everything was reserved at admission
+            start = seq.num_computed_tokens
+            table = self.cache.sequences[seq.seq_id].block_table
+            return slot_mapping(table, self.cache.block_size, start, start + n)
+        while (slots := self.cache.allocate_slots(seq.seq_id, n)) is None:
             victim = max((s for s in self.running if s.seq_id not in scheduled),
                          key=Sequence.sort_key)
             if victim is seq and len(self.running) == 1:
                 # Alone in the cache and still too big: it can never fit.
                 self.finish(seq, "length")
                 out.truncated.append(seq)
-                return False
+                return None
             cause = {C.NEEDED_BY: seq.seq_id, C.BLOCKS_NEEDED: self.cache.blocks_needed(
                 seq.seq_id, n), C.FREE_BLOCKS: self.cache.num_free_blocks,
                 C.POLICY: C.PREEMPT_RULE, C.REASON: C.R_ALLOCATE}
             self._preempt(victim, out, cause)
             if victim is seq:
-                return False
-        return True
+                return None
+        return slots
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, cause: dict | None = None) -> None:
         self.running.remove(seq)
@@ -268,8 +372,9 @@ class Scheduler:
             self.cache.swap_in(seq.seq_id)
             seq.status = "running"
             self.running.append(seq)
-            if self._grow(seq, n, scheduled, out):
-                scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+            slots = self._grow(seq, n, scheduled, out)
+            if slots is not None:
+                scheduled[seq.seq_id] = ScheduledSeq(seq, n, seq.num_computed_tokens, slots)
                 budget -= n
         return budget
 
@@ -318,8 +423,51 @@ class Scheduler:
                 seq.ever_started = True
                 seq.first_scheduled_time = time.monotonic()
                 self.cache.start(seq.seq_id)
-            scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+            # contiguous: the whole reservation's slots; this step computes the first n
+            scheduled[seq.seq_id] = ScheduledSeq(seq, n, seq.num_computed_tokens,
+                                                 slots[:n] if contiguous else slots)
             budget -= n
             room -= n
             if chunk_cap and n < seq.num_tokens_to_compute:
                 break  # this prompt goes on next step; nothing starts after it
+
+    # ---------------------------------------------------- after the forward
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken],
+                           now: float) -> None:
+        """The step's forward ran and its rows were sampled: every scheduled sequence's
+        tokens are computed; then, in ``sampled``'s order, each token is appended (its
+        sequence's first one stamped ``now``) and each finished sequence is finished (an
+        abort only of a sequence not finished yet)."""
+        for s in out.scheduled:
+            self._count_prefill(s)
+            s.seq.num_computed_tokens += s.num_new_tokens
+        for u in sampled:
+            seq = u.seq
+            if u.token_id is not None:
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self.cache.append_token_ids(seq.seq_id, [u.token_id])
+            if u.finish_reason is not None and seq.status != "finished":
+                self.finish(seq, u.finish_reason)
+
+    def _count_prefill(self, s: ScheduledSeq) -> None:
+        """Prefill and recomputed tokens, as engine.events.analysis.lifecycle counts them."""
+        seq, a = s.seq, s.start
+        pre, redo = classify_chunk(a, a + s.num_new_tokens, len(seq.prompt_token_ids),
+                                   seq.max_computed_tokens)
+        self.num_prefill_computed_tokens += pre
+        self.num_recomputed_tokens += redo
+        seq.max_computed_tokens = max(seq.max_computed_tokens, a + s.num_new_tokens)
+
+    def end_step(self) -> dict[str, Any]:
+        """Close the step's event batch (``seq_tokens`` of the sequences whose count
+        changed); returns the cache's figures for the step stats
+        (``KVCacheManager.metrics``)."""
+        metrics = self.cache.metrics()
+        self.cache.flush_step_events()
+        return metrics
+
+    def flush_events(self) -> None:
+        """Make the cache's changes since the last step visible now (an abort between
+        steps)."""
+        self.cache.flush_step_events()

@@ -3,7 +3,7 @@ backend over page codes, and the execution of the cache manager's demotion order
 
 The cache manager plans (engine.cache.demotion, engine.cache.mixed_pool: tensor-free);
 this module owns the tensors (kernels.mixed_pages: layout and kernels). Block tables
-reach the kernels as page codes (``LLMEngine`` translates them with
+reach the kernels as page codes (the scheduler's output carries them so:
 ``KVCacheManager.page_codes``); new tokens are written into full-precision pages only,
 whose slot is ``frame * block_size + offset``.
 """
@@ -33,19 +33,6 @@ def mixed_layout(kv_demotion: str, dtype: torch.dtype, model_config,
 def bytes_per_frame(layout: mp.MixedLayout, num_layers: int) -> int:
     """One frame across all layers, K and V, reserved scale columns included."""
     return 2 * num_layers * layout.frame_bytes
-
-
-def admission_need(scheduler) -> int:
-    """Blocks the first waiting sequence's next chunk needs (0: none waiting): demotion
-    frees that many frames before the scheduler would evict cached prefixes or leave the
-    sequence waiting. Capped by the running-sequence limit: no room is made for a
-    sequence that could not run anyway."""
-    cfg = scheduler.config
-    if not scheduler.waiting or len(scheduler.running) >= cfg.max_num_seqs:
-        return 0
-    seq = scheduler.waiting[0]
-    n = min(seq.num_tokens_to_compute, cfg.max_num_batched_tokens)
-    return -(-n // cfg.block_size)
 
 
 def demotion_policy(layout: mp.MixedLayout, hot_window: int) -> DemotionPolicy:

@@ -1,12 +1,13 @@
 """ModelRunner: turns the scheduler's decisions into tensors and runs the model.
 
 It owns the paged KV cache tensors (per layer K and V shaped
-``[num_blocks, block_size, num_kv_heads, head_dim]``) and nothing else of the cache: block
-tables come from the cache manager, copy-on-write orders too. Per step it builds the
-flattened token batch (input ids, positions, slot mapping, block tables, sequence lengths,
-cumulative query lengths), runs the forward with attention going through ``kernels``
-(Triton on CUDA, the torch reference on CPU) and returns logits only for the rows that
-sample a token.
+``[num_blocks, block_size, num_kv_heads, head_dim]``), and the cpu tier's (a ``Swapper``),
+and nothing else of the cache: everything it needs for a step arrives in the
+``SchedulerOutput`` (block tables, slot mappings, demotion, swap and copy-on-write
+orders). Per step (``run``) it executes the orders, builds the flattened token batch
+(input ids, positions, slot mapping, block tables, sequence lengths, cumulative query
+lengths), runs the forward with attention going through ``kernels`` (Triton on CUDA, the
+torch reference on CPU) and returns logits only for the rows that sample a token.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.model.llama import LlamaModel
 from engine.runner.compiled import maybe_compiled
 from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, Graph
 from engine.runner.page_format import KVPages, page_format
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels import quant
 from kernels.cpu_attention import StepPlan
 
@@ -136,7 +137,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, *,
                  kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256) -> None:
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 num_cpu_blocks: int = 0) -> None:
         self.model, self.cfg = model, model_config
         # CPU: the torch.compile'd decode forward when asked (enforce_eager False;
         # engine.runner.compiled)
@@ -165,6 +167,11 @@ class ModelRunner:
                 type(model) is LlamaModel:
             self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
                                              max_num_seqs)
+        self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
+        if num_cpu_blocks:
+            from engine.runner.swapper import Swapper
+
+            self.swapper = Swapper(self.kv.per_block_tensors, num_cpu_blocks)
 
     def decode_graphs(self, max_model_len: int, max_num_seqs: int,
                       new_graph: Callable[[object], Graph] = CudaGraph) -> DecodeGraphs:
@@ -174,33 +181,47 @@ class ModelRunner:
                             max_blocks_per_seq=-(-max_model_len // self.block_size),
                             device=self.device, new_graph=new_graph)
 
-    def prepare(self, scheduled: list[ScheduledSeq],
-                block_tables: list[list[int]]) -> StepBatch:
+    def run(self, out: SchedulerOutput, keep_rows: list[int] | None = None
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One step: the output's orders (demotions, swap rounds, copy-on-write copies, in
+        that order), then, when it schedules anything, the forward (``execute_keeping``:
+        the sampling rows' logits and the hidden states of ``keep_rows``); (None, None)
+        for a step that schedules nothing."""
+        self.demote(out.demotions)
+        if self.swapper is not None:
+            self.swapper.execute(out.swap_rounds)
+        self.copy_blocks(out.copies)
+        if out.is_empty:
+            return None, None
+        return self.execute_keeping(self.prepare(out.scheduled), keep_rows)
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         bs = self.block_size
         ids: list[int] = []
+        slot_list: list[int] = []
         starts = np.empty(len(scheduled), dtype=np.int64)
         lens_q = np.empty(len(scheduled), dtype=np.int64)
         for i, s in enumerate(scheduled):
             start, n = s.start, s.num_new_tokens
             ids.extend(s.seq.token_ids_between(start, start + n))
+            slot_list += s.slot_mapping
             starts[i], lens_q[i] = start, n
         cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(lens_q, out=cu[1:])
         total = int(cu[-1])
-        # positions and slots, vectorised: token j of sequence i sits at starts[i] + j
-        seq_of_token = np.repeat(np.arange(len(scheduled)), lens_q)
+        # positions, vectorised: token j of sequence i sits at starts[i] + j
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lens_q) + \
             np.repeat(starts, lens_q)
-        max_blocks = max(len(t) for t in block_tables)
+        max_blocks = max(len(s.block_table) for s in scheduled)
         table = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
-        for i, t in enumerate(block_tables):
-            table[i, :len(t)] = t
-        pages = table[seq_of_token, positions // bs]
-        if self.mixed_kv is not None:  # tables hold page codes; tokens go to full pages
+        for i, s in enumerate(scheduled):
+            table[i, :len(s.block_table)] = s.block_table
+        slots = np.asarray(slot_list, dtype=np.int64)
+        if self.mixed_kv is not None:  # slots address page codes; tokens go to full pages
+            pages = slots // bs
             if total and bool((pages & 3).any()):
                 raise RuntimeError("a token was scheduled into a demoted (quantized) page")
-            pages = self.mixed_kv.frames_of(pages)
-        slots = pages * bs + positions % bs
+            slots = self.mixed_kv.frames_of(pages) * bs + slots % bs
         seq_lens = starts + lens_q
         sample_rows = [int(cu[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples]
         dev = self.device

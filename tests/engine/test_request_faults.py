@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import engine.engine as engine_module
+import engine.sampler as sampler_module
 from engine.events.schema import SEQ_FINISH
 from engine.events.wire.recording import Recording
 from engine.sampling import SamplingParams
@@ -17,14 +17,14 @@ POISON_SEED = 1337
 
 def test_one_request_failing_in_the_step_fails_only_it(make_engine, reference, monkeypatch,
                                                        tmp_path):
-    real_sample = engine_module.sample
+    real_sample = sampler_module.sample
 
     def sample(logits, params, *rest, **kw):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected per-request fault")
         return real_sample(logits, params, *rest, **kw)
 
-    real_sample_batch = engine_module.sample_batch
+    real_sample_batch = sampler_module.sample_batch
 
     def sample_batch(logits, params, *rest, **kw):
         # the batch fails with the poisoned row in it; the engine then samples row by row
@@ -32,8 +32,8 @@ def test_one_request_failing_in_the_step_fails_only_it(make_engine, reference, m
             raise RuntimeError("injected per-request fault")
         return real_sample_batch(logits, params, *rest, **kw)
 
-    monkeypatch.setattr(engine_module, "sample", sample)
-    monkeypatch.setattr(engine_module, "sample_batch", sample_batch)
+    monkeypatch.setattr(sampler_module, "sample", sample)
+    monkeypatch.setattr(sampler_module, "sample_batch", sample_batch)
     eng = make_engine(model="smollm2", device="cpu", dtype="float32", num_gpu_blocks=64,
                       record_path=str(tmp_path / "faults.kvtrace"))
     for i, p in enumerate(PROMPTS):

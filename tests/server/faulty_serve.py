@@ -17,10 +17,10 @@ KILLER_TOKEN = 4242
 
 
 def _inject() -> None:
-    import engine.engine as engine_module
+    import engine.sampler as sampler_module
     from engine.runner.model_runner import ModelRunner
 
-    real_sample, real_sample_batch = engine_module.sample, engine_module.sample_batch
+    real_sample, real_sample_batch = sampler_module.sample, sampler_module.sample_batch
     real_execute = ModelRunner.execute_keeping
 
     def sample(logits, params, *rest, **kw):  # noqa: ANN001, ANN202
@@ -39,8 +39,8 @@ def _inject() -> None:
             raise RuntimeError("injected engine fault (as a kernel error)")
         return real_execute(self, batch, rows)
 
-    engine_module.sample = sample
-    engine_module.sample_batch = sample_batch
+    sampler_module.sample = sample
+    sampler_module.sample_batch = sample_batch
     ModelRunner.execute_keeping = execute_keeping
 
 
