@@ -78,4 +78,4 @@ def test_the_output_carries_tables_slots_and_every_order(make_engine, loaded, na
     if name == "swap":
         assert cache.metrics()["swap_outs"] > 0
     if name == "mixed":
-        assert eng.stats["demoted_blocks"] > 0
+        assert eng.stats.demoted_blocks > 0
