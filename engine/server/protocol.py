@@ -16,20 +16,27 @@ The compatibility policy (README "Compatibility"), field by field:
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
   fields known to be harmless are listed above instead.
-A wrong JSON type (``"max_tokens": "5"``) is a 400 naming the field. Limits that depend on
-the server (``--max-logprobs``, ``--max-n``) and the model (context) are checked here too,
-before anything reaches the engine.
+A wrong JSON type (``"max_tokens": "5"``) is a 400 naming the field.
+
+A request becomes the engine's SamplingParams in one pass (``to_sampling_params``, as
+vLLM's request models do it): the limits of the server and the model (limits.py) and
+SamplingParams' own ranges are each checked once, there, and an error carries the field the
+client sent (SamplingParamsError's ``param``, renamed to the request's vocabulary).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from engine.server import tools
 from engine.server.errors import APIError, bad_request
+from engine.server.limits import Limits
 from engine.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:  # engine.sampling imports torch; the router reads requests without it
+    from engine.sampling import SamplingParams
 
 
 class _Strict(BaseModel):
@@ -138,12 +145,19 @@ class _Sampling(_Strict):
     prompt_logprobs: int | None = None
     # the Responses API's max_tool_calls (responses_protocol.py); chat has no such field
     _max_tool_calls: int | None = PrivateAttr(default=None)
+    # read once, when the request is checked (``unsupported``)
+    _biases: dict[int, float] | None = PrivateAttr(default=None)
+    _constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
+    # the field a 400 about the prompt names; SamplingParams' names the request calls
+    # otherwise (to_sampling_params)
+    PROMPT_FIELD: ClassVar[str] = "prompt"
+    RENAMED: ClassVar[dict[str, str]] = {}
 
     def unsupported(self) -> None:
-        """Refuse values the engine cannot honour rather than ignore them."""
-        if self.n < 1:
-            raise bad_request(f"'n' must be >= 1, got {self.n}", "n")
-        self.token_biases()  # keys that are not token ids: a 400 here
+        """Refuse values the engine cannot honour rather than ignore them; read the logit
+        biases and the output constraint (a malformed one is a 400 here, before the
+        tokenizer)."""
+        self._biases = self._token_biases()
         if self.functions:  # OpenAI's deprecated form; an empty list offers nothing
             raise bad_request("'functions' is not supported by kvscope; use 'tools'",
                               "functions")
@@ -151,7 +165,7 @@ class _Sampling(_Strict):
             raise bad_request("'function_call' is not supported by kvscope; use "
                               "'tool_choice'", "function_call")
         self.check_tools()
-        self.structured()  # a malformed constraint is a 400 here, before the tokenizer
+        self._constraint = self._structured()
 
     def check_tools(self) -> None:
         """Completions call no tools: only an empty list, or tool_choice "none"."""
@@ -165,10 +179,18 @@ class _Sampling(_Strict):
         """"required" or {"name": f} when the answer is a tool call, else None."""
         return None
 
-    def structured(self) -> StructuredOutputsParams | None:
+    @property
+    def structured_field(self) -> str:
+        """The field the output constraint came from (a 400 about it names this one)."""
+        if self.tool_choice_made is not None:
+            return "tools"
+        return "structured_outputs" if self.structured_outputs is not None \
+            else "response_format"
+
+    def _structured(self) -> StructuredOutputsParams | None:
         """The output constraint: OpenAI's ``response_format`` (json_object, json_schema) or
         vLLM's ``structured_outputs``; None for plain text. Whether it compiles against the
-        model's tokenizer is checked by the handler (``compile_grammar``)."""
+        model's tokenizer is the server's check (``StructuredOutputsParams.compile``)."""
         fmt, vllm = self.response_format, self.structured_outputs
         wants_format = fmt is not None and fmt.type != "text"
         choice = self.tool_choice_made
@@ -202,30 +224,7 @@ class _Sampling(_Strict):
                               else "structured_outputs") from None
         return None
 
-    def check_limits(self, max_logprobs: int, vocab_size: int) -> None:
-        """Server and model limits of the sampling fields (each a 400 naming its field)."""
-        for name, value in self.logprob_counts().items():
-            if value is not None and not 0 <= value <= max_logprobs:
-                raise bad_request(f"'{name}' must be in [0, {max_logprobs}] on this server "
-                                  f"(--max-logprobs), got {value}", name)
-        if self.top_k is not None and self.top_k < -1:
-            raise bad_request(f"'top_k' must be -1, 0 (disabled) or >= 1, got {self.top_k}",
-                              "top_k")
-        biases = self.token_biases()
-        if biases and not all(0 <= t < vocab_size for t in biases):
-            raise bad_request(f"'logit_bias' token ids must lie in [0, {vocab_size})",
-                              "logit_bias")
-        if self.stop_token_ids and not all(0 <= t < vocab_size for t in self.stop_token_ids):
-            raise bad_request(f"'stop_token_ids' must lie in [0, {vocab_size})",
-                              "stop_token_ids")
-        if self.min_tokens is not None and self.min_tokens < 0:
-            raise bad_request(f"'min_tokens' must be >= 0, got {self.min_tokens}",
-                              "min_tokens")
-
-    def logprob_counts(self) -> dict[str, int | None]:
-        return {"prompt_logprobs": self.prompt_logprobs}
-
-    def token_biases(self) -> dict[int, float] | None:
+    def _token_biases(self) -> dict[int, float] | None:
         """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) by token id."""
         if not self.logit_bias:
             return None
@@ -234,10 +233,37 @@ class _Sampling(_Strict):
         except ValueError:
             raise bad_request("'logit_bias' keys must be token ids", "logit_bias") from None
 
-    def sampling_kwargs(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> dict[str, Any]:
-        """SamplingParams keyword arguments (OpenAI defaults: temperature 1, top_p 1)."""
-        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens}
+    # ------------------------------------------------ what each endpoint says its own way
+    def logprob_counts(self) -> dict[str, int | None]:
+        """The request's logprob fields by name (the server's --max-logprobs caps each)."""
+        return {"prompt_logprobs": self.prompt_logprobs}
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) as SamplingParams takes them."""
+        raise NotImplementedError
+
+    def budget(self) -> tuple[int | None, str]:
+        """The completion budget asked for (None: the rest of the context) and its field."""
+        raise NotImplementedError
+
+    def to_sampling_params(self, prompt_len: int, limits: Limits) -> SamplingParams:
+        """The engine's parameters for this request's prompt of ``prompt_len`` tokens, in
+        one pass: the server's and the model's limits (``limits``) and SamplingParams' own
+        ranges, each checked once, here; a value out of range is a 400 naming the field the
+        client sent. OpenAI's defaults (temperature 1, top_p 1) are SamplingParams'. A
+        response that is not streamed is built from each request's last output only, so
+        the engine is asked for that one (no per-step copy of the tokens, no per-step
+        delivery)."""
+        from engine.sampling import RequestOutputKind, SamplingParams, SamplingParamsError
+
+        limits.check_logprobs(self.logprob_counts())
+        asked, budget_field = self.budget()
+        max_tokens = limits.budget(asked, prompt_len, budget_field, self.PROMPT_FIELD)
+        logprobs, prompt_logprobs = self.engine_logprobs()
+        kw: dict[str, Any] = {
+            "n": self.n, "max_tokens": max_tokens,
+            "output_kind": RequestOutputKind.CUMULATIVE if self.stream
+            else RequestOutputKind.FINAL_ONLY}
         if self.min_tokens is not None:  # never past the budget the context leaves
             kw["min_tokens"] = min(self.min_tokens, max_tokens)
         optional = {"temperature": self.temperature, "top_p": self.top_p, "stop": self.stop,
@@ -249,10 +275,16 @@ class _Sampling(_Strict):
                     "presence_penalty": self.presence_penalty,
                     "frequency_penalty": self.frequency_penalty,
                     "repetition_penalty": self.repetition_penalty,
-                    "logit_bias": self.token_biases(),
-                    "structured_outputs": self.structured()}
+                    "logit_bias": self._biases, "structured_outputs": self._constraint}
         kw.update({k: v for k, v in optional.items() if v is not None})
-        return kw
+        try:
+            params = SamplingParams(**kw)
+            params.check_vocabulary(limits.vocab_size)
+        except SamplingParamsError as e:
+            name = budget_field if e.param == "max_tokens" else \
+                self.RENAMED.get(e.param, e.param)
+            raise bad_request(f"'{name}' {e.problem}", name) from None
+        return params
 
     @property
     def include_usage(self) -> bool:
@@ -282,11 +314,19 @@ class CompletionRequest(_Sampling):
         """``max_tokens: 0`` with ``echo``: score the prompt, generate nothing."""
         return self.echo and self.max_tokens == 0
 
-    def engine_prompt_logprobs(self) -> int | None:
-        """Prompt logprobs the engine computes: vLLM's field, or ``logprobs`` for echo."""
+    def budget(self) -> tuple[int | None, str]:
+        # max_tokens 0 with echo scores the prompt only: generate one token and drop it
+        # (vLLM does the same; that token comes with the prefill, at no extra step)
+        return (1 if self.prompt_only else self.max_tokens), "max_tokens"
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        """Prompt logprobs the engine computes: vLLM's field, or ``logprobs`` for echo (a
+        negative prompt_logprobs is passed on, for SamplingParams to refuse by name)."""
         wanted = [k for k in (self.prompt_logprobs,
                               self.logprobs if self.echo else None) if k is not None]
-        return max(wanted) if wanted else None
+        prompt = None if not wanted else self.prompt_logprobs \
+            if self.prompt_logprobs is not None and self.prompt_logprobs < 0 else max(wanted)
+        return self.logprobs, prompt
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -422,8 +462,19 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    PROMPT_FIELD: ClassVar[str] = "messages"
+    RENAMED: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
     def logprob_counts(self) -> dict[str, int | None]:
         return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    def budget(self) -> tuple[int | None, str]:
+        if self.max_tokens is not None:
+            return self.max_tokens, "max_tokens"
+        return self.max_completion_tokens, "max_completion_tokens"
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        return ((self.top_logprobs or 0) if self.logprobs else None), None
 
     def check_tools(self) -> None:
         choice = self.tool_choice
@@ -465,6 +516,9 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
         if self.prompt_logprobs is not None:
             raise bad_request("'prompt_logprobs' on chat is not supported by kvscope; use "
                               "/v1/completions", "prompt_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise bad_request("give max_tokens or max_completion_tokens, not both",
+                              "max_completion_tokens")
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -529,26 +583,3 @@ def refusal(e: ValidationError) -> APIError:
         return bad_request(f"missing required argument '{'.'.join(loc)}'", param)
     return bad_request(f"invalid '{param}': {err['msg']}"
                        + (f" (at {'.'.join(loc)})" if len(loc) > 1 else ""), param)
-
-
-def check_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int,
-                     param: str, prompt_param: str = "prompt") -> int:
-    """The completion budget; None means "the rest of the context", as vLLM does.
-    Refuses a prompt that leaves no room and a budget past the context (OpenAI's 400).
-    (``max_tokens: 0`` with echo is mapped to 1 by the caller, as vLLM does.)"""
-    if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
-                       f"the prompt has {prompt_len} (at least one must be generated).",
-                       param=prompt_param,
-                       code="context_length_exceeded")
-    room = max_model_len - prompt_len
-    if max_tokens is None:
-        return room
-    if max_tokens < 1:
-        raise bad_request(f"'{param}' must be >= 1, got {max_tokens}", param)
-    if max_tokens > room:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                       f"However, you requested {prompt_len + max_tokens} tokens "
-                       f"({prompt_len} in the prompt, {max_tokens} in the completion).",
-                       param=param, code="context_length_exceeded")
-    return max_tokens
