@@ -1,7 +1,15 @@
-"""Server tests run a REAL daemon (`python -m engine.cli serve`) as a subprocess on a free
-loopback port (port 0: the daemon binds and prints its address). Loading the model costs
-seconds, so each module starts one daemon; the small KV pool and short answers keep
-every request cheap on a 2-core CPU."""
+"""Two ways to serve, for two kinds of test:
+
+- in process (``served``, ``serve_in_process``; tests/server/asgi.py): the app called
+  through ASGI over the real engine built from the same flags as ``kvscope serve``, for
+  the tests about requests and their answers; or over a double (tests/server/doubles.py)
+  where the test is about the server alone;
+- a REAL daemon (``python -m engine.cli serve``, ``start_daemon``) as a subprocess on a free
+  loopback port (port 0: the daemon binds and prints its address), for what needs a
+  process: signals, drains, exit codes, a port for other programs (kvscope load, real
+  clients), a recording written by a process that is killed.
+Loading the model costs seconds, so a served engine or a daemon is shared by a module or
+the package; the small KV pool and short answers keep every request cheap on a 2-core CPU."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import httpx
 import pytest
 
 from engine.load.summary import parse_metrics
+from tests.server.asgi import InProcess
 
 REPO = Path(__file__).resolve().parents[2]
 READY = re.compile(r"ready on (http://\S+)")
@@ -103,7 +112,34 @@ CAPACITY_TOKENS = 96 * 16
 
 @pytest.fixture(scope="package")
 def daemon() -> Iterator[Daemon]:
-    """One daemon for the API, bad-input and load tests (they leave it idle)."""
+    """One daemon for the tests that point a program at its port (they leave it idle)."""
     d = start_daemon(*SHARED)
     yield d
     stop_daemon(d)
+
+
+def serve_in_process(*args: str) -> InProcess:
+    """``kvscope serve ARGS`` in this process: the same flags make the same engine and
+    settings (engine.commands.serve), the engine loop runs on its own thread, and the app
+    is called through ASGI."""
+    from engine.cli import build_parser
+    from engine.commands.serve import engine_config, model_of, server_settings
+    from engine.engine import LLMEngine
+    from engine.model.chat_template import load_chat_template
+    from engine.server.daemon import build_engine, build_state
+
+    ns = build_parser().parse_args(["serve", *args])
+    ns.model = model_of(ns)
+    if ns.chat_template is not None:
+        ns.chat_template = load_chat_template(ns.chat_template)
+    engine = build_engine(LLMEngine, engine_config(ns))
+    return InProcess(build_state(engine, server_settings(ns)))
+
+
+@pytest.fixture(scope="package")
+def served() -> Iterator[InProcess]:
+    """The real engine with the daemon's flags (SHARED), in process, for the API,
+    bad-input, compatibility, tool and structured-output tests (they leave it idle)."""
+    s = serve_in_process(*SHARED)
+    yield s
+    s.close()
