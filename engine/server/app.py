@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.server.errors import APIError
 from engine.server.openapi import install as install_openapi
@@ -31,6 +32,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvscope", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.kv = state
+    app.add_middleware(_Answering, state=state)
     for family in (meta, completions, chat, responses, tokenize):
         app.include_router(family.router)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest,
@@ -54,3 +56,23 @@ def create_app(state: ServerState) -> FastAPI:
 
     return app
 
+
+class _Answering:
+    """Counts the HTTP requests being answered (``ServerState.answering``), from their
+    arrival until their answer, streamed or not, is sent: what the daemon waits for before
+    it closes the server, so that every handler of an aborted request has told its client
+    (daemon.py)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.state.answering += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.answering -= 1

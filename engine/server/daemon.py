@@ -32,6 +32,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_FAILED = 3
+ANSWER_TIMEOUT_S = 5.0  # what the handlers of aborted requests get to tell their clients
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -137,7 +138,7 @@ async def serve_forever(state: Any, sock: socket.socket, log_level: str = "warni
     if watcher.done():
         print(f"kvscope serve: the engine failed ({state.engine.failed}); stopping",
               file=sys.stderr, flush=True)
-        await asyncio.sleep(0.2)  # let the handlers send their clients the error
+        await answered(state)  # the handlers tell their clients the error
     watcher.cancel()
     await drain(state, signals)
     server.should_exit = True
@@ -169,10 +170,18 @@ async def drain(state: Any, signals: list[int] | None = None) -> None:
         print(f"kvscope serve: aborting {state.engine.num_inflight} unfinished request(s)",
               file=sys.stderr, flush=True)
         state.engine.abort_all("shutdown")
-        end = time.monotonic() + 5
+        end = time.monotonic() + ANSWER_TIMEOUT_S
         while state.engine.num_inflight and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)  # let the handlers send their 503s
+    await answered(state)  # every handler has sent its answer (a 503 for the aborted)
+
+
+async def answered(state: Any) -> None:
+    """Until every HTTP request in flight has had its answer sent (``state.answering``),
+    for at most ANSWER_TIMEOUT_S: a client that stopped reading cannot hold the daemon."""
+    end = time.monotonic() + ANSWER_TIMEOUT_S
+    while state.answering and time.monotonic() < end:
+        await asyncio.sleep(0.02)
 
 
 def run_daemon(config: Any, settings: Any, host: str, port: int,

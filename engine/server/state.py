@@ -37,6 +37,7 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     draining: bool = False
+    answering: int = 0  # HTTP requests whose answer is not sent yet (app.py counts them)
     created: int = field(default_factory=lambda: int(time.time()))
     delivery: StepDelivery | None = None  # of the running event loop, made on first use
 

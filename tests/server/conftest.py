@@ -29,10 +29,11 @@ import pytest
 
 from engine.load.summary import parse_metrics
 from tests.server.asgi import InProcess
+from tests.server.doubles import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 READY = re.compile(r"ready on (http://\S+)")
-START_TIMEOUT_S = 180  # the model load is slow on a loaded 2-core machine
+START_TIMEOUT_S = HANG_S  # the model load is slow on a loaded 2-core machine
 
 
 @dataclass
@@ -41,13 +42,14 @@ class Daemon:
     url: str
     record: Path | None
     lines: list[str] = field(default_factory=list)  # everything it printed
+    eof: threading.Event = field(default_factory=threading.Event)  # all of it read
 
     def metrics(self) -> dict[str, float]:
-        r = httpx.get(self.url + "/metrics", timeout=30)
+        r = httpx.get(self.url + "/metrics", timeout=HANG_S)
         r.raise_for_status()
         return parse_metrics(r.text)
 
-    def wait_metric(self, name: str, value: float, timeout: float = 30.0) -> dict[str, float]:
+    def wait_metric(self, name: str, value: float, timeout: float = HANG_S) -> dict[str, float]:
         end = time.monotonic() + timeout
         while True:
             m = self.metrics()
@@ -55,13 +57,16 @@ class Daemon:
                 return m
             time.sleep(0.1)
 
-    def terminate(self, timeout: float = 60.0) -> int:
+    def terminate(self, timeout: float = HANG_S) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
     @property
     def output(self) -> str:
+        """What it printed; once it has exited, all of it (the reader may lag the exit)."""
+        if self.proc.poll() is not None:
+            assert self.eof.wait(HANG_S), "the daemon's output never ended"
         return "".join(self.lines)
 
 
@@ -75,7 +80,7 @@ def start_daemon(*args: str, record: Path | None = None,
                             text=True, env={**os.environ, **(env or {})})
     lines: list[str] = []
     found: list[str] = []
-    ready = threading.Event()
+    ready, eof = threading.Event(), threading.Event()
 
     def reader() -> None:  # keeps draining the pipe so the daemon never blocks on it
         for line in proc.stdout:
@@ -84,6 +89,7 @@ def start_daemon(*args: str, record: Path | None = None,
             if m and not found:
                 found.append(m.group(1))
                 ready.set()
+        eof.set()
         ready.set()
 
     threading.Thread(target=reader, daemon=True).start()
@@ -92,7 +98,7 @@ def start_daemon(*args: str, record: Path | None = None,
         proc.kill()
         proc.wait()
         raise RuntimeError("daemon did not start:\n" + "".join(lines))
-    return Daemon(proc, found[0], record, lines)
+    return Daemon(proc, found[0], record, lines, eof)
 
 
 def stop_daemon(d: Daemon) -> None:
