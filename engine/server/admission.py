@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 
 from engine.sampling import SamplingParams
+from engine.server.chat_prompt import ChatPrompt
 from engine.server.errors import APIError, bad_request, unavailable
-from engine.server.protocol import ChatPrompt
 from engine.server.state import ServerState
 
 

@@ -15,8 +15,7 @@ The compatibility policy (README "Compatibility"), field by field:
   supported (suffix, best_of other than n, ...).
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
-  fields known to be harmless are listed above instead.
-A wrong JSON type (``"max_tokens": "5"``) is a 400 naming the field.
+  fields known to be harmless are listed above instead (strict.py).
 
 A request becomes the engine's SamplingParams in one pass (``to_sampling_params``, as
 vLLM's request models do it): the limits of the server and the model (limits.py) and
@@ -28,31 +27,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import Field, PrivateAttr
 
 from engine.server import tools
-from engine.server.errors import APIError, bad_request
+from engine.server.chat_prompt import ChatPrompt
+from engine.server.errors import bad_request
 from engine.server.limits import Limits
+from engine.server.strict import Strict
 from engine.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:  # engine.sampling imports torch; the router reads requests without it
     from engine.sampling import SamplingParams
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    def unsupported(self) -> None:
-        """Refuse valid-typed values the server cannot honour (a 400 naming the field)."""
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk (guidellm sends it)
     include_obfuscation: bool | None = None  # OpenAI: padding against side channels; ignored
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     """OpenAI's ``response_format.json_schema``."""
 
     name: str
@@ -61,12 +55,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None  # kvscope always holds the output to the schema
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     """OpenAI's ``tools[].function``."""
 
     name: str = Field(min_length=1)
@@ -75,21 +69,21 @@ class FunctionDef(_Strict):
     strict: bool | None = None  # kvscope always holds the arguments to the schema
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's ``structured_outputs`` request field (one constraint)."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -104,7 +98,7 @@ IGNORED = ("user", "store", "metadata", "service_tier", "reasoning_effort",
            "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -358,104 +352,6 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class OtherPart(BaseModel):
-    """A content part of another type (image_url, input_audio, file, ...): parsed only to be
-    refused by name in ``ChatCompletionRequest.unsupported``."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | OtherPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message answers this call
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content if isinstance(part, TextPart))
-
-
-class ChatPrompt(_Strict):
-    """A conversation and how it becomes a prompt: chat completions and /tokenize's chat
-    form. vLLM's chat-template extras: end the prompt with the assistant's turn header
-    (the default), or continue the final message as written (an assistant prefill)."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    # vLLM's: more variables for the template (e.g. Qwen3's {"enable_thinking": false})
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def unsupported(self) -> None:
-        for i, m in enumerate(self.messages):
-            for part in m.content if isinstance(m.content, list) else ():
-                if isinstance(part, OtherPart):
-                    raise bad_request(f"messages[{i}].content: parts of type '{part.type}' are "
-                                      "not supported by kvscope (text only)", "messages")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("'continue_final_message' needs 'add_generation_prompt': false "
-                              "(the final message is continued, no new turn is opened)",
-                              "continue_final_message")
-        taken = set(self.chat_template_kwargs or ()) & _TEMPLATE_OWN
-        if taken:
-            raise bad_request(f"chat_template_kwargs may not set {sorted(taken)} (the "
-                              "request's own fields say those)", "chat_template_kwargs")
-        if self.continue_final_message and not self.messages[-1].text():
-            raise bad_request("'continue_final_message' needs a final message with text",
-                              "continue_final_message")
-
-    def conversation(self) -> list[dict[str, Any]]:
-        # "developer" is OpenAI's newer name for the system role.
-        out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                       "content": m.text()}
-            if m.tool_calls:
-                message["tool_calls"] = m.tool_calls
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            out.append(tools.template_message(message))
-        return out
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools shown to the model through the chat template (None: no tools)."""
-        return None
-
-    def prompt_text(self, tokenizer: Any) -> str:
-        """The conversation through the model's chat template, as the engine's prompt.
-        With ``continue_final_message`` the text ends where the final message's content
-        does (its end-of-turn markup cut off), as transformers and vLLM do it: a marker
-        appended to the content is rendered and cut at, and when the template trims the
-        content (the marker's trailing space is gone) the cut is trimmed too. Template
-        errors raise ValueError."""
-        conv = self.conversation()
-        if self.continue_final_message:
-            conv[-1]["content"] += _CONTINUE_MARK
-        shown = self.template_tools()
-        text = tokenizer.apply_chat_template(conv, add_generation_prompt=self.add_generation_prompt,
-                                             **(self.chat_template_kwargs or {}),
-                                             **({"tools": shown} if shown else {}))
-        if not self.continue_final_message:
-            return text
-        at = text.rfind(_CONTINUE_MARK.rstrip())
-        if at < 0:
-            raise ValueError("the chat template drops the final message's text, so it cannot "
-                             "be continued")
-        trimmed = not text.startswith(_CONTINUE_MARK, at)
-        return text[:at].rstrip() if trimmed else text[:at]
-
-
 class ChatCompletionRequest(_Sampling, ChatPrompt):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -521,7 +417,7 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
                               "max_completion_tokens")
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(Strict):
     """vLLM's POST /tokenize, text form."""
 
     model: str | None = None
@@ -538,48 +434,8 @@ class TokenizeChatRequest(ChatPrompt):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """vLLM's POST /detokenize."""
 
     model: str | None = None
     tokens: list[int]
-
-
-# vLLM's removed guided-decoding fields: refused like any unknown field, saying where they went
-_RENAMED = {f"guided_{k}": f"vLLM's old name; send \"structured_outputs\": {{\"{k}\": ...}}"
-            for k in ("json", "regex", "choice", "grammar")}
-
-
-# template variables the request's own fields set (chat_template_kwargs may not)
-_TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
-                 "tokenize"}
-
-# appended to a message to be continued, to find where its content ends once rendered
-_CONTINUE_MARK = "KVSCOPE_CONTINUE_FINAL_MESSAGE "
-
-
-def parse(model: type[_Strict], body: bytes) -> Any:
-    """Validate a JSON body; any problem becomes a 400 naming the offending field."""
-    try:
-        req = model.model_validate_json(body)
-    except ValidationError as e:
-        raise refusal(e) from None
-    req.unsupported()
-    return req
-
-
-def refusal(e: ValidationError) -> APIError:
-    """A validation error as the 400 that names its field."""
-    err = e.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json")
-    loc = [str(p) for p in err["loc"] if isinstance(p, (str, int))]
-    param = loc[0] if loc else None
-    if err["type"] == "extra_forbidden":
-        hint = _RENAMED.get(".".join(loc))
-        return bad_request(f"unrecognized request argument '{'.'.join(loc)}'"
-                           + (f" ({hint})" if hint else ""), param)
-    if err["type"] == "missing":
-        return bad_request(f"missing required argument '{'.'.join(loc)}'", param)
-    return bad_request(f"invalid '{param}': {err['msg']}"
-                       + (f" (at {'.'.join(loc)})" if len(loc) > 1 else ""), param)

@@ -10,7 +10,8 @@ import pytest
 
 from engine.sampling import RequestOutputKind
 from engine.server.limits import Limits
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.strict import parse
 
 
 @pytest.mark.parametrize("stream, kind", [(False, RequestOutputKind.FINAL_ONLY),

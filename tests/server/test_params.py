@@ -14,8 +14,9 @@ import pytest
 
 from engine.server.errors import APIError
 from engine.server.limits import Limits
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.responses_protocol import ResponsesRequest, responses_names
+from engine.server.strict import parse
 from tests.server.asgi import InProcess
 from tests.server.conftest import REPO
 from tests.server.doubles import HANG_S
@@ -95,7 +96,8 @@ def test_a_structured_request_compiles_its_grammar_once(served: InProcess, monke
 
 def test_the_request_models_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from engine.server.protocol import ChatCompletionRequest, parse\n"
+            "from engine.server.protocol import ChatCompletionRequest\n"
+            "from engine.server.strict import parse\n"
             "from engine.server.responses_protocol import ResponsesRequest\n"
             "parse(ChatCompletionRequest, b'{\"messages\": [{\"role\": \"user\", "
             "\"content\": \"hi\"}], \"response_format\": {\"type\": \"json_object\"}}')\n"

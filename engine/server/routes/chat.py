@@ -25,8 +25,9 @@ from engine.server.admission import (
 from engine.server.errors import bad_request
 from engine.server.jobs import Job, collect, submit
 from engine.server.openapi import request_body
-from engine.server.protocol import ChatCompletionRequest, parse
+from engine.server.protocol import ChatCompletionRequest
 from engine.server.state import ServerState
+from engine.server.strict import parse
 from engine.server.tool_parsers import PARSERS, AutoToolStream
 
 router = APIRouter()

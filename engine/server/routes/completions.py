@@ -23,8 +23,9 @@ from engine.server.admission import (
 from engine.server.errors import bad_request
 from engine.server.jobs import Job, collect, submit
 from engine.server.openapi import request_body
-from engine.server.protocol import CompletionRequest, parse
+from engine.server.protocol import CompletionRequest
 from engine.server.state import ServerState
+from engine.server.strict import parse
 
 router = APIRouter()
 

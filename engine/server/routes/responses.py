@@ -18,10 +18,11 @@ from engine.server.admission import admit, check_model, read_body, server_state
 from engine.server.errors import APIError
 from engine.server.jobs import Job, abort_rest, collect, deltas
 from engine.server.openapi import request_body
-from engine.server.protocol import ChatCompletionRequest, parse
+from engine.server.protocol import ChatCompletionRequest
 from engine.server.responses_protocol import ResponsesRequest, responses_names
 from engine.server.routes.chat import auto_parser, submit_chat
 from engine.server.state import ServerState
+from engine.server.strict import parse
 
 router = APIRouter()
 

@@ -22,8 +22,8 @@ from engine.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    parse,
 )
+from engine.server.strict import parse
 
 router = APIRouter()
 
