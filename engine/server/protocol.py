@@ -139,7 +139,8 @@ class _Sampling(Strict):
     prompt_logprobs: int | None = None
     # the Responses API's max_tool_calls (responses_protocol.py); chat has no such field
     _max_tool_calls: int | None = PrivateAttr(default=None)
-    # read once, when the request is checked (``unsupported``)
+    # read once, when the request is checked (``unsupported``, which ``parse`` calls)
+    _checked: bool = PrivateAttr(default=False)
     _biases: dict[int, float] | None = PrivateAttr(default=None)
     _constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
     # the field a 400 about the prompt names; SamplingParams' names the request calls
@@ -160,6 +161,7 @@ class _Sampling(Strict):
                               "'tool_choice'", "function_call")
         self.check_tools()
         self._constraint = self._structured()
+        self._checked = True
 
     def check_tools(self) -> None:
         """Completions call no tools: only an empty list, or tool_choice "none"."""
@@ -250,6 +252,7 @@ class _Sampling(Strict):
         delivery)."""
         from engine.sampling import RequestOutputKind, SamplingParams, SamplingParamsError
 
+        assert self._checked, "a request is checked (strict.parse) before its parameters"
         limits.check_logprobs(self.logprob_counts())
         asked, budget_field = self.budget()
         max_tokens = limits.budget(asked, prompt_len, budget_field, self.PROMPT_FIELD)
