@@ -13,10 +13,11 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    engine = server_state(request).engine
+    state = server_state(request)
+    engine = state.engine
     if engine.failed is not None or not engine.alive:
         return JSONResponse({"status": "failed", "error": str(engine.failed)}, 500)
-    if server_state(request).draining:
+    if state.draining:
         return JSONResponse({"status": "draining"}, 503)
     return JSONResponse({"status": "ok", "in_flight": engine.num_inflight})
 
