@@ -6,7 +6,7 @@ test gives (the real one, or a double of tests/server/doubles.py).
 ``InProcess.http`` is a plain (synchronous) httpx.Client and ``openai()`` the official
 client on it, so a test reads as it would against a daemon. Answers arrive whole
 (ASGITransport buffers a streamed body): a test about a client leaving mid-stream drives
-the app itself (see test_disconnect.py) or runs the real daemon.
+the app itself (test_disconnect.py) or runs the real daemon.
 """
 
 from __future__ import annotations
