@@ -21,6 +21,18 @@ import torch
 from engine.structured import StructuredOutputsParams
 
 
+class SamplingParamsError(ValueError):
+    """A SamplingParams field out of its range. ``param`` names the field (vLLM's name,
+    which the HTTP request bodies share), ``problem`` says what is wrong with it: callers
+    that speak another vocabulary (the server's request fields) name the field their way
+    instead of reading it back out of the message."""
+
+    def __init__(self, param: str, problem: str) -> None:
+        super().__init__(f"SamplingParams: {param} {problem}")
+        self.param = param
+        self.problem = problem
+
+
 class RequestOutputKind(IntEnum):
     """Which steps return a request's output (vLLM's enum and values). CUMULATIVE: every
     step that changed it, with everything so far; FINAL_ONLY: only the step it finishes
@@ -90,62 +102,76 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def need(ok: bool, message: str) -> None:
+        def need(ok: bool, param: str, problem: str) -> None:
             if not ok:
-                raise ValueError(f"SamplingParams: {message}")
+                raise SamplingParamsError(param, problem)
 
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        need(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        need(is_int(self.n) and self.n >= 1, "n", f"must be an int >= 1, got {self.n!r}")
         need(isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
-             and self.temperature >= 0,
-             f"temperature must be >= 0 and finite, got {self.temperature!r}")
-        need(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
-             f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(is_int(self.top_k), f"top_k must be an int (0 or -1 disables), got {self.top_k!r}")
-        need(self.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
-        need(isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1,
-             f"min_p must be in [0, 1], got {self.min_p!r}")
+             and self.temperature >= 0, "temperature",
+             f"must be >= 0 and finite, got {self.temperature!r}")
+        need(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, "top_p",
+             f"must be in (0, 1], got {self.top_p!r}")
+        need(is_int(self.top_k), "top_k",
+             f"must be an int (0 or -1 disables), got {self.top_k!r}")
+        need(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        need(isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1, "min_p",
+             f"must be in [0, 1], got {self.min_p!r}")
         need(self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
-             f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
-        need(is_int(self.max_tokens) and self.max_tokens >= 1,
-             f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        need(all(isinstance(s, str) and s for s in self.stop),
-             f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+             "seed", f"must be an int in [-2**63, 2**64), got {self.seed!r}")
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+             f"must be an int >= 1, got {self.max_tokens!r}")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop",
+             f"must be a non-empty string or a list of them, got {self.stop!r}")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             f"must be non-negative ints, got {self.stop_token_ids!r}")
         need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-             f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+             "logprobs", f"must be None or an int >= 0, got {self.logprobs!r}")
         need(self.prompt_logprobs is None
-             or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-             f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
-        need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
-        need(isinstance(self.ignore_eos, bool),
-             f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        need(is_int(self.output_kind) and self.output_kind in
-             set(RequestOutputKind), f"output_kind must be one of "
-             f"{[k.name for k in RequestOutputKind]}, got {self.output_kind!r}")
+             or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0), "prompt_logprobs",
+             f"must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be an int in [0, max_tokens], got {self.min_tokens!r}")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos",
+             f"must be a bool, got {self.ignore_eos!r}")
+        need(is_int(self.output_kind) and self.output_kind in set(RequestOutputKind),
+             "output_kind", f"must be one of {[k.name for k in RequestOutputKind]}, got "
+             f"{self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             need(isinstance(value, int | float) and not isinstance(value, bool)
-                 and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+                 and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
         need(isinstance(self.repetition_penalty, int | float)
              and not isinstance(self.repetition_penalty, bool)
-             and 0 < self.repetition_penalty < math.inf,
-             f"repetition_penalty must be > 0 and finite (1: off), got "
-             f"{self.repetition_penalty!r}")
+             and 0 < self.repetition_penalty < math.inf, "repetition_penalty",
+             f"must be > 0 and finite (1: off), got {self.repetition_penalty!r}")
         need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             is_int(t) and t >= 0 and isinstance(b, int | float) and not isinstance(b, bool)
-            and -100 <= b <= 100 for t, b in self.logit_bias.items())),
-             "logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got "
-             f"{self.logit_bias!r}")
+            and -100 <= b <= 100 for t, b in self.logit_bias.items())), "logit_bias",
+             f"must map token ids (ints >= 0) to biases in [-100, 100], got {self.logit_bias!r}")
         need(self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),
-             "structured_outputs must be None or a StructuredOutputsParams, got "
+             "structured_outputs", "must be None or a StructuredOutputsParams, got "
              f"{type(self.structured_outputs).__name__}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The fields that name tokens or count them, against a model's vocabulary (what
+        ``_validate`` cannot know): logprobs and prompt_logprobs at most ``vocab_size``,
+        logit_bias and stop_token_ids ids below it. Raises SamplingParamsError."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise SamplingParamsError(name, f"must be at most the vocabulary size "
+                                                f"{vocab_size}, got {value}")
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("stop_token_ids", self.stop_token_ids)):
+            if ids and max(ids) >= vocab_size:
+                raise SamplingParamsError(name, f"token ids must be below the vocabulary size "
+                                                f"{vocab_size}, got {max(ids)}")
 
     @property
     def greedy(self) -> bool:

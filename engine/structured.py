@@ -6,6 +6,9 @@ The grammar engine is llguidance (the one vLLM, SGLang and llama.cpp use): it co
 constraint against the model's tokenizer and, before each sampled token, gives the set of
 tokens that keep the output inside it. kvscope only wires it in:
 
+- A constraint compiles once (``StructuredOutputsParams.compile``: the server does it at
+  the boundary, off its event loop, and a bad constraint is a 400 there); every completion
+  of the request then starts from a copy of that compiled matcher.
 - ``GrammarMatcher`` is one completion's matcher. Invariant: it has consumed exactly the
   completion's tokens so far, so its mask is the next token's; a recompute or swap
   preemption keeps the tokens, so it stays valid, with nothing to roll back.
@@ -22,7 +25,7 @@ them without torch.)
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +46,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # (tokenizer, matcher in its start state) once compiled: never advanced, only copied
+    _compiled: tuple[Any, Any] | None = field(default=None, init=False, repr=False,
+                                             compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar")
@@ -82,6 +88,24 @@ class StructuredOutputsParams:
                                                          for c in self.choice))
         return LLMatcher.grammar_from_lark(self.grammar or "")
 
+    def compile(self, tokenizer: Any) -> Any:
+        """The constraint compiled against ``tokenizer`` (kvscope's Tokenizer), as an
+        llguidance matcher in its start state: built on the first call, the same object
+        after (a copy per completion is ``GrammarMatcher``'s). Raises ValueError with
+        llguidance's message when the constraint is invalid."""
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer (a dummy model "
+                             "has none)")
+        if self._compiled is not None and self._compiled[0] is tokenizer:
+            return self._compiled[1]
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(_ll_tokenizer(tokenizer), self.grammar_text(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured outputs: {matcher.get_error()}")
+        object.__setattr__(self, "_compiled", (tokenizer, matcher))  # frozen: a cache only
+        return matcher
+
 
 # JSON comes out compact, `{"a": 1, "b": [2, 3]}` (xgrammar's layout without any_whitespace),
 # not with free whitespace: held to a grammar that allows any whitespace between tokens,
@@ -112,21 +136,6 @@ def _regex_literal(text: str) -> str:
     return "".join(f"\\{c}" if c in r"\.^$|?*+()[]{}/" else c for c in text)
 
 
-def compile_grammar(params: StructuredOutputsParams, tokenizer: Any) -> str:
-    """The checked grammar for ``params`` against ``tokenizer`` (kvscope's Tokenizer).
-    Raises ValueError with llguidance's message when the constraint is invalid."""
-    from llguidance import LLMatcher
-
-    if tokenizer is None:
-        raise ValueError("structured outputs need the model's tokenizer (a dummy model has "
-                         "none)")
-    grammar = params.grammar_text()
-    error = LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer))
-    if error:
-        raise ValueError(f"structured outputs: {error}")
-    return grammar
-
-
 def _ll_tokenizer(tokenizer: Any) -> Any:
     """llguidance's view of the tokenizer, built once per Tokenizer (~0.2 s)."""
     ll = getattr(tokenizer, "_llguidance", None)
@@ -142,15 +151,7 @@ class GrammarMatcher:
     """One completion's position in its grammar (see the module's invariant)."""
 
     def __init__(self, params: StructuredOutputsParams, tokenizer: Any) -> None:
-        from llguidance import LLMatcher
-
-        if tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer (a dummy model "
-                             "has none)")
-        # built straight from the grammar: an invalid one puts the matcher in its error
-        # state (checked below), so no separate validation pass (compile_grammar's) is paid
-        self._m = LLMatcher(_ll_tokenizer(tokenizer), params.grammar_text(), log_level=0)
-        self._error()
+        self._m = params.compile(tokenizer).deep_copy()
 
     def _error(self) -> None:
         if self._m.is_error():

@@ -80,8 +80,8 @@ class Tracer:
         from engine import engine as engine_mod
         from engine import scheduler as scheduler_mod
         from engine.runner import model_runner as runner_mod
-        from engine.server import app as app_mod
         from engine.server import engine_loop as loop_mod
+        from engine.server import jobs as jobs_mod
 
         rec = self.records.append
         E = engine_mod.LLMEngine
@@ -120,12 +120,12 @@ class Tracer:
             return submit(self_, rid, prompt, params, traced_deliver)
         L.submit = traced_submit
 
-        take = app_mod._take
+        take = jobs_mod.take
 
         def traced_take(job: Any, item: Any) -> Any:
             rec(("take", time.perf_counter(), getattr(item, "request_id", ""), _ntokens(item)))
             return take(job, item)
-        app_mod._take = traced_take
+        jobs_mod.take = traced_take
 
 
 def _ntokens(item: Any) -> int:

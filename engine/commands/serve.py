@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from engine.server.tool_parsers import PARSERS as TOOL_PARSERS  # json only: no server stack
 
@@ -135,11 +136,32 @@ def model_of(args: argparse.Namespace) -> str:
     return args.model_tag or args.model or "smollm2"
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig the flags describe (ValueError/TypeError for a bad one)."""
+    from engine.config import EngineConfig
+
+    return EngineConfig.from_kwargs(**{k: getattr(args, k) for k in ENGINE_FLAGS},
+                                    events_endpoint=args.events, record_path=args.record,
+                                    kv_events_config=args.kv_events_config)
+
+
+def server_settings(args: argparse.Namespace) -> Any:
+    """The daemon's ServerSettings the flags describe (after ``_run``'s checks)."""
+    from engine.server.state import ServerSettings
+
+    return ServerSettings(served_model_name=args.served_model_name or args.model,
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                          max_n=args.max_n, drain_timeout_s=args.drain_timeout,
+                          metrics_prefix=args.metrics_prefix,
+                          max_logprobs=args.max_logprobs,
+                          tool_parser=args.tool_call_parser
+                          if args.enable_auto_tool_choice else None,
+                          chat_template=args.chat_template)
+
+
 def _run(args: argparse.Namespace) -> int:
     import sys
 
-    from engine.config import EngineConfig
-    from engine.server.app import ServerSettings
     from engine.server.daemon import run_daemon
 
     try:
@@ -148,10 +170,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 2
     try:
-        config = EngineConfig.from_kwargs(
-            **{k: getattr(args, k) for k in ENGINE_FLAGS},
-            events_endpoint=args.events, record_path=args.record,
-            kv_events_config=args.kv_events_config)
+        config = engine_config(args)
     except (ValueError, TypeError) as e:
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 2
@@ -179,12 +198,4 @@ def _run(args: argparse.Namespace) -> int:
         from engine.router.data_parallel import run_data_parallel
 
         return run_data_parallel(args)
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model,
-                              api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              max_n=args.max_n, drain_timeout_s=args.drain_timeout,
-                              metrics_prefix=args.metrics_prefix,
-                              max_logprobs=args.max_logprobs,
-                              tool_parser=args.tool_call_parser
-                              if args.enable_auto_tool_choice else None,
-                              chat_template=args.chat_template)
-    return run_daemon(config, settings, args.host, args.port, args.log_level)
+    return run_daemon(config, server_settings(args), args.host, args.port, args.log_level)

@@ -1,5 +1,5 @@
 """Turn a request body into the prompt token ids the replica will see: the same tokenizer
-and chat template as ``kvscope serve`` (engine/server/app.py), loaded without weights."""
+and chat template as ``kvscope serve`` (engine/server/chat_prompt.py), loaded without weights."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: bytes) -> lis
         return None
     try:
         if path.endswith(("/chat/completions", "/responses")):
-            from engine.server.protocol import ChatCompletionRequest, parse
+            from engine.server.protocol import ChatCompletionRequest
             from engine.server.responses_protocol import ResponsesRequest
+            from engine.server.strict import parse
 
             req = (parse(ChatCompletionRequest, body) if path.endswith("/chat/completions")
                    else parse(ResponsesRequest, body).chat_request())

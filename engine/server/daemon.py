@@ -32,6 +32,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_FAILED = 3
+ANSWER_TIMEOUT_S = 5.0  # what the handlers of aborted requests get to tell their clients
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -78,9 +79,9 @@ def build_engine(factory: Callable[[Any], Any], config: Any) -> Any:
 
 def build_state(engine: Any, settings: Any) -> Any:
     """ServerState around a built engine: metrics, the engine loop (started)."""
-    from engine.server.app import ServerState
     from engine.server.engine_loop import EngineLoop
     from engine.server.metrics import ServerMetrics
+    from engine.server.state import ServerState
 
     metrics = ServerMetrics(settings.served_model_name, prefix=settings.metrics_prefix)
     loop = EngineLoop(engine, on_step=metrics.on_step, on_finish=metrics.on_finish,
@@ -89,7 +90,7 @@ def build_state(engine: Any, settings: Any) -> Any:
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = settings.chat_template  # only the server renders chats
     loop.start()
-    return ServerState(loop=loop, metrics=metrics, settings=settings,
+    return ServerState(engine=loop, metrics=metrics, settings=settings,
                        tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size)
 
@@ -122,7 +123,7 @@ async def serve_forever(state: Any, sock: socket.socket, log_level: str = "warni
         signals.append(sig)
         stop.set()
         if len(signals) > 1:  # impatient: skip the drain wait
-            state.loop.abort_all("shutdown")
+            state.engine.abort_all("shutdown")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         aio.add_signal_handler(sig, on_signal, sig)
@@ -135,9 +136,9 @@ async def serve_forever(state: Any, sock: socket.socket, log_level: str = "warni
     watcher = asyncio.create_task(_engine_failed(state))
     await asyncio.wait({task, stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if watcher.done():
-        print(f"kvscope serve: the engine failed ({state.loop.failed}); stopping",
+        print(f"kvscope serve: the engine failed ({state.engine.failed}); stopping",
               file=sys.stderr, flush=True)
-        await asyncio.sleep(0.2)  # let the handlers send their clients the error
+        await answered(state)  # the handlers tell their clients the error
     watcher.cancel()
     await drain(state, signals)
     server.should_exit = True
@@ -149,30 +150,38 @@ async def serve_forever(state: Any, sock: socket.socket, log_level: str = "warni
 
 async def _engine_failed(state: Any) -> None:
     """Returns when the engine thread failed or died."""
-    while state.loop.failed is None and state.loop.alive:
+    while state.engine.failed is None and state.engine.alive:
         await asyncio.sleep(0.1)
 
 
 async def drain(state: Any, signals: list[int] | None = None) -> None:
     state.draining = True
-    n = state.loop.num_inflight
+    n = state.engine.num_inflight
     timeout = state.settings.drain_timeout_s
     if n:
         print(f"kvscope serve: draining {n} in-flight request(s), up to {timeout:g} s "
               "(signal again to abort them)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout
     first = len(signals or [])
-    while state.loop.num_inflight and time.monotonic() < deadline and \
-            len(signals or []) <= max(first, 1) and state.loop.alive:
+    while state.engine.num_inflight and time.monotonic() < deadline and \
+            len(signals or []) <= max(first, 1) and state.engine.alive:
         await asyncio.sleep(0.05)
-    if state.loop.num_inflight:
-        print(f"kvscope serve: aborting {state.loop.num_inflight} unfinished request(s)",
+    if state.engine.num_inflight:
+        print(f"kvscope serve: aborting {state.engine.num_inflight} unfinished request(s)",
               file=sys.stderr, flush=True)
-        state.loop.abort_all("shutdown")
-        end = time.monotonic() + 5
-        while state.loop.num_inflight and time.monotonic() < end:
+        state.engine.abort_all("shutdown")
+        end = time.monotonic() + ANSWER_TIMEOUT_S
+        while state.engine.num_inflight and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)  # let the handlers send their 503s
+    await answered(state)  # every handler has sent its answer (a 503 for the aborted)
+
+
+async def answered(state: Any) -> None:
+    """Until every HTTP request in flight has had its answer sent (``state.answering``),
+    for at most ANSWER_TIMEOUT_S: a client that stopped reading cannot hold the daemon."""
+    end = time.monotonic() + ANSWER_TIMEOUT_S
+    while state.answering and time.monotonic() < end:
+        await asyncio.sleep(0.02)
 
 
 def run_daemon(config: Any, settings: Any, host: str, port: int,
@@ -216,15 +225,15 @@ def run_daemon(config: Any, settings: Any, host: str, port: int,
         try:
             asyncio.run(serve_forever(state, sock, log_level, line))
         finally:
-            state.loop.stop()
+            state.engine.stop()
     finally:
         sock.close()
     msg = "kvscope serve: stopped"
     if config.record_path:
         msg += f"; recording written to {config.record_path}"
     print(msg, file=sys.stderr, flush=True)
-    if state.loop.failed is not None:
+    if state.engine.failed is not None:
         print(f"kvscope serve: exiting with status {EXIT_ENGINE_FAILED}: the engine failed: "
-              f"{state.loop.failed}", file=sys.stderr, flush=True)
+              f"{state.engine.failed}", file=sys.stderr, flush=True)
         return EXIT_ENGINE_FAILED
     return 0

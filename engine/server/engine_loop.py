@@ -1,4 +1,5 @@
-"""EngineLoop: the one thread that owns the LLMEngine (which is not thread-safe).
+"""EngineLoop: the one thread that owns the LLMEngine (which is not thread-safe); the
+server's ``EngineClient`` (engine_client.py).
 
 The HTTP side talks to it only through ``submit`` / ``abort`` / ``stop``, which put
 commands on a queue; the thread applies them at step boundaries, so the HTTP side never
@@ -7,10 +8,11 @@ the ``deliver`` callback given with each request (the server wraps an asyncio qu
 ``loop.call_soon_threadsafe``). The thread sleeps on the command queue when the engine
 has nothing to do.
 
-Invariant: every submitted request gets exactly one terminal delivery: a finished
+Invariants: every submitted request gets exactly one terminal delivery: a finished
 ``RequestOutput``, or an ``Aborted`` (aborted by the client, by a drain, because it alone
 failed inside a step, or because the engine failed), unless its ``submit`` future failed
-(then it was never admitted).
+(then it was never admitted). The hooks (metrics) of a step or a command batch run
+before its deliveries: a client that sees its request end finds /metrics counting it.
 
 Faults: an exception one request causes inside the step fails that request only (the
 engine reports it as ``RequestOutput.error``; here it becomes ``Aborted(reason="error")``).
@@ -27,32 +29,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import RequestOutput
+from engine.server.engine_client import (
+    Aborted,
+    AbortReason,
+    Deliver,
+    Delivery,
+    EngineUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
-Deliver = Callable[[Any], None]  # called with RequestOutput | Aborted, on the engine thread
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine takes no more requests (stopping, or failed)."""
-
-
-@dataclass(frozen=True)
-class Aborted:
-    """Terminal delivery of a request that did not finish: ``reason`` is "client"
-    (the caller aborted it), "shutdown" (drain timeout) or "error" (it failed inside the
-    engine, alone or with the whole engine)."""
-
-    request_id: str
-    reason: str
-    message: str = ""
-
 
 class EngineLoop:
+    """An ``EngineClient`` over a real engine (LLMEngine, or anything with its
+    add_request / abort_request / step / has_unfinished_requests / close)."""
+
     def __init__(self, engine: Any, on_step: Callable[[Any], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None,
                  on_abort: Callable[[str], None] | None = None) -> None:
@@ -65,6 +59,7 @@ class EngineLoop:
         self._on_abort = on_abort or (lambda r: None)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: dict[str, Deliver] = {}  # engine thread only
+        self._outbox: list[tuple[Deliver, Delivery]] = []  # engine thread: after the hooks
         self.num_inflight = 0  # mirrored for readers on other threads
         self.steps = 0
         self.failed: BaseException | None = None
@@ -84,10 +79,10 @@ class EngineLoop:
         self._commands.put(("add", request_id, prompt, params, deliver, fut))
         return fut
 
-    def abort(self, request_id: str, reason: str = "client") -> None:
+    def abort(self, request_id: str, reason: AbortReason = "client") -> None:
         self._commands.put(("abort", request_id, reason))
 
-    def abort_all(self, reason: str = "shutdown") -> None:
+    def abort_all(self, reason: AbortReason = "shutdown") -> None:
         self._commands.put(("abort_all", reason))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -120,6 +115,7 @@ class EngineLoop:
                     self._abort_all("shutdown")
                     if self.failed is None:
                         self._step()  # publish the aborts' frees before closing
+                    self._send()
                     return
                 for c in commands:
                     self._apply(c)
@@ -131,9 +127,12 @@ class EngineLoop:
                     self._step()
                 if commands:
                     self._on_step(self.engine)
+                self._send()
                 if self.failed is None and self.engine.has_unfinished_requests():
                     self._step()
+                    self._send()
         finally:
+            self._send()  # nothing produced is kept back, even when the loop broke
             self.num_inflight = 0
             try:
                 self.engine.close()
@@ -172,7 +171,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             log.exception("aborting %s failed", rid)
         self._on_abort(reason)
-        deliver(Aborted(rid, reason, message))
+        self._outbox.append((deliver, Aborted(rid, reason, message)))
 
     def _abort_all(self, reason: str, message: str = "") -> None:
         for rid in list(self._inflight):
@@ -197,13 +196,21 @@ class EngineLoop:
                 self.num_inflight = len(self._inflight)
                 if out.error is not None:  # it alone failed inside the step
                     self._on_abort("error")
-                    deliver(Aborted(out.request_id, "error", f"request failed: {out.error}"))
+                    self._outbox.append((deliver, Aborted(out.request_id, "error",
+                                                          f"request failed: {out.error}")))
                     continue
                 self._on_finish(out)
-            deliver(out)
+            self._outbox.append((deliver, out))
         self._on_step(self.engine)
         log.debug("step %d: %d outputs in %.3f s", self.steps, len(outputs),
                   time.perf_counter() - t0)
+
+
+    def _send(self) -> None:
+        """Hand out what the last step or command batch produced (its hooks have run)."""
+        out, self._outbox = self._outbox, []
+        for deliver, item in out:
+            deliver(item)
 
 
 def _use_engine_device(engine: Any) -> None:

@@ -15,37 +15,38 @@ The compatibility policy (README "Compatibility"), field by field:
   supported (suffix, best_of other than n, ...).
 - unknown fields: a 400 too. Almost every field a client sends shapes the output, so a
   typo (``max_token``, ``temprature``) ignored silently would change behaviour; the
-  fields known to be harmless are listed above instead.
-A wrong JSON type (``"max_tokens": "5"``) is a 400 naming the field. Limits that depend on
-the server (``--max-logprobs``, ``--max-n``) and the model (context) are checked here too,
-before anything reaches the engine.
+  fields known to be harmless are listed above instead (strict.py).
+
+A request becomes the engine's SamplingParams in one pass (``to_sampling_params``, as
+vLLM's request models do it): the limits of the server and the model (limits.py) and
+SamplingParams' own ranges are each checked once, there, and an error carries the field the
+client sent (SamplingParamsError's ``param``, renamed to the request's vocabulary).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import Field, PrivateAttr
 
 from engine.server import tools
-from engine.server.errors import APIError, bad_request
+from engine.server.chat_prompt import ChatPrompt
+from engine.server.errors import bad_request
+from engine.server.limits import Limits
+from engine.server.strict import Strict
 from engine.structured import StructuredOutputsParams
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    def unsupported(self) -> None:
-        """Refuse valid-typed values the server cannot honour (a 400 naming the field)."""
+if TYPE_CHECKING:  # engine.sampling imports torch; the router reads requests without it
+    from engine.sampling import SamplingParams
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk (guidellm sends it)
     include_obfuscation: bool | None = None  # OpenAI: padding against side channels; ignored
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     """OpenAI's ``response_format.json_schema``."""
 
     name: str
@@ -54,12 +55,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None  # kvscope always holds the output to the schema
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     """OpenAI's ``tools[].function``."""
 
     name: str = Field(min_length=1)
@@ -68,21 +69,21 @@ class FunctionDef(_Strict):
     strict: bool | None = None  # kvscope always holds the arguments to the schema
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's ``structured_outputs`` request field (one constraint)."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -97,7 +98,7 @@ IGNORED = ("user", "store", "metadata", "service_tier", "reasoning_effort",
            "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -138,12 +139,20 @@ class _Sampling(_Strict):
     prompt_logprobs: int | None = None
     # the Responses API's max_tool_calls (responses_protocol.py); chat has no such field
     _max_tool_calls: int | None = PrivateAttr(default=None)
+    # read once, when the request is checked (``unsupported``, which ``parse`` calls)
+    _checked: bool = PrivateAttr(default=False)
+    _biases: dict[int, float] | None = PrivateAttr(default=None)
+    _constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
+    # the field a 400 about the prompt names; SamplingParams' names the request calls
+    # otherwise (to_sampling_params)
+    PROMPT_FIELD: ClassVar[str] = "prompt"
+    RENAMED: ClassVar[dict[str, str]] = {}
 
     def unsupported(self) -> None:
-        """Refuse values the engine cannot honour rather than ignore them."""
-        if self.n < 1:
-            raise bad_request(f"'n' must be >= 1, got {self.n}", "n")
-        self.token_biases()  # keys that are not token ids: a 400 here
+        """Refuse values the engine cannot honour rather than ignore them; read the logit
+        biases and the output constraint (a malformed one is a 400 here, before the
+        tokenizer)."""
+        self._biases = self._token_biases()
         if self.functions:  # OpenAI's deprecated form; an empty list offers nothing
             raise bad_request("'functions' is not supported by kvscope; use 'tools'",
                               "functions")
@@ -151,7 +160,8 @@ class _Sampling(_Strict):
             raise bad_request("'function_call' is not supported by kvscope; use "
                               "'tool_choice'", "function_call")
         self.check_tools()
-        self.structured()  # a malformed constraint is a 400 here, before the tokenizer
+        self._constraint = self._structured()
+        self._checked = True
 
     def check_tools(self) -> None:
         """Completions call no tools: only an empty list, or tool_choice "none"."""
@@ -165,10 +175,18 @@ class _Sampling(_Strict):
         """"required" or {"name": f} when the answer is a tool call, else None."""
         return None
 
-    def structured(self) -> StructuredOutputsParams | None:
+    @property
+    def structured_field(self) -> str:
+        """The field the output constraint came from (a 400 about it names this one)."""
+        if self.tool_choice_made is not None:
+            return "tools"
+        return "structured_outputs" if self.structured_outputs is not None \
+            else "response_format"
+
+    def _structured(self) -> StructuredOutputsParams | None:
         """The output constraint: OpenAI's ``response_format`` (json_object, json_schema) or
         vLLM's ``structured_outputs``; None for plain text. Whether it compiles against the
-        model's tokenizer is checked by the handler (``compile_grammar``)."""
+        model's tokenizer is the server's check (``StructuredOutputsParams.compile``)."""
         fmt, vllm = self.response_format, self.structured_outputs
         wants_format = fmt is not None and fmt.type != "text"
         choice = self.tool_choice_made
@@ -202,30 +220,7 @@ class _Sampling(_Strict):
                               else "structured_outputs") from None
         return None
 
-    def check_limits(self, max_logprobs: int, vocab_size: int) -> None:
-        """Server and model limits of the sampling fields (each a 400 naming its field)."""
-        for name, value in self.logprob_counts().items():
-            if value is not None and not 0 <= value <= max_logprobs:
-                raise bad_request(f"'{name}' must be in [0, {max_logprobs}] on this server "
-                                  f"(--max-logprobs), got {value}", name)
-        if self.top_k is not None and self.top_k < -1:
-            raise bad_request(f"'top_k' must be -1, 0 (disabled) or >= 1, got {self.top_k}",
-                              "top_k")
-        biases = self.token_biases()
-        if biases and not all(0 <= t < vocab_size for t in biases):
-            raise bad_request(f"'logit_bias' token ids must lie in [0, {vocab_size})",
-                              "logit_bias")
-        if self.stop_token_ids and not all(0 <= t < vocab_size for t in self.stop_token_ids):
-            raise bad_request(f"'stop_token_ids' must lie in [0, {vocab_size})",
-                              "stop_token_ids")
-        if self.min_tokens is not None and self.min_tokens < 0:
-            raise bad_request(f"'min_tokens' must be >= 0, got {self.min_tokens}",
-                              "min_tokens")
-
-    def logprob_counts(self) -> dict[str, int | None]:
-        return {"prompt_logprobs": self.prompt_logprobs}
-
-    def token_biases(self) -> dict[int, float] | None:
+    def _token_biases(self) -> dict[int, float] | None:
         """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) by token id."""
         if not self.logit_bias:
             return None
@@ -234,10 +229,38 @@ class _Sampling(_Strict):
         except ValueError:
             raise bad_request("'logit_bias' keys must be token ids", "logit_bias") from None
 
-    def sampling_kwargs(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> dict[str, Any]:
-        """SamplingParams keyword arguments (OpenAI defaults: temperature 1, top_p 1)."""
-        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens}
+    # ------------------------------------------------ what each endpoint says its own way
+    def logprob_counts(self) -> dict[str, int | None]:
+        """The request's logprob fields by name (the server's --max-logprobs caps each)."""
+        return {"prompt_logprobs": self.prompt_logprobs}
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) as SamplingParams takes them."""
+        raise NotImplementedError
+
+    def budget(self) -> tuple[int | None, str]:
+        """The completion budget asked for (None: the rest of the context) and its field."""
+        raise NotImplementedError
+
+    def to_sampling_params(self, prompt_len: int, limits: Limits) -> SamplingParams:
+        """The engine's parameters for this request's prompt of ``prompt_len`` tokens, in
+        one pass: the server's and the model's limits (``limits``) and SamplingParams' own
+        ranges, each checked once, here; a value out of range is a 400 naming the field the
+        client sent. OpenAI's defaults (temperature 1, top_p 1) are SamplingParams'. A
+        response that is not streamed is built from each request's last output only, so
+        the engine is asked for that one (no per-step copy of the tokens, no per-step
+        delivery)."""
+        from engine.sampling import RequestOutputKind, SamplingParams, SamplingParamsError
+
+        assert self._checked, "a request is checked (strict.parse) before its parameters"
+        limits.check_logprobs(self.logprob_counts())
+        asked, budget_field = self.budget()
+        max_tokens = limits.budget(asked, prompt_len, budget_field, self.PROMPT_FIELD)
+        logprobs, prompt_logprobs = self.engine_logprobs()
+        kw: dict[str, Any] = {
+            "n": self.n, "max_tokens": max_tokens,
+            "output_kind": RequestOutputKind.CUMULATIVE if self.stream
+            else RequestOutputKind.FINAL_ONLY}
         if self.min_tokens is not None:  # never past the budget the context leaves
             kw["min_tokens"] = min(self.min_tokens, max_tokens)
         optional = {"temperature": self.temperature, "top_p": self.top_p, "stop": self.stop,
@@ -249,10 +272,16 @@ class _Sampling(_Strict):
                     "presence_penalty": self.presence_penalty,
                     "frequency_penalty": self.frequency_penalty,
                     "repetition_penalty": self.repetition_penalty,
-                    "logit_bias": self.token_biases(),
-                    "structured_outputs": self.structured()}
+                    "logit_bias": self._biases, "structured_outputs": self._constraint}
         kw.update({k: v for k, v in optional.items() if v is not None})
-        return kw
+        try:
+            params = SamplingParams(**kw)
+            params.check_vocabulary(limits.vocab_size)
+        except SamplingParamsError as e:
+            name = budget_field if e.param == "max_tokens" else \
+                self.RENAMED.get(e.param, e.param)
+            raise bad_request(f"'{name}' {e.problem}", name) from None
+        return params
 
     @property
     def include_usage(self) -> bool:
@@ -282,11 +311,19 @@ class CompletionRequest(_Sampling):
         """``max_tokens: 0`` with ``echo``: score the prompt, generate nothing."""
         return self.echo and self.max_tokens == 0
 
-    def engine_prompt_logprobs(self) -> int | None:
-        """Prompt logprobs the engine computes: vLLM's field, or ``logprobs`` for echo."""
+    def budget(self) -> tuple[int | None, str]:
+        # max_tokens 0 with echo scores the prompt only: generate one token and drop it
+        # (vLLM does the same; that token comes with the prefill, at no extra step)
+        return (1 if self.prompt_only else self.max_tokens), "max_tokens"
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        """Prompt logprobs the engine computes: vLLM's field, or ``logprobs`` for echo (a
+        negative prompt_logprobs is passed on, for SamplingParams to refuse by name)."""
         wanted = [k for k in (self.prompt_logprobs,
                               self.logprobs if self.echo else None) if k is not None]
-        return max(wanted) if wanted else None
+        prompt = None if not wanted else self.prompt_logprobs \
+            if self.prompt_logprobs is not None and self.prompt_logprobs < 0 else max(wanted)
+        return self.logprobs, prompt
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -318,112 +355,25 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class OtherPart(BaseModel):
-    """A content part of another type (image_url, input_audio, file, ...): parsed only to be
-    refused by name in ``ChatCompletionRequest.unsupported``."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | OtherPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message answers this call
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content if isinstance(part, TextPart))
-
-
-class ChatPrompt(_Strict):
-    """A conversation and how it becomes a prompt: chat completions and /tokenize's chat
-    form. vLLM's chat-template extras: end the prompt with the assistant's turn header
-    (the default), or continue the final message as written (an assistant prefill)."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    # vLLM's: more variables for the template (e.g. Qwen3's {"enable_thinking": false})
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def unsupported(self) -> None:
-        for i, m in enumerate(self.messages):
-            for part in m.content if isinstance(m.content, list) else ():
-                if isinstance(part, OtherPart):
-                    raise bad_request(f"messages[{i}].content: parts of type '{part.type}' are "
-                                      "not supported by kvscope (text only)", "messages")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("'continue_final_message' needs 'add_generation_prompt': false "
-                              "(the final message is continued, no new turn is opened)",
-                              "continue_final_message")
-        taken = set(self.chat_template_kwargs or ()) & _TEMPLATE_OWN
-        if taken:
-            raise bad_request(f"chat_template_kwargs may not set {sorted(taken)} (the "
-                              "request's own fields say those)", "chat_template_kwargs")
-        if self.continue_final_message and not self.messages[-1].text():
-            raise bad_request("'continue_final_message' needs a final message with text",
-                              "continue_final_message")
-
-    def conversation(self) -> list[dict[str, Any]]:
-        # "developer" is OpenAI's newer name for the system role.
-        out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                       "content": m.text()}
-            if m.tool_calls:
-                message["tool_calls"] = m.tool_calls
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            out.append(tools.template_message(message))
-        return out
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools shown to the model through the chat template (None: no tools)."""
-        return None
-
-    def prompt_text(self, tokenizer: Any) -> str:
-        """The conversation through the model's chat template, as the engine's prompt.
-        With ``continue_final_message`` the text ends where the final message's content
-        does (its end-of-turn markup cut off), as transformers and vLLM do it: a marker
-        appended to the content is rendered and cut at, and when the template trims the
-        content (the marker's trailing space is gone) the cut is trimmed too. Template
-        errors raise ValueError."""
-        conv = self.conversation()
-        if self.continue_final_message:
-            conv[-1]["content"] += _CONTINUE_MARK
-        shown = self.template_tools()
-        text = tokenizer.apply_chat_template(conv, add_generation_prompt=self.add_generation_prompt,
-                                             **(self.chat_template_kwargs or {}),
-                                             **({"tools": shown} if shown else {}))
-        if not self.continue_final_message:
-            return text
-        at = text.rfind(_CONTINUE_MARK.rstrip())
-        if at < 0:
-            raise ValueError("the chat template drops the final message's text, so it cannot "
-                             "be continued")
-        trimmed = not text.startswith(_CONTINUE_MARK, at)
-        return text[:at].rstrip() if trimmed else text[:at]
-
-
 class ChatCompletionRequest(_Sampling, ChatPrompt):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    PROMPT_FIELD: ClassVar[str] = "messages"
+    RENAMED: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
     def logprob_counts(self) -> dict[str, int | None]:
         return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    def budget(self) -> tuple[int | None, str]:
+        if self.max_tokens is not None:
+            return self.max_tokens, "max_tokens"
+        return self.max_completion_tokens, "max_completion_tokens"
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        return ((self.top_logprobs or 0) if self.logprobs else None), None
 
     def check_tools(self) -> None:
         choice = self.tool_choice
@@ -465,9 +415,12 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
         if self.prompt_logprobs is not None:
             raise bad_request("'prompt_logprobs' on chat is not supported by kvscope; use "
                               "/v1/completions", "prompt_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise bad_request("give max_tokens or max_completion_tokens, not both",
+                              "max_completion_tokens")
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(Strict):
     """vLLM's POST /tokenize, text form."""
 
     model: str | None = None
@@ -484,71 +437,8 @@ class TokenizeChatRequest(ChatPrompt):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """vLLM's POST /detokenize."""
 
     model: str | None = None
     tokens: list[int]
-
-
-# vLLM's removed guided-decoding fields: refused like any unknown field, saying where they went
-_RENAMED = {f"guided_{k}": f"vLLM's old name; send \"structured_outputs\": {{\"{k}\": ...}}"
-            for k in ("json", "regex", "choice", "grammar")}
-
-
-# template variables the request's own fields set (chat_template_kwargs may not)
-_TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
-                 "tokenize"}
-
-# appended to a message to be continued, to find where its content ends once rendered
-_CONTINUE_MARK = "KVSCOPE_CONTINUE_FINAL_MESSAGE "
-
-
-def parse(model: type[_Strict], body: bytes) -> Any:
-    """Validate a JSON body; any problem becomes a 400 naming the offending field."""
-    try:
-        req = model.model_validate_json(body)
-    except ValidationError as e:
-        raise refusal(e) from None
-    req.unsupported()
-    return req
-
-
-def refusal(e: ValidationError) -> APIError:
-    """A validation error as the 400 that names its field."""
-    err = e.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return bad_request(f"malformed JSON body: {err['msg']}", code="invalid_json")
-    loc = [str(p) for p in err["loc"] if isinstance(p, (str, int))]
-    param = loc[0] if loc else None
-    if err["type"] == "extra_forbidden":
-        hint = _RENAMED.get(".".join(loc))
-        return bad_request(f"unrecognized request argument '{'.'.join(loc)}'"
-                           + (f" ({hint})" if hint else ""), param)
-    if err["type"] == "missing":
-        return bad_request(f"missing required argument '{'.'.join(loc)}'", param)
-    return bad_request(f"invalid '{param}': {err['msg']}"
-                       + (f" (at {'.'.join(loc)})" if len(loc) > 1 else ""), param)
-
-
-def check_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int,
-                     param: str, prompt_param: str = "prompt") -> int:
-    """The completion budget; None means "the rest of the context", as vLLM does.
-    Refuses a prompt that leaves no room and a budget past the context (OpenAI's 400).
-    (``max_tokens: 0`` with echo is mapped to 1 by the caller, as vLLM does.)"""
-    if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
-                       f"the prompt has {prompt_len} (at least one must be generated).",
-                       param=prompt_param,
-                       code="context_length_exceeded")
-    room = max_model_len - prompt_len
-    if max_tokens is None:
-        return room
-    if max_tokens < 1:
-        raise bad_request(f"'{param}' must be >= 1, got {max_tokens}", param)
-    if max_tokens > room:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                       f"However, you requested {prompt_len + max_tokens} tokens "
-                       f"({prompt_len} in the prompt, {max_tokens} in the completion).",
-                       param=param, code="context_length_exceeded")
-    return max_tokens

@@ -28,7 +28,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.server.errors import APIError, bad_request
-from engine.server.protocol import ChatCompletionRequest, _Strict
+from engine.server.protocol import ChatCompletionRequest
+from engine.server.strict import Strict
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -45,7 +46,7 @@ class _Other(BaseModel):
     type: str
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     # output_text: an earlier answer sent back as input (with what the server sent along)
     type: Literal["input_text", "output_text"]
     text: str
@@ -68,7 +69,7 @@ def _text(content: Content) -> str:
     return "".join(p.text for p in content if isinstance(p, TextPart))
 
 
-class MessageItem(_Strict):
+class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
@@ -78,7 +79,7 @@ class MessageItem(_Strict):
     phase: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(Strict):
     """An earlier call of one of the tools (sent back with its output)."""
 
     type: Literal["function_call"]
@@ -89,7 +90,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(Strict):
     type: Literal["function_call_output"]
     call_id: str
     output: Content
@@ -111,7 +112,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")]
                       | Annotated[_Other, Tag("other")], Discriminator(_item_kind)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     """The Responses API's flat function tool."""
 
     type: Literal["function"]
@@ -130,12 +131,12 @@ AnyTool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[_Other,
                     Discriminator(_tool_kind)]
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(Strict):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None  # json_schema's
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -143,16 +144,16 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_obfuscation: bool | None = None  # padding against side channels; ignored
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None

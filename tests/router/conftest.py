@@ -23,8 +23,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # the fleet view test dra
 import httpx
 import pytest
 
+from tests.server.doubles import HANG_S
+
 REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 180
+START_TIMEOUT_S = HANG_S
 REPLICA_ARGS = ("--num-gpu-blocks", "64", "--max-model-len", "1024", "--max-num-seqs", "4")
 
 
@@ -39,7 +41,7 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            self.proc.wait(60)
+            self.proc.wait(HANG_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -130,9 +132,10 @@ class Cluster:
         return int(name.removeprefix("r"))
 
     def status(self) -> dict:
-        return httpx.get(self.router.url + "/router/replicas", timeout=10).json()
+        return httpx.get(self.router.url + "/router/replicas", timeout=HANG_S).json()
 
-    def wait_for(self, pred, timeout: float = 60.0) -> dict:  # noqa: ANN001
+    def wait_for(self, pred, timeout: float = HANG_S) -> dict:  # noqa: ANN001
+        """The replicas' status once ``pred`` holds for it (or at the hang guard)."""
         end = time.monotonic() + timeout
         while True:
             st = self.status()

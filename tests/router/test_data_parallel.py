@@ -16,6 +16,7 @@ import pytest
 
 from tests.model.tiny_models import save_hf, tiny_hf_model
 from tests.router.conftest import launch, wait_ready
+from tests.server.doubles import HANG_S
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def test_serve_data_parallel_starts_routes_restarts_and_stops(tiny_dir: Path) ->
         assert "2 replicas" in line and "CPU thread" in line
         served = set()
         for k in range(4):
-            r = httpx.post(front.url + "/v1/completions", timeout=60,
+            r = httpx.post(front.url + "/v1/completions", timeout=HANG_S,
                            json={"prompt": [5, 6, 7, k], "max_tokens": 2})
             assert r.status_code == 200, r.text
             served.add(r.headers["x-kvscope-replica"])
@@ -48,16 +49,16 @@ def test_serve_data_parallel_starts_routes_restarts_and_stops(tiny_dir: Path) ->
         kids = _children(front.proc.pid)
         assert len(kids) == 2
         os.kill(kids[0], signal.SIGKILL)
-        end = time.monotonic() + 60
+        end = time.monotonic() + HANG_S
         while time.monotonic() < end:
-            st = httpx.get(front.url + "/router/replicas", timeout=10).json()["replicas"]
+            st = httpx.get(front.url + "/router/replicas", timeout=HANG_S).json()["replicas"]
             if all(r["in_rotation"] for r in st) and sum(r["restarts"] for r in st) == 1:
                 break
             time.sleep(0.2)
         assert all(r["in_rotation"] for r in st) and sum(r["restarts"] for r in st) == 1, st
         assert any("restarting it" in ln for ln in front.lines)
         front.proc.send_signal(signal.SIGTERM)
-        assert front.proc.wait(60) == 0
+        assert front.proc.wait(HANG_S) == 0
         assert _children(front.proc.pid) == []
     finally:
         front.stop(signal.SIGKILL)

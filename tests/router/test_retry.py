@@ -16,6 +16,7 @@ import pytest
 from engine.router.app import Router, create_app
 from engine.router.policy import Policy
 from engine.router.replica import Replica
+from tests.server.doubles import HANG_S
 
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
           "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
@@ -192,7 +193,7 @@ def test_a_request_cancelled_while_waiting_for_the_first_chunk_is_released():
         async with client:
             task = asyncio.create_task(client.post("/v1/completions", json={**BODY,
                                                                              "stream": True}))
-            await asyncio.wait_for(started.wait(), 5)
+            await asyncio.wait_for(started.wait(), HANG_S)
             assert router.replicas[0].in_flight == 1
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -262,7 +263,7 @@ def test_a_client_that_leaves_releases_its_replica(stream: bool, headers_first: 
     async def go() -> None:
         await router.start()
         try:
-            await asyncio.wait_for(app(scope, receive, send), 10)
+            await asyncio.wait_for(app(scope, receive, send), HANG_S)
         finally:
             await router.close()
 

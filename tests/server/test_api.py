@@ -1,25 +1,23 @@
-"""The OpenAI-compatible endpoints of a real daemon, through the `openai` client and plain
-HTTP: completions and chat, streaming and not, usage with cached tokens, /v1/models,
-/health and a /metrics page that prometheus-client parses."""
+"""The OpenAI-compatible endpoints over the real engine (in process, through ASGI), through
+the `openai` client and plain HTTP: completions and chat, streaming and not, usage with
+cached tokens, /v1/models, /health and a /metrics page that prometheus-client parses."""
 
 from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import Daemon
+from tests.server.asgi import InProcess
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+def client(served: InProcess) -> openai.OpenAI:
+    return served.openai()
 
 
 def test_chat_non_streaming_answers(client: openai.OpenAI) -> None:
@@ -59,9 +57,9 @@ def test_chat_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
         (usage.prompt_tokens - 1) // block * block
 
 
-def test_completion_plain_http_and_openai_client(daemon: Daemon,
+def test_completion_plain_http_and_openai_client(served: InProcess,
                                                  client: openai.OpenAI) -> None:
-    r = httpx.post(daemon.url + "/v1/completions", timeout=120, json={
+    r = served.http.post("/v1/completions", json={
         "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200
     body = r.json()
@@ -74,8 +72,8 @@ def test_completion_plain_http_and_openai_client(daemon: Daemon,
     assert c.choices[0].text == body["choices"][0]["text"]
 
 
-def test_completion_stream_sse_format_and_logprobs(daemon: Daemon) -> None:
-    with httpx.stream("POST", daemon.url + "/v1/completions", timeout=120, json={
+def test_completion_stream_sse_format_and_logprobs(served: InProcess) -> None:
+    with served.http.stream("POST", "/v1/completions", json={
             "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
             "stream": True, "logprobs": 2}) as r:
         assert r.status_code == 200
@@ -91,15 +89,15 @@ def test_completion_stream_sse_format_and_logprobs(daemon: Daemon) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     # text offsets run on across chunks and equal the non-streamed response's
     offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
-    whole = httpx.post(daemon.url + "/v1/completions", timeout=120, json={
+    whole = served.http.post("/v1/completions", json={
         "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
         "logprobs": 2}).json()["choices"][0]["logprobs"]
     assert whole["tokens"] == tokens and whole["text_offset"] == offsets
     assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
 
 
-def test_batch_prompts_n_and_stop(daemon: Daemon) -> None:
-    r = httpx.post(daemon.url + "/v1/completions", timeout=120, json={
+def test_batch_prompts_n_and_stop(served: InProcess) -> None:
+    r = served.http.post("/v1/completions", json={
         "prompt": ["One, two,", "Red, green,"], "n": 2, "max_tokens": 3, "temperature": 0.8,
         "seed": 1})
     assert r.status_code == 200, r.text
@@ -107,19 +105,19 @@ def test_batch_prompts_n_and_stop(daemon: Daemon) -> None:
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert all(c["finish_reason"] in ("stop", "length") for c in choices)
     assert 4 <= r.json()["usage"]["completion_tokens"] <= 12
-    s = httpx.post(daemon.url + "/v1/completions", timeout=120, json={
+    s = served.http.post("/v1/completions", json={
         "prompt": "Count: 1, 2, 3,", "max_tokens": 8, "temperature": 0, "stop": [" 5"]})
     text = s.json()["choices"][0]
     assert text["finish_reason"] == "stop" and " 5" not in text["text"] and "4" in text["text"]
 
 
-def test_models_health_metrics(daemon: Daemon) -> None:
+def test_models_health_metrics(served: InProcess) -> None:
     """Runs after the tests above (file order): their repeated prompts made prefix hits."""
-    models = httpx.get(daemon.url + "/v1/models").json()
+    models = served.http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["smollm2"]
     assert models["data"][0]["max_model_len"] == 2048
-    assert httpx.get(daemon.url + "/health").json()["status"] == "ok"
-    text = httpx.get(daemon.url + "/metrics").text
+    assert served.http.get("/health").json()["status"] == "ok"
+    text = served.http.get("/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("kvscope:kv_cache_usage_perc", "kvscope:prefix_cache_queries",
                  "kvscope:prefix_cache_hits", "kvscope:num_preemptions",
@@ -137,8 +135,8 @@ def test_models_health_metrics(daemon: Daemon) -> None:
     assert values["kvscope:num_requests_running"] == 0
 
 
-def test_chat_stream_n2_indexes_and_chat_logprobs(daemon: Daemon) -> None:
-    with httpx.stream("POST", daemon.url + "/v1/chat/completions", timeout=120, json={
+def test_chat_stream_n2_indexes_and_chat_logprobs(served: InProcess) -> None:
+    with served.http.stream("POST", "/v1/chat/completions", json={
             "messages": QUESTION, "max_tokens": 2, "n": 2, "temperature": 1.0, "seed": 7,
             "stream": True, "logprobs": True, "top_logprobs": 1}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines()

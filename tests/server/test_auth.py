@@ -1,43 +1,30 @@
 """--api-key / KVSCOPE_API_KEY: /v1/* needs the bearer token (401 otherwise, checked
-before anything else); /health and /metrics stay open. In-process app, no model: the
-check happens before a request reaches the engine."""
+before anything else); /health and /metrics stay open. In-process app over a simulated
+engine: the check happens before a request reaches the engine, which records none."""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from engine.cli import build_parser
-from engine.server.app import ServerSettings, ServerState, create_app
-from engine.server.metrics import ServerMetrics
+from tests.server.asgi import InProcess, serve_double
+from tests.server.doubles import SimulatedEngine
 
 
-class _IdleLoop:
-    """Stands in for EngineLoop: alive, nothing in flight; never given a request here."""
-
-    failed = None
-    alive = True
-    num_inflight = 0
-
-    def submit(self, *a, **k):  # pragma: no cover - must never be reached
-        raise AssertionError("an unauthorized request reached the engine")
+@pytest.fixture
+def keyed() -> Iterator[InProcess]:
+    s = serve_double(SimulatedEngine(), api_key="s3cret")
+    yield s
+    s.close()
 
 
-def _state(key: str | None) -> ServerState:
-    return ServerState(loop=_IdleLoop(), metrics=ServerMetrics("smollm2"),
-                       settings=ServerSettings(api_key=key), tokenizer=None,
-                       max_model_len=2048, vocab_size=49152)
-
-
-def _get(state: ServerState, method: str, path: str, **kw) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=create_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return await c.request(method, path, **kw)
-
-    return asyncio.run(go())
+@pytest.fixture
+def open_server() -> Iterator[InProcess]:
+    s = serve_double(SimulatedEngine())
+    yield s
+    s.close()
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
@@ -46,28 +33,29 @@ def _get(state: ServerState, method: str, path: str, **kw) -> httpx.Response:
 @pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"),
                                               ("POST", "/v1/completions"),
                                               ("POST", "/v1/chat/completions")])
-def test_missing_or_wrong_key_is_401(headers: dict, method: str, path: str) -> None:
-    r = _get(_state("s3cret"), method, path, headers=headers, json={"prompt": "x"})
+def test_missing_or_wrong_key_is_401(keyed: InProcess, headers: dict, method: str,
+                                     path: str) -> None:
+    r = keyed.http.request(method, path, headers=headers, json={"prompt": "x"})
     assert r.status_code == 401
     err = r.json()["error"]
     assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+    assert keyed.state.engine.submitted == []  # nothing reached the engine
 
 
-def test_right_key_passes_and_open_endpoints() -> None:
-    state = _state("s3cret")
-    r = _get(state, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})
+def test_right_key_passes_and_open_endpoints(keyed: InProcess, open_server: InProcess) -> None:
+    r = keyed.http.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "smollm2"
-    assert _get(state, "GET", "/health").status_code == 200
-    assert _get(state, "GET", "/metrics").status_code == 200
-    assert _get(_state(None), "GET", "/v1/models").status_code == 200  # no key configured
+    assert keyed.http.get("/health").status_code == 200
+    assert keyed.http.get("/metrics").status_code == 200
+    assert open_server.http.get("/v1/models").status_code == 200  # no key configured
 
 
-def test_draining_refuses_with_503() -> None:
-    state = _state(None)
-    state.draining = True
-    r = _get(state, "POST", "/v1/completions", json={"prompt": "x"})
+def test_draining_refuses_with_503(open_server: InProcess) -> None:
+    open_server.state.draining = True
+    r = open_server.http.post("/v1/completions", json={"prompt": [1, 2]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
-    assert _get(state, "GET", "/health").status_code == 503
+    assert open_server.http.get("/health").status_code == 503
+    assert open_server.state.engine.submitted == []
 
 
 def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

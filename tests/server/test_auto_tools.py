@@ -6,8 +6,6 @@ tools; an answer without calls is content; a server without a parser refuses "au
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 from typing import Any
 
@@ -15,10 +13,8 @@ import httpx
 import openai
 import pytest
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import RequestOutputKind
-from engine.server.app import ServerSettings, ServerState, create_app
-from engine.server.metrics import ServerMetrics
+from tests.server.asgi import serve_double
+from tests.server.doubles import CharTokenizer, SimulatedEngine
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -27,64 +23,15 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-class _CharTokenizer:
-    """One token per character; the template writes the tools it is given into the prompt
-    (as a tool-aware chat template does), so a test can see what the model was shown."""
-
-    def apply_chat_template(self, conv: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None) -> str:
-        head = f"<tools>{json.dumps(tools)}</tools>\n" if tools else ""
-        return head + "".join(f"<{m['role']}>{m['content']}\n" for m in conv) + "<assistant>"
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % 1000 for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-class _ScriptedLoop:
-    """Stands in for EngineLoop: every request's answer is ``pieces`` (joined), delivered
-    piece by piece when streamed, ending with ``finish_reason``."""
-
-    failed = None
-    alive = True
-    num_inflight = 0
-
-    def __init__(self) -> None:
-        self.pieces: list[str] = []
-        self.finish_reason = "stop"
-        self.prompts: list[list[int]] = []
-
-    def submit(self, rid: str, prompt: dict, params: Any, deliver: Any
-               ) -> concurrent.futures.Future:
-        ids = prompt["prompt_token_ids"]
-        self.prompts.append(ids)
-        text = ""
-        for k, piece in enumerate(self.pieces):
-            text += piece
-            last = k == len(self.pieces) - 1
-            if last or params.output_kind == RequestOutputKind.CUMULATIVE:
-                c = CompletionOutput(0, text, list(range(k + 1)), None, None,
-                                     self.finish_reason if last else None)
-                deliver(RequestOutput(rid, None, ids, [c], last))
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        fut.set_result(None)
-        return fut
-
-    def abort(self, rid: str, reason: str = "client") -> None:
-        pass
-
-
-def _run(parser: str | None, pieces: list[str], call: Any) -> tuple[Any, _ScriptedLoop]:
-    loop = _ScriptedLoop()
-    loop.pieces = pieces
-    state = ServerState(loop=loop, metrics=ServerMetrics("m"),
-                        settings=ServerSettings(served_model_name="m", tool_parser=parser),
-                        tokenizer=_CharTokenizer(), max_model_len=4096, vocab_size=1000)
+def _run(parser: str | None, pieces: list[str], call: Any) -> tuple[Any, SimulatedEngine]:
+    """``call(client)`` with the official async client against the app, whose engine
+    answers ``pieces``; its result (a stream's chunks or events, as a list)."""
+    engine = SimulatedEngine(pieces)
+    served = serve_double(engine, tokenizer=CharTokenizer(), max_model_len=4096,
+                          vocab_size=1000, served_model_name="m", tool_parser=parser)
 
     async def go() -> Any:
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=served.app))
         async with openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", max_retries=0,
                                       http_client=http) as client:
             out = await call(client)
@@ -92,7 +39,10 @@ def _run(parser: str | None, pieces: list[str], call: Any) -> tuple[Any, _Script
                 return [x async for x in out]
             return out
 
-    return asyncio.run(go()), loop
+    try:
+        return served.run(go()), engine
+    finally:
+        served.close()
 
 
 def _chat(client, **kw):
@@ -109,14 +59,14 @@ def _pieces(text: str, n: int = 7) -> list[str]:
 
 def test_the_parser_reads_the_calls_out_of_a_chat_answer():
     answer = "Let me check.\n" + CALL
-    r, loop = _run("hermes", [answer], lambda c: _chat(c, max_tokens=100))
+    r, engine = _run("hermes", [answer], lambda c: _chat(c, max_tokens=100))
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check.\n"
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    assert "<tools>" in "".join(chr(i) for i in loop.prompts[0])  # the model saw the tools
+    assert "<tools>" in "".join(chr(i) for i in engine.submitted[0].prompt_token_ids)
 
 
 def test_streamed_chat_equals_unstreamed():

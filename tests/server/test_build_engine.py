@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from engine.server.daemon import build_engine
+from tests.server.doubles import HANG_S
 
 
 def test_builds_off_the_calling_thread_and_returns_the_engine():
@@ -51,7 +52,7 @@ def test_the_loaders_openmp_threads_end_with_it():
         before = tasks()
         build_engine(load, None)
         # the pool threads leave when the loader's OS thread ends, just after join returns
-        end = time.monotonic() + 10
+        end = time.monotonic() + 300  # a hang guard: they leave as the loader ends
         while tasks() > before and time.monotonic() < end:
             time.sleep(0.01)
         after_build = tasks()
@@ -59,7 +60,7 @@ def test_the_loaders_openmp_threads_end_with_it():
         print(before, after_build, tasks())
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env={"OMP_NUM_THREADS": "2", "PATH": ""})
+                          timeout=HANG_S, env={"OMP_NUM_THREADS": "2", "PATH": ""})
     assert done.returncode == 0, done.stderr
     before, after_build, after_main = map(int, done.stdout.split())
     assert after_main > before, "control failed: main-thread OpenMP work left no pool thread"

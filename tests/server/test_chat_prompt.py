@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine.server.errors import APIError
-from engine.server.protocol import ChatCompletionRequest, parse
+from engine.server.protocol import ChatCompletionRequest
+from engine.server.strict import parse
 
 
 class TrimmingTemplate:

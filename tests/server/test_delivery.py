@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 from engine.server.delivery import StepDelivery
+from tests.server.doubles import HANG_S
 
 
 def test_a_burst_is_one_wakeup_and_keeps_order():
@@ -27,12 +28,12 @@ def test_a_burst_is_one_wakeup_and_keeps_order():
         t = threading.Thread(target=engine_thread)
         t.start()
         t.join()  # the loop was busy here: the whole burst is pending
-        got = [[await asyncio.wait_for(q.get(), 5) for _ in range(3)] for q in queues]
+        got = [[await asyncio.wait_for(q.get(), HANG_S) for _ in range(3)] for q in queues]
         assert got == [[0, 1, 2]] * 4
         assert len(wakeups) == 1
         # the next burst schedules a new flush
         threading.Thread(target=lambda: delivers[0]("late")).start()
-        assert await asyncio.wait_for(queues[0].get(), 5) == "late"
+        assert await asyncio.wait_for(queues[0].get(), HANG_S) == "late"
         assert len(wakeups) == 2
 
     asyncio.run(main())

@@ -1,7 +1,8 @@
 """Fault isolation in the daemon (issue 19): limits are checked at the boundary (a 400
-naming the field, the daemon keeps serving); a request that breaks inside the engine
-step fails alone; a genuine engine fault makes the daemon exit non-zero after telling
-its clients, instead of living on answering 500."""
+naming the field, the server keeps serving: in process); a request that breaks inside
+the engine step fails alone; a genuine engine fault makes the daemon exit non-zero after
+telling its clients, instead of living on answering 500 (a real daemon with faults
+injected)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import threading
 import httpx
 import pytest
 
+from tests.server.asgi import InProcess
 from tests.server.conftest import SHARED, Daemon, start_daemon, stop_daemon
+from tests.server.doubles import HANG_S
 from tests.server.faulty_serve import KILLER_TOKEN, POISON_SEED
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -39,17 +42,17 @@ def faulty() -> Daemon:
     (CMPL, {"prompt": "x", "max_tokens": 1, "top_k": -5}, "top_k"),
     (CMPL, {"prompt": "x", "max_tokens": 2, "min_tokens": -1}, "min_tokens"),
 ])
-def test_limits_are_a_400_naming_the_field(faulty: Daemon, path, body, param):
-    r = httpx.post(faulty.url + path, content=json.dumps(body), timeout=60,
-                   headers={"content-type": "application/json"})
+def test_limits_are_a_400_naming_the_field(served: InProcess, path, body, param):
+    r = served.http.post(path, content=json.dumps(body),
+                         headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    assert httpx.get(faulty.url + "/health", timeout=30).json()["status"] == "ok"
+    assert served.http.get("/health").json()["status"] == "ok"
+    assert served.state.engine.num_inflight == 0  # nothing reached the engine
 
 
-def test_logprobs_at_the_limit_work(faulty: Daemon):
-    r = httpx.post(faulty.url + CMPL, json={"prompt": "x", "max_tokens": 2, "logprobs": 20},
-                   timeout=60)
+def test_logprobs_at_the_limit_work(served: InProcess):
+    r = served.http.post(CMPL, json={"prompt": "x", "max_tokens": 2, "logprobs": 20})
     assert r.status_code == 200, r.text
     assert all(len(t) == 20 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
 
@@ -58,7 +61,7 @@ def test_a_request_failing_in_the_step_fails_alone(faulty: Daemon):
     ok: dict = {}
 
     def stream() -> None:
-        with httpx.stream("POST", faulty.url + CMPL, timeout=120, json={
+        with httpx.stream("POST", faulty.url + CMPL, timeout=HANG_S, json={
                 "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
                 "temperature": 0, "stream": True}) as r:
             ok["status"] = r.status_code
@@ -66,25 +69,25 @@ def test_a_request_failing_in_the_step_fails_alone(faulty: Daemon):
 
     t = threading.Thread(target=stream)
     t.start()
-    bad = httpx.post(faulty.url + CMPL, timeout=60, json={
+    bad = httpx.post(faulty.url + CMPL, timeout=HANG_S, json={
         "prompt": "Once upon a time", "max_tokens": 8, "seed": POISON_SEED, "n": 2})
-    t.join(120)
+    t.join(HANG_S)
     assert bad.status_code == 500
     assert "injected per-request fault" in bad.json()["error"]["message"]
     assert ok["status"] == 200 and ok["lines"][-1] == "data: [DONE]"
     assert not any('"error"' in ln for ln in ok["lines"])
-    health = httpx.get(faulty.url + "/health", timeout=30).json()
+    health = httpx.get(faulty.url + "/health", timeout=HANG_S).json()
     assert health["status"] == "ok"
     m = faulty.wait_metric("kvscope:kv_cache_usage_perc", 0.0)
     assert m["kvscope:kv_cache_usage_perc"] == 0.0  # the failed request's blocks are free
-    after = httpx.post(faulty.url + CHAT, json={"messages": HI, "max_tokens": 2}, timeout=60)
+    after = httpx.post(faulty.url + CHAT, json={"messages": HI, "max_tokens": 2}, timeout=HANG_S)
     assert after.status_code == 200
 
 
 def test_an_engine_fault_exits_non_zero(faulty: Daemon):
     """Runs last in this module: it ends the daemon."""
     r = httpx.post(faulty.url + CMPL, json={"prompt": [1, KILLER_TOKEN, 2], "max_tokens": 2},
-                   timeout=60)
+                   timeout=HANG_S)
     assert r.status_code == 500
-    assert faulty.proc.wait(60) == 3
+    assert faulty.proc.wait(HANG_S) == 3
     assert "the engine failed" in faulty.output

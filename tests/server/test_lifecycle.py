@@ -1,8 +1,13 @@
 """Lifecycle of a real daemon with events and a recording: a client that disconnects
 mid-stream aborts its request and frees its blocks (seen in /metrics and as events in
 the recording); SIGTERM drains: new requests get 503, a short in-flight request
-finishes, a long one is aborted at the drain timeout, the process exits 0 and the
-recording is complete and readable."""
+finishes, a long one is aborted when a second signal cuts the drain short, the process
+exits 0 and the recording is complete and readable.
+
+Nothing here races the clock: the drain window is longer than any test may take, so the
+short request finishes by its token count (16 steps beside the long one's 4,000), and the
+second signal, sent once it has, decides when the long one ends. The window closing on
+requests still running is test_drain.py's (in process, over a simulated engine)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -18,9 +23,18 @@ import pytest
 
 from engine.events.wire.recording import Recording
 from tests.server.conftest import Daemon, start_daemon, stop_daemon
+from tests.server.doubles import HANG_S
 
 CHAT = "/v1/chat/completions"
-DRAIN_S = 6
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for something the daemon does (its HTTP answers are the events); HANG_S is a
+    hang guard, not a measure of speed."""
+    end = time.monotonic() + HANG_S
+    while not condition():
+        assert time.monotonic() < end, f"{what}: never happened"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +43,7 @@ def lifecycle(tmp_path_factory) -> Iterator[Daemon]:
     # room for a 4,000-token answer: the drain test's long request must not be able to
     # finish inside the drain window however fast decoding gets (470 tokens once did)
     d = start_daemon("--num-gpu-blocks", "300", "--max-model-len", "4500",
-                     "--events", "tcp://127.0.0.1:*", "--drain-timeout", str(DRAIN_S),
+                     "--events", "tcp://127.0.0.1:*", "--drain-timeout", str(HANG_S),
                      record=record)
     yield d
     stop_daemon(d)
@@ -41,7 +55,7 @@ def _stream_body(content: str, max_tokens: int) -> dict:
 
 
 def test_client_disconnect_aborts_and_frees_blocks(lifecycle: Daemon) -> None:
-    with httpx.stream("POST", lifecycle.url + CHAT, timeout=120,
+    with httpx.stream("POST", lifecycle.url + CHAT, timeout=HANG_S,
                       json=_stream_body("Tell me a very long story.", 400)) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -59,34 +73,40 @@ def test_client_disconnect_aborts_and_frees_blocks(lifecycle: Daemon) -> None:
 
 def test_sigterm_drains_and_recording_is_complete(lifecycle: Daemon) -> None:
     results: dict[str, list[str]] = {}
+    running = {"short": threading.Event(), "long": threading.Event()}
 
     def run(name: str, body: dict) -> None:
-        with httpx.stream("POST", lifecycle.url + CHAT, timeout=120, json=body) as r:
-            results[name] = [line for line in r.iter_lines() if line]
+        with httpx.stream("POST", lifecycle.url + CHAT, timeout=HANG_S, json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    running[name].set()  # its first chunk: it is in the engine
+            results[name] = lines
 
-    # 16 tokens: long enough that the poll below sees both requests in flight (with 2 the
-    # short one could finish between two polls once decode got faster), short enough to
-    # finish inside the drain window.
-    short = threading.Thread(target=run, args=("short", _stream_body("Say hi.", 16)))
+    def health() -> httpx.Response:
+        return httpx.get(lifecycle.url + "/health", timeout=HANG_S)
+
+    # The short request has 63 more steps to go when its first chunk is read, so the
+    # signal below finds it in flight; the long one could not finish in 60 times that.
+    short = threading.Thread(target=run, args=("short", _stream_body("Say hi.", 64)))
     long = threading.Thread(target=run, args=("long", _stream_body("Write an essay.", 4000)))
     long.start()
     short.start()
-    end = time.monotonic() + 120
-    while httpx.get(lifecycle.url + "/health").json().get("in_flight", 0) < 2:
-        assert time.monotonic() < end, "the two requests never arrived"
-        time.sleep(0.05)
-    t_signal = time.monotonic()
+    assert running["long"].wait(HANG_S) and running["short"].wait(HANG_S)
     lifecycle.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    refused = httpx.post(lifecycle.url + CHAT, timeout=10, json={
+    _until(lambda: health().status_code == 503, "the drain began")
+    refused = httpx.post(lifecycle.url + CHAT, timeout=HANG_S, json={
         "messages": [{"role": "user", "content": "late"}], "max_tokens": 1})
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "service_unavailable"
-    assert httpx.get(lifecycle.url + "/health").status_code == 503
-    assert lifecycle.proc.wait(DRAIN_S + 60) == 0
-    assert time.monotonic() - t_signal < DRAIN_S + 30
-    short.join(30)
-    long.join(30)
+    assert health().json() == {"status": "draining"}
+    short.join(HANG_S)  # it finishes inside the drain
+    assert "short" in results and "long" not in results
+    lifecycle.proc.send_signal(signal.SIGTERM)  # the second signal: abort what is left
+    assert lifecycle.proc.wait(HANG_S) == 0
+    long.join(HANG_S)
+    assert "draining 2 in-flight request(s)" in lifecycle.output
 
     # The short request finished normally; the long one got an error event, then [DONE].
     short_chunks = [json.loads(x[6:]) for x in results["short"][:-1]]

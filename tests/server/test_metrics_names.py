@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.server.metrics import ServerMetrics
+from tests.server.doubles import ScriptedLLMEngine
 
 LIST = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-metrics.json"
 
 
-def _fake_engine(busy: bool) -> SimpleNamespace:
-    cache = SimpleNamespace(metrics=lambda: {
-        "tiers": {"gpu": {"total": 100, "used": 25}}, "prefix_query_tokens": 40,
-        "prefix_hit_tokens": 16, "evictions": 3, "used_tokens": 350}, block_size=16)
-    return SimpleNamespace(stats={"running": 2, "waiting": 1, "decode_tokens": 2,
-                                  "preemptions": 1}, cache=cache,
-                           has_unfinished_requests=lambda: busy)
+def _busy_engine() -> ScriptedLLMEngine:
+    """An engine in the middle of its work, as /metrics reads it after a step."""
+    engine = ScriptedLLMEngine()
+    engine.add_request("r", {"prompt_token_ids": [1, 2]}, None)
+    engine.stats = {"running": 2, "waiting": 1, "decode_tokens": 2, "preemptions": 1}
+    engine.cache.figures = {"tiers": {"gpu": {"total": 100, "used": 25}},
+                            "prefix_query_tokens": 40, "prefix_hit_tokens": 16,
+                            "evictions": 3, "used_tokens": 350}
+    return engine
 
 
 def _families(m: ServerMetrics) -> dict:
@@ -32,8 +34,9 @@ def _families(m: ServerMetrics) -> dict:
 
 def test_vllm_prefix_matches_vllms_names_types_labels():
     m = ServerMetrics("smollm2", prefix="vllm")
-    m.on_step(_fake_engine(True))
-    m.on_step(_fake_engine(True))  # the second step observes inter-token latencies
+    engine = _busy_engine()
+    m.on_step(engine)
+    m.on_step(engine)  # the second step observes inter-token latencies
     fams = _families(m)
     for name, spec in json.loads(LIST.read_text())["metrics"].items():
         assert name in fams, name

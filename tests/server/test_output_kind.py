@@ -9,8 +9,9 @@ import json
 import pytest
 
 from engine.sampling import RequestOutputKind
-from engine.server.app import _params
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from engine.server.limits import Limits
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.strict import parse
 
 
 @pytest.mark.parametrize("stream, kind", [(False, RequestOutputKind.FINAL_ONLY),
@@ -22,4 +23,4 @@ def test_output_kind_follows_stream(stream, kind):
         {"model": "m", "messages": [{"role": "user", "content": "hi"}],
          "stream": stream}).encode())
     for req in (completion, chat):
-        assert _params(req, 8, None).output_kind is kind
+        assert req.to_sampling_params(8, Limits(2048, 49152)).output_kind is kind

@@ -3,18 +3,17 @@ equals the chat completion of the same conversation; streamed, the SDK's own str
 accumulator (which checks event order and item identities) rebuilds the same response;
 structured text, function calls, logprobs and max_output_tokens behave as OpenAI's; what
 kvscope cannot do (stored responses, hosted tools, images, tool_choice "auto") is a 400
-naming the field, and the daemon keeps serving."""
+naming the field, and the server keeps serving (the real engine, in process)."""
 
 from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.server.conftest import Daemon
+from tests.server.asgi import InProcess
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "additionalProperties": False,
@@ -26,16 +25,14 @@ ADD = {"type": "function", "name": "add",
 
 
 @pytest.fixture(scope="module")
-def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+def client(served: InProcess) -> openai.OpenAI:
+    return served.openai()
 
 
-def _events(daemon: Daemon, **body) -> list[dict]:
+def _events(served: InProcess, **body) -> list[dict]:
     """The raw SSE events of a streamed response (data lines, in order)."""
     out = []
-    with httpx.stream("POST", daemon.url + "/v1/responses", json={**body, "stream": True},
-                      timeout=120) as r:
+    with served.http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         kind = None
         for line in r.iter_lines():
@@ -85,7 +82,7 @@ def test_input_items_carry_roles_and_earlier_answers(client):
     assert r.output_text == chat.choices[0].message.content
 
 
-def test_a_stream_rebuilds_the_same_response(client, daemon):
+def test_a_stream_rebuilds_the_same_response(client, served):
     kw = dict(model="smollm2", input="Say hello.", temperature=0, max_output_tokens=60)
     whole = client.responses.create(**kw)
     with client.responses.stream(**kw) as stream:
@@ -93,7 +90,7 @@ def test_a_stream_rebuilds_the_same_response(client, daemon):
         final = stream.get_final_response()
     assert final.output_text == deltas == whole.output_text
     assert final.status == whole.status == "completed"
-    events = _events(daemon, **kw)
+    events = _events(served, **kw)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress",
@@ -105,12 +102,12 @@ def test_a_stream_rebuilds_the_same_response(client, daemon):
     assert events[-1]["response"]["usage"]["output_tokens"] == whole.usage.output_tokens
 
 
-def test_max_output_tokens_makes_the_response_incomplete(client, daemon):
+def test_max_output_tokens_makes_the_response_incomplete(client, served):
     r = client.responses.create(model="smollm2", input="Tell me a long story.",
                                 max_output_tokens=5, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 5 and r.output[0].status == "incomplete"
-    events = _events(daemon, input="Tell me a long story.", max_output_tokens=5,
+    events = _events(served, input="Tell me a long story.", max_output_tokens=5,
                      temperature=0)
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -198,8 +195,8 @@ def test_logprobs_come_with_include(client):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"max_tokens": 5}, "max_tokens"),  # chat's name: unknown here
 ])
-def test_what_kvscope_cannot_do_is_a_400_naming_the_field(daemon, body, param):
-    r = httpx.post(daemon.url + "/v1/responses", json={"input": "Hi", **body}, timeout=60)
+def test_what_kvscope_cannot_do_is_a_400_naming_the_field(served, body, param):
+    r = served.http.post("/v1/responses", json={"input": "Hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
-    assert httpx.get(daemon.url + "/health", timeout=30).json()["status"] == "ok"
+    assert served.http.get("/health").json()["status"] == "ok"

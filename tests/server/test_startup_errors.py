@@ -11,12 +11,13 @@ import sys
 import pytest
 
 from tests.server.conftest import REPO
+from tests.server.doubles import HANG_S
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--model", "dummy:tiny",
            "--num-gpu-blocks", "16", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
 
 
 def _taken_port_pair() -> tuple[socket.socket, int]:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import openai
 
-from tests.server.conftest import Daemon
+from tests.server.asgi import InProcess
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -18,8 +17,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
 
 
-def _client(d: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def _client(served: InProcess) -> openai.OpenAI:
+    return served.openai()
 
 
 def _fits_person(text: str) -> None:
@@ -28,8 +27,8 @@ def _fits_person(text: str) -> None:
     assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120, obj
 
 
-def test_response_format_json_schema_and_json_object(daemon: Daemon):
-    client = _client(daemon)
+def test_response_format_json_schema_and_json_object(served: InProcess):
+    client = _client(served)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
                                                   "strict": True}}
     r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=48,
@@ -45,20 +44,20 @@ def test_response_format_json_schema_and_json_object(daemon: Daemon):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
-def test_vllm_structured_outputs_on_completions(daemon: Daemon):
-    url = daemon.url + "/v1/completions"
-    r = httpx.post(url, timeout=60, json={"prompt": "My phone number is", "max_tokens": 12,
-                                          "temperature": 0,
-                                          "structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+def test_vllm_structured_outputs_on_completions(served: InProcess):
+    url = "/v1/completions"
+    r = served.http.post(url, json={"prompt": "My phone number is", "max_tokens": 12,
+                                    "temperature": 0,
+                                    "structured_outputs": {"regex": r"\d{3}-\d{4}"}})
     assert r.status_code == 200, r.text
     assert re.fullmatch(r"\d{3}-\d{4}", r.json()["choices"][0]["text"])
-    r = httpx.post(url, timeout=60, json={"prompt": ["Is the sky blue? Answer:",
-                                                     "Is fire cold? Answer:"],
-                                          "max_tokens": 4, "temperature": 0,
-                                          "structured_outputs": {"choice": ["yes", "no"]}})
+    r = served.http.post(url, json={"prompt": ["Is the sky blue? Answer:",
+                                               "Is fire cold? Answer:"],
+                                    "max_tokens": 4, "temperature": 0,
+                                    "structured_outputs": {"choice": ["yes", "no"]}})
     assert r.status_code == 200, r.text
     assert {c["text"] for c in r.json()["choices"]} <= {"yes", "no"}
-    bad = httpx.post(url, timeout=60, json={"prompt": "x", "structured_outputs": {
+    bad = served.http.post(url, json={"prompt": "x", "structured_outputs": {
         "json": {"type": "object", "properties": {"a": {"type": "wat"}}}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
-    assert httpx.post(url, timeout=60, json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert served.http.post(url, json={"prompt": "x", "max_tokens": 1}).status_code == 200

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from tests.server.conftest import Daemon
+from tests.server.asgi import InProcess
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -28,9 +28,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+def client(served: InProcess) -> openai.OpenAI:
+    return served.openai()
 
 
 def _fits(name: str, arguments: str) -> None:
@@ -129,9 +128,7 @@ def test_what_cannot_be_done_is_refused_by_field(client, extra, param):
     assert e.value.body["param"] == param, e.value.body
 
 
-def test_completions_take_no_tools(daemon: Daemon):
-    import httpx
-
-    r = httpx.post(daemon.url + "/v1/completions", timeout=30,
-                   json={"prompt": "x", "tools": TOOLS, "tool_choice": "required"})
+def test_completions_take_no_tools(served: InProcess):
+    r = served.http.post("/v1/completions",
+                         json={"prompt": "x", "tools": TOOLS, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

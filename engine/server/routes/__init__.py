@@ -1,0 +1,1 @@
+"""The daemon's endpoints, one family per module; app.py puts them together."""
