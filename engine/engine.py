@@ -168,14 +168,7 @@ class LLMEngine:
                              f"{capacity}; raise num_gpu_blocks/kv_cache_memory_bytes")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        vocab = self.model_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, "
-                                 f"got {getattr(params, name)}")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}, "
-                             f"got {max(params.logit_bias)}")
+        params.check_vocabulary(self.model_config.vocab_size)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             # the kept prompt rows' logits would need a vocab-parallel gather on every rank
             raise ValueError("prompt_logprobs (and echo with logprobs) is not supported "
