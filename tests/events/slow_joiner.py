@@ -13,6 +13,7 @@ workload, while no other block is cached.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -40,11 +41,13 @@ def publish_until_received(stream: EventStream, manager: KVCacheManager,
                            probe_every_s: float = 0.05) -> int:
     """Publish probe steps, from step number ``step`` on, until ``received()`` (a quick
     look at the subscriber) is true; returns the next free step number. A new probe goes
-    out every ``probe_every_s`` (pacing only: a late subscription just takes more)."""
+    out every ``probe_every_s`` (pacing only: a late subscription just takes more). With an
+    engine's own stream and cache manager, call it before the engine's first step."""
     end = time.monotonic() + HANG_GUARD_S
     while True:
-        probe_step(manager)
-        stream.end_step(step, {})
+        with stream.engine_lock or contextlib.nullcontext():  # as an engine steps
+            probe_step(manager)
+            stream.end_step(step, {})
         step += 1
         next_probe = time.monotonic() + probe_every_s
         while time.monotonic() < next_probe:
