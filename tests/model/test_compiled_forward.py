@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.model import compiled as compiled_mod
+from engine.runner import compiled as compiled_mod
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [11, 12], [300, 301, 302, 303, 304, 305, 306, 307, 308, 42]]
 

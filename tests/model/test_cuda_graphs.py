@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model import cuda_graphs
+from engine.runner import cuda_graphs
 from engine.runner.cuda_graphs import GRAPH_BUCKETS, DecodeGraphs
 
 # Five sequences that stop one after another: decode batches of 5, 4, 3, 2, 1 sequences run
