@@ -159,13 +159,13 @@ def test_inspector_rebuilds_vllms_cached_set(vllm_server, qapp):
         _post(url + "/v1/completions", {"model": "smollm2", "prompt": prompt,
                                         "max_tokens": 8, "temperature": 0})
     # Until vLLM has said everything: a last request (a prompt nothing shares, one token
-    # out) stores its first block in vLLM's last step, so the batch with that BlockStored
-    # is the last one vLLM publishes here.
+    # out) stores its prompt's last full block in vLLM's last step, so the batch with that
+    # BlockStored is the last one vLLM publishes here.
     marker = "To end with: " + " ".join(f"marker{k}" for k in range(40))
     tokens = _post(url + "/tokenize", {"model": "smollm2", "prompt": marker})["tokens"]
-    first_block = tokens[:32]
-    assert len(first_block) == 32
-    ended = _watch_for_store(live.cache, first_block)
+    full = len(tokens) // 32 * 32  # vLLM's block size here
+    assert full >= 32
+    ended = _watch_for_store(live.cache, tokens[full - 32:full])
     _post(url + "/v1/completions", {"model": "smollm2", "prompt": marker, "max_tokens": 1,
                                     "temperature": 0})
     wait_until(lambda: (live.drain(), ended())[1], "vLLM's batch with the last request")
@@ -188,14 +188,15 @@ def test_inspector_rebuilds_vllms_cached_set(vllm_server, qapp):
     assert cache.summary("GPU")["prefixes"] > 0
 
 
-def _watch_for_store(cache: VllmPrefixCache, first_block: list[int]) -> Callable[[], bool]:
-    """Whether a batch applied to ``cache`` from now on stored ``first_block`` (token ids)."""
+def _watch_for_store(cache: VllmPrefixCache, block: list[int]) -> Callable[[], bool]:
+    """Whether a batch applied to ``cache`` from now on stored ``block`` (its token ids) as
+    the last block of a BlockStored."""
     seen: list[dict] = []
     apply = cache.apply
 
     def watching(ts: float, events: list[dict], seq: int | None = None) -> None:
         seen.extend(ev for ev in events if ev.get("type") == "BlockStored"
-                    and list(ev["token_ids"][:len(first_block)]) == first_block)
+                    and list(ev["token_ids"][-len(block):]) == block)
         apply(ts, events, seq)
 
     cache.apply = watching  # type: ignore[method-assign]
