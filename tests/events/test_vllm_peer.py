@@ -82,7 +82,8 @@ p = resolve_model("smollm2")
 m = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True))
 m.hf_quantizer = None
-del m.config.quantization_config
+if hasattr(m.config, "quantization_config"):  # newer transformers do not keep it
+    del m.config.quantization_config
 m.is_quantized = False
 m.save_pretrained({str(out)!r})
 AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).save_pretrained({str(out)!r})
