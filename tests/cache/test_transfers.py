@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 from engine.cache.transfers import IN, OUT, plan_rounds
 
@@ -30,7 +30,8 @@ orders_st = st.lists(st.tuples(st.sampled_from([OUT, IN]), st.integers(0, 5),
                                st.integers(0, 5)), max_size=30)
 
 
-@settings(max_examples=300, deadline=None)
+# deadline and the too_slow health check time the machine, not plan_rounds
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(orders=orders_st)
 def test_rounds_equal_sequential_execution(orders):
     seq_gpu, seq_cpu = {i: ("g", i) for i in range(6)}, {i: ("c", i) for i in range(6)}

@@ -9,11 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.clients.conftest import MODEL_NAME
 
 REQUESTS = 8
+RUN_GUARD_S = 900  # a hang guard: a healthy run takes about a minute on a loaded 2-core box
 
 
+@pytest.mark.timeout(RUN_GUARD_S + 300)
 def test_guidellm_concurrent_all_requests_succeed(target: str, hf_tokenizer_dir: Path,
                                                   tmp_path: Path):
     out = tmp_path / "guidellm.json"
@@ -25,7 +29,7 @@ def test_guidellm_concurrent_all_requests_succeed(target: str, hf_tokenizer_dir:
          # "4.0", not "4": guidellm 0.2.1 rejects an int rate for rate-type concurrent
          "--rate-type", "concurrent", "--rate", "4.0", "--max-requests", str(REQUESTS),
          "--disable-progress", "--disable-console-outputs", "--output-path", str(out)],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=RUN_GUARD_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     bench = json.loads(out.read_text())["benchmarks"][0]
     assert bench["request_totals"] == {"successful": REQUESTS, "errored": 0, "incomplete": 0,

@@ -11,6 +11,7 @@ from engine.events import KVState
 from engine.events.wire.recording import Recording
 from engine.events.wire.subscriber import Subscriber
 from engine.sampling import SamplingParams
+from tests.waiting import HANG_GUARD_S, wait_until
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 2
 
@@ -66,17 +67,23 @@ def test_live_subscriber_converges(make_engine):
     eng = make_engine(block_size=4, num_gpu_blocks=14, watermark=0.0,
                       events_endpoint=f"tcp://127.0.0.1:{port}")
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
+
+    def polled(done):
+        return lambda: (sub.poll(timeout=0.02), done())[1]
+
     try:
+        # Joined (the snapshot, taken while the engine idles) and subscribed (a heartbeat
+        # arrived live) before the first step: every batch then arrives live (no gap).
+        wait_until(polled(lambda: sub.status != "waiting" and sub.live_messages > 0),
+                   "the subscriber's snapshot and a live heartbeat")
         workload(eng)
         while eng.has_unfinished_requests():
             eng.step()
             sub.poll(timeout=0.05)
-        eng.events.wait_idle(5.0)
+        assert eng.events.wait_idle(HANG_GUARD_S)
         want = eng.kv_state()
-        for _ in range(100):
-            sub.poll(timeout=0.1)
-            if sub.state.step == eng.step_count and sub.state.canonical() == want:
-                break
+        wait_until(polled(lambda: sub.state.step == eng.step_count
+                          and sub.state.canonical() == want), "the subscriber to converge")
         assert sub.state.canonical() == want
         assert sub.gaps == 0
     finally:

@@ -9,6 +9,8 @@ from engine.cache.hashing import NO_SALT_ROOT
 from engine.events.vllm.prefix_cache import VllmPrefixCache
 from engine.events.vllm.subscriber import VllmSubscriber
 from tests.engine.test_events_fidelity import workload
+from tests.events.slow_joiner import publish_until_received
+from tests.waiting import HANG_GUARD_S
 
 
 def test_engine_publishes_vllm_events(make_engine, tmp_path):
@@ -25,9 +27,9 @@ def test_engine_publishes_vllm_events(make_engine, tmp_path):
 
     def sync() -> None:
         nonlocal stored, removed
-        assert eng.events.wait_idle() and pub.wait_idle()
+        assert eng.events.wait_idle(HANG_GUARD_S) and pub.wait_idle(HANG_GUARD_S)
         while sub.last_seq != pub.seq:
-            b = sub.recv(10)
+            b = sub.recv(HANG_GUARD_S)
             assert b is not None, (sub.last_seq, pub.seq)
             for ev in b.events:
                 if ev["type"] == "BlockStored":
@@ -43,8 +45,15 @@ def test_engine_publishes_vllm_events(make_engine, tmp_path):
         truth = {h for h in eng.kv_state()["tiers"]["gpu"]["hash"] if h is not None}
         assert cache.hashes("GPU") == truth, eng.step_count
 
+    def received() -> bool:
+        b = sub.recv(0.005)
+        if b is not None:
+            cache.apply(b.ts, b.events, b.seq)
+        return b is not None
+
     with sub:
-        sub.recv(0.3)  # slow joiner: the subscription reaches the publisher
+        # slow joiner: probes until the subscriber hears one (tests/events/slow_joiner.py)
+        publish_until_received(eng.events, eng.cache, received, step=0)
         workload(eng)
         while eng.has_unfinished_requests():
             eng.step()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.waiting import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 BLOCKER = """
@@ -32,7 +34,7 @@ print(" ".join(sorted(names)))
 
 def test_events_import_without_torch():
     out = subprocess.run([sys.executable, "-c", BLOCKER], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     for mod in ("wire.codec", "wire.stream", "wire.subscriber", "wire.recording",
                 "wire.publisher", "analysis.lifecycle", "analysis.export", "vllm.translate"):

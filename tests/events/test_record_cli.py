@@ -9,9 +9,34 @@ from engine.bench.synthetic import SyntheticCache
 from engine.cli import main
 from engine.events.wire import EventStream, Recording
 from tests.events.conftest import poll_until
+from tests.waiting import HANG_GUARD_S, wait_until
 
 
-def test_record_cli_writes_what_was_published(tmp_path, capsys):
+class _Clock:
+    """The recorder's clock (its only use of time is --duration): it stands still until
+    the test lets the duration run out, so how much gets recorded never depends on how
+    fast the box is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_record_cli_writes_what_was_published(tmp_path, capsys, monkeypatch):
+    from engine.commands import record
+    from engine.events.wire import subscriber
+
+    clock, recorders = _Clock(), []
+
+    class SeenSubscriber(subscriber.Subscriber):  # the recorder's, for the test to watch
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            recorders.append(self)
+
+    monkeypatch.setattr(record, "time", clock)
+    monkeypatch.setattr(subscriber, "Subscriber", SeenSubscriber)
     out = tmp_path / "cli.kvtrace"
     gen, truth = SyntheticCache(seed=31), {}
     with EventStream("tcp://127.0.0.1:0", heartbeat_s=0.2, header={"model": "synthetic"},
@@ -22,7 +47,7 @@ def test_record_cli_writes_what_was_published(tmp_path, capsys):
         truth[29] = gen.canonical()
         # the snapshot comes from the cache (gen) while the engine idles, once the stream
         # thread has handled every batch: exactly step 29
-        assert stream.wait_idle()
+        assert stream.wait_idle(HANG_GUARD_S)
         rc: list[int] = []
         cli = threading.Thread(target=lambda: rc.append(main([
             "record", "--connect", stream.endpoint, "--snapshot-endpoint",
@@ -34,8 +59,11 @@ def test_record_cli_writes_what_was_published(tmp_path, capsys):
             with stream.engine_lock:
                 stream.end_step(step, gen.step(stream.sink))
             truth[step] = gen.canonical()
-        assert stream.wait_idle()  # all 130 steps are on the wire before the 5 s are up
-        cli.join(30)
+        assert stream.wait_idle(HANG_GUARD_S)  # all 130 steps are on the wire
+        wait_until(lambda: recorders[0].last_seq == stream.seq, "the recorder's last batch")
+        clock.now = 5.0  # the 5 s are up
+        cli.join(HANG_GUARD_S)
+        assert not cli.is_alive()
     assert rc == [0]
     assert "recorded" in capsys.readouterr().out
     with Recording(out) as rec:

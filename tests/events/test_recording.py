@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import shutil
 import struct
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from engine.events.sink import ListSink
 from engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
 from engine.events.wire.codec import make_batch
 from engine.events.wire.recording import RecordingWriter
+from tests.waiting import HANG_GUARD_S, wait_until
 
 STEPS = 240
 
@@ -161,10 +161,9 @@ def test_keyframes_by_time(tmp_path):
         for step in range(5):
             s.end_step(step, gen.step(s.sink))
             truth[step] = gen.canonical()
-            assert s.wait_idle()
-            end = time.monotonic() + 10  # the stream thread asks for one (time is due)
-            while s._snap_wanted == s._snap_taken and time.monotonic() < end:
-                time.sleep(0.001)
+            assert s.wait_idle(HANG_GUARD_S)
+            # the stream thread asks for one (time is due); the next end_step takes it
+            wait_until(lambda: s._snap_wanted != s._snap_taken, "a snapshot request")
     with Recording(path) as rec:
         # each keyframe is the cache snapshot taken at the step after the request
         assert rec.keyframe_steps == [-1, 1, 2, 3, 4]

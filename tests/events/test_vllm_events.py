@@ -25,6 +25,8 @@ from engine.events.vllm.subscriber import VllmSubscriber
 from engine.events.vllm.translate import MEDIUM, VllmTranslator
 from engine.events.wire import EventStream
 from engine.events.wire.codec import make_batch
+from tests.events.slow_joiner import publish_until_received
+from tests.waiting import HANG_GUARD_MS, HANG_GUARD_S
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-kv-events.vllmtrace"
 
@@ -160,18 +162,29 @@ def test_translation_equals_the_mirror_every_step():
     assert consumer.summary()["prefixes"] > 0
 
 
-def _drive(stream: EventStream, pub: VllmPublisher, steps: int, seed: int = 2):
+def _drive(stream: EventStream, sub: VllmSubscriber, cache: VllmPrefixCache, steps: int,
+           seed: int = 2) -> KVState:
+    """Probe steps until ``sub`` hears the publisher (slow_joiner.py), then ``steps``
+    workload steps; the truth is the manager's own snapshot."""
     manager = KVCacheManager(40, 16, sink=stream.sink)
-    work = ManagerWorkload(manager, seed=seed, max_running=10)
     stream.end_step(0, {})
-    for step in range(1, steps):
+
+    def received() -> bool:  # a bound subscriber also sends its subscription in recv()
+        b = sub.recv(0.005)
+        if b is not None:
+            cache.apply(b.ts, b.events, b.seq)
+        return b is not None
+
+    first = publish_until_received(stream, manager, received, step=1)
+    work = ManagerWorkload(manager, seed=seed, max_running=10)
+    for step in range(first, first + steps):
         stream.end_step(step, work.step())
-    assert stream.wait_idle() and pub.wait_idle()
     return KVState.from_canonical(manager.snapshot())
 
 
 def _collect(sub: VllmSubscriber, pub: VllmPublisher, cache: VllmPrefixCache) -> None:
-    end = time.monotonic() + 15
+    """Everything published, applied in order (the hang guard only fails a stuck run)."""
+    end = time.monotonic() + HANG_GUARD_S
     while sub.last_seq != pub.seq:
         assert time.monotonic() < end, (sub.last_seq, pub.seq)
         for b in sub.batches(timeout_s=0.2):
@@ -182,20 +195,20 @@ def _collect(sub: VllmSubscriber, pub: VllmPublisher, cache: VllmPrefixCache) ->
 def test_publisher_both_directions_and_replay(tmp_path, publisher_binds):
     if publisher_binds:  # vLLM's default shape: PUB binds, the consumer connects
         endpoint = f"ipc://{tmp_path}/pub"
-        sub = VllmSubscriber(endpoint, replay_endpoint=f"ipc://{tmp_path}/replay")
+        sub = VllmSubscriber(endpoint, replay_endpoint=f"ipc://{tmp_path}/replay",
+                             replay_timeout_s=HANG_GUARD_S)
     else:  # PUB given a concrete tcp address connects: the consumer binds it
         sub = VllmSubscriber("tcp://127.0.0.1:0", bind=True,
-                             replay_endpoint=f"ipc://{tmp_path}/replay")
+                             replay_endpoint=f"ipc://{tmp_path}/replay",
+                             replay_timeout_s=HANG_GUARD_S)
         endpoint = sub.endpoint
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint,
                          replay_endpoint=f"ipc://{tmp_path}/replay", topic="kv")
     pub = VllmPublisher(cfg)
-    # PUB/SUB: let the subscription reach the publisher (slow joiner); a bound subscriber
-    # sends it when it sees the publisher's handshake, inside recv()
-    assert sub.recv(0.5) is None
     cache = VllmPrefixCache()
     with sub, EventStream(consumers=[pub]) as stream:
-        truth = _drive(stream, pub, 120)
+        truth = _drive(stream, sub, cache, 120)
+        assert stream.wait_idle(HANG_GUARD_S) and pub.wait_idle(HANG_GUARD_S)
         _collect(sub, pub, cache)
         assert sub.errors == 0 and sub.missed == 0
         assert cache.hashes("GPU") == set(truth.tiers["gpu"].hashes.values())
@@ -211,23 +224,26 @@ def test_publisher_both_directions_and_replay(tmp_path, publisher_binds):
 
 def test_subscriber_survives_garbage_and_fills_gaps_by_replay(tmp_path):
     ctx = zmq.Context.instance()
-    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    # an XPUB is a PUB that also hands over each subscription: the test knows when the
+    # subscriber's has arrived (slow joiner), and nothing it publishes after is lost
+    pub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
     pub.bind(f"ipc://{tmp_path}/p")
     router.bind(f"ipc://{tmp_path}/r")
     enc = W.Encoder()
     payloads = {s: enc.encode(float(s), [W.block_stored([s], None, [0] * 4, 4, "GPU")])
                 for s in range(4)}
-    with VllmSubscriber(f"ipc://{tmp_path}/p", replay_endpoint=f"ipc://{tmp_path}/r") as sub:
-        time.sleep(0.3)
+    with VllmSubscriber(f"ipc://{tmp_path}/p", replay_endpoint=f"ipc://{tmp_path}/r",
+                        replay_timeout_s=HANG_GUARD_S) as sub:
+        assert pub.poll(HANG_GUARD_MS) and pub.recv() == b"\x01"  # subscribed to everything
         pub.send_multipart([b"", W.encode_seq(0), payloads[0]])
         pub.send_multipart([b"", W.encode_seq(1), b"\xc1garbage"])
         pub.send_multipart([b"", b"short"])
-        assert sub.recv(5).seq == 0
+        assert sub.recv(HANG_GUARD_S).seq == 0
         pub.send_multipart([b"", W.encode_seq(3), payloads[3]])  # 1 and 2 missing
         got = []
 
         def serve():  # answer the replay the subscriber sends on the gap
-            if router.poll(5000):
+            if router.poll(HANG_GUARD_MS):
                 client, _, start = router.recv_multipart()
                 for s in range(W.decode_seq(start), 4):
                     router.send_multipart([client, b"", b"", W.encode_seq(s), payloads[s]])
@@ -237,12 +253,12 @@ def test_subscriber_survives_garbage_and_fills_gaps_by_replay(tmp_path):
 
         t = threading.Thread(target=serve)
         t.start()
-        got = [sub.recv(5).seq, sub.recv(5).seq, sub.recv(5).seq]
+        got = [sub.recv(HANG_GUARD_S).seq for _ in range(3)]
         t.join()
         assert got == [1, 2, 3] and sub.gaps == 1 and sub.missed == 0
         assert sub.errors == 2 and "frames" in sub.last_error
         pub.send_multipart([b"", W.encode_seq(0), payloads[0]])  # a restarted publisher
-        assert sub.recv(5).restarted and sub.restarts == 1
+        assert sub.recv(HANG_GUARD_S).restarted and sub.restarts == 1
     pub.close(0)
     router.close(0)
 

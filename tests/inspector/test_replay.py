@@ -14,6 +14,7 @@ from engine.events import schema as S
 from inspector import palette as P
 from inspector.views.sequences import COLUMNS
 from tests.inspector.conftest import expected_state
+from tests.waiting import HANG_GUARD_MS
 
 
 def _check_frame(win, truth) -> None:  # noqa: ANN001
@@ -64,7 +65,7 @@ def test_step_play_and_slider(replay_window, batches, qtbot):  # noqa: ANN001
     rp.set_speed(16.0)
     rp.seek_step(250)
     rp.play()
-    qtbot.waitUntil(lambda: not rp.playing, timeout=5000)  # 50 steps at 16x: ~0.16 s
+    qtbot.waitUntil(lambda: not rp.playing, timeout=HANG_GUARD_MS)  # 50 steps at 16x
     assert rp.step == 299
     _check_frame(win, expected_state(batches, 299))
 
@@ -83,14 +84,19 @@ def _hover(widget, pos: QPoint) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu"])
-def test_hover_and_click_pick_the_block_under_the_mouse(replay_window, batches, qtbot, tier):  # noqa: ANN001
+def test_hover_and_click_pick_the_block_under_the_mouse(replay_window, batches, qtbot, tier,
+                                                        monkeypatch):  # noqa: ANN001
+    import pyqtgraph
+
+    # pyqtgraph drops a mouse move that comes sooner than 1/mouseRateLimit s after the
+    # last one; off, every move counts however fast the test sends them
+    monkeypatch.setitem(pyqtgraph.CONFIG_OPTIONS, "mouseRateLimit", 0)
     win = replay_window
     win.replay.seek_step(200)
     truth = expected_state(batches, 200)
     t = truth.tiers[tier]
     owned = [b for s in truth.seqs.values() if s.tier == tier for b in s.block_table]
     for block in (0, t.num_blocks - 1, t.num_blocks // 2, *owned[:3]):
-        qtbot.wait(15)  # pyqtgraph drops mouse moves closer together than its rate limit
         pos = _viewport_pos(win, tier, block)
         _hover(win.block_map.canvas.viewport(), pos)
         assert win.block_map.info.text().startswith(f"{tier.upper()} block {block} ")
@@ -175,7 +181,7 @@ def test_timeline_click_seeks(replay_window, qtbot):  # noqa: ANN001
     win.replay.seek_step(5)
     vb = win.timelines.plots["gpu"].vb
     vb.setXRange(0, 299, padding=0)
-    qtbot.wait(20)
+    QApplication.processEvents()  # what the range change posted runs before the click
     lo, hi = vb.viewRange()[1]
     target = vb.mapViewToScene(QPointF(123.4, (lo + hi) / 2))
     pos = win.timelines.canvas.mapFromScene(target)

@@ -5,7 +5,6 @@ directions."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from engine.events.wire import EventStream
 from inspector.errors import InspectError
 from inspector.sources.vllm import VllmLiveSource, load_vllm_recording
 from inspector.views.vllm_prefix import age_map, block_rows, summary_text, timeline_arrays
+from tests.events.slow_joiner import publish_until_received
+from tests.waiting import HANG_GUARD_S, wait_until
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-kv-events.vllmtrace"
 
@@ -95,21 +96,26 @@ def test_live_source_reads_a_publisher(tmp_path, listen):
         src = VllmLiveSource(endpoint, record_path=str(tmp_path / "r"))
     pub = VllmPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
     src.start()
-    time.sleep(0.5)  # the subscription reaches the publisher
     with EventStream(consumers=[pub]) as stream:
         manager = KVCacheManager(40, 16, sink=stream.sink)
-        work = ManagerWorkload(manager, seed=4, max_running=8)
         stream.end_step(0, {})
-        for step in range(1, 60):
+        # probes until the source has one: its subscription is in place (slow joiner)
+        first = publish_until_received(stream, manager, lambda: _drained(src), step=1)
+        work = ManagerWorkload(manager, seed=4, max_running=8)
+        for step in range(first, first + 59):
             stream.end_step(step, work.step())
-        assert stream.wait_idle() and pub.wait_idle()
+        assert stream.wait_idle(HANG_GUARD_S) and pub.wait_idle(HANG_GUARD_S)
         truth = set(KVState.from_canonical(manager.snapshot()).tiers["gpu"].hashes.values())
-        end = time.monotonic() + 10
-        while src.cache.last_seq != pub.seq and time.monotonic() < end:
-            src.drain()
-            time.sleep(0.02)
+        wait_until(lambda: (src.drain(), src.cache.last_seq == pub.seq)[1],
+                   "the source to apply the publisher's last batch")
     src.stop()
     assert src.cache.hashes("GPU") == truth
     assert src.status()["errors"] == 0
     replayed, bad = load_vllm_recording(tmp_path / "r")
     assert bad == 0 and replayed.media == src.cache.media
+
+
+def _drained(src: VllmLiveSource) -> bool:
+    """Whether the source has applied a batch yet."""
+    src.drain()
+    return src.cache.batches > 0

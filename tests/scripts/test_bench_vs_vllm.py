@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import HANG_GUARD_S, wait_until
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_vs_vllm.py"
 _spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
 bench = importlib.util.module_from_spec(_spec)
@@ -61,7 +63,7 @@ def test_unknown_workload_is_a_clear_error_before_anything_starts(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", sys.executable,
                         "--hf-dir", str(hf), "--workdir", str(tmp_path),
                         "--workloads", "offline-32x64,nope"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert r.returncode != 0 and "unknown workloads ['nope']" in r.stderr
 
 
@@ -86,7 +88,7 @@ def test_before_ref_that_is_not_a_commit_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", sys.executable,
                         "--hf-dir", str(hf), "--workdir", str(tmp_path),
                         "--before", "no-such-ref-xyz"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert r.returncode != 0 and "--before no-such-ref-xyz: not a commit" in r.stderr
 
 
@@ -97,16 +99,13 @@ def _state(pid: int) -> str:
 
 def test_the_measured_worker_runs_alone_and_paused_groups_still_end(tmp_path):
     """run_alone stops every other worker's process group (state T) and wakes the measured
-    one; process_group's exit ends a paused group too."""
-    import time
-
-    with bench.process_group(["sleep", "60"], tmp_path / "a.log", {}) as a, \
-            bench.process_group(["sleep", "60"], tmp_path / "b.log", {}) as b:
+    one; process_group's exit ends a paused group too. (The signals take effect
+    asynchronously: the test waits for the states, however long the kernel takes.)"""
+    with bench.process_group(["sleep", "600"], tmp_path / "a.log", {}) as a, \
+            bench.process_group(["sleep", "600"], tmp_path / "b.log", {}) as b:
         workers = {"a": bench.Worker(a), "b": bench.Worker(b)}
         assert bench.run_alone(workers, "a") is workers["a"]
-        time.sleep(0.2)
-        assert _state(b.pid) == "T" and _state(a.pid) != "T"
+        wait_until(lambda: _state(b.pid) == "T" and _state(a.pid) != "T", "b stopped, a not")
         bench.run_alone(workers, "b")
-        time.sleep(0.2)
-        assert _state(a.pid) == "T" and _state(b.pid) != "T"
+        wait_until(lambda: _state(a.pid) == "T" and _state(b.pid) != "T", "a stopped, b woken")
     assert a.poll() is not None and b.poll() is not None

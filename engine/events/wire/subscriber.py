@@ -78,6 +78,9 @@ class Subscriber:
         self.publisher_dropped = 0  # batches the publisher says it dropped
         self.batches_applied = 0
         self.events_applied = 0
+        # well-formed messages on the live socket (batches and heartbeats): from the first
+        # one on, the subscription is in place and every later batch arrives live
+        self.live_messages = 0
         # protocol state
         self._synced = False  # a snapshot has been installed for self.epoch
         self._pending_req: tuple[str, int, float] | None = None  # (type, id, sent at)
@@ -181,6 +184,7 @@ class Subscriber:
         except ProtocolError:
             return  # counted; a lost batch shows up as a gap at the next good one
         self._last_heard = time.monotonic()
+        self.live_messages += 1
         if self._synced and msg["epoch"] != self.epoch:
             self.restarts += 1  # a new publisher: everything we hold is from the old one
             self._synced = False
