@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletionChunk
 from pydantic import BaseModel
 
 from tests.clients.conftest import MODEL_NAME
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 COMMON = {"store": False, "metadata": {"suite": "kvscope"}, "service_tier": "auto",
           "user": "tester", "parallel_tool_calls": False,
@@ -21,7 +21,7 @@ COMMON = {"store": False, "metadata": {"suite": "kvscope"}, "service_tier": "aut
 @pytest.fixture(scope="module")
 def client(target: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=target + "/v1", api_key="unused", max_retries=0,
-                         timeout=HANG_GUARD_S)
+                         timeout=HANG_S)
 
 
 def _strict(obj: BaseModel) -> None:

@@ -11,7 +11,7 @@ from engine.events import KVState
 from engine.events.wire.recording import Recording
 from engine.events.wire.subscriber import Subscriber
 from engine.sampling import SamplingParams
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_S, wait_until
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 2
 
@@ -80,7 +80,7 @@ def test_live_subscriber_converges(make_engine):
         while eng.has_unfinished_requests():
             eng.step()
             sub.poll(timeout=0.05)
-        assert eng.events.wait_idle(HANG_GUARD_S)
+        assert eng.events.wait_idle(HANG_S)
         want = eng.kv_state()
         wait_until(polled(lambda: sub.state.step == eng.step_count
                           and sub.state.canonical() == want), "the subscriber to converge")

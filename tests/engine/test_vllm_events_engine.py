@@ -10,7 +10,7 @@ from engine.events.vllm.prefix_cache import VllmPrefixCache
 from engine.events.vllm.subscriber import VllmSubscriber
 from tests.engine.test_events_fidelity import workload
 from tests.events.slow_joiner import publish_until_received
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 
 def test_engine_publishes_vllm_events(make_engine, tmp_path):
@@ -27,9 +27,9 @@ def test_engine_publishes_vllm_events(make_engine, tmp_path):
 
     def sync() -> None:
         nonlocal stored, removed
-        assert eng.events.wait_idle(HANG_GUARD_S) and pub.wait_idle(HANG_GUARD_S)
+        assert eng.events.wait_idle(HANG_S) and pub.wait_idle(HANG_S)
         while sub.last_seq != pub.seq:
-            b = sub.recv(HANG_GUARD_S)
+            b = sub.recv(HANG_S)
             assert b is not None, (sub.last_seq, pub.seq)
             for ev in b.events:
                 if ev["type"] == "BlockStored":

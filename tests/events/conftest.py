@@ -18,11 +18,11 @@ from engine.events import KVState
 from engine.events import schema as S
 from engine.events.wire import EventStream
 from engine.events.wire.subscriber import Subscriber
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 
 def poll_until(subs: list[Subscriber], done: Callable[[], bool],
-               timeout: float = HANG_GUARD_S) -> None:
+               timeout: float = HANG_S) -> None:
     """Poll every subscriber until ``done()``; fail the test at the deadline (a hang
     guard: a healthy run takes milliseconds)."""
     end = time.monotonic() + timeout
@@ -91,7 +91,7 @@ class TcpProxy:
         """Returns once every connection is closed (the proxy thread confirms)."""
         self._cut_done.clear()
         self._want_open = False
-        if not self._cut_done.wait(HANG_GUARD_S):
+        if not self._cut_done.wait(HANG_S):
             raise AssertionError("proxy did not cut its connections")
 
     def restore(self) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from engine.cache import KVCacheManager
 from engine.events.wire import EventStream
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 _ids = itertools.count()
 
@@ -43,7 +43,7 @@ def publish_until_received(stream: EventStream, manager: KVCacheManager,
     look at the subscriber) is true; returns the next free step number. A new probe goes
     out every ``probe_every_s`` (pacing only: a late subscription just takes more). With an
     engine's own stream and cache manager, call it before the engine's first step."""
-    end = time.monotonic() + HANG_GUARD_S
+    end = time.monotonic() + HANG_S
     while True:
         with stream.engine_lock or contextlib.nullcontext():  # as an engine steps
             probe_step(manager)
@@ -55,4 +55,4 @@ def publish_until_received(stream: EventStream, manager: KVCacheManager,
                 return step
             time.sleep(0.002)
         if time.monotonic() > end:
-            raise AssertionError(f"no probe reached the subscriber in {HANG_GUARD_S:.0f} s")
+            raise AssertionError(f"no probe reached the subscriber in {HANG_S:.0f} s")

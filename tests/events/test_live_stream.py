@@ -11,7 +11,7 @@ from engine.bench.synthetic import SyntheticCache
 from engine.events import KVState
 from engine.events.wire import EventStream, Subscriber
 from tests.events.conftest import cache_stream, poll_until, port_of, synced_to
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 EP = "tcp://127.0.0.1:0"
 
@@ -115,7 +115,7 @@ def test_dropped_batches_are_counted_and_the_stream_resyncs(tmp_path):
         # Stall the stream thread (a slow disk, a starved thread) while the engine runs on:
         # it holds at most one batch, the queue 4, the rest are dropped.
         gate, handle = threading.Event(), stream._handle
-        stream._handle = lambda *a: (gate.wait(HANG_GUARD_S), handle(*a))
+        stream._handle = lambda *a: (gate.wait(HANG_S), handle(*a))
         run_steps(stream, gen, 30)
         assert stream.dropped_batches >= 20  # the engine never blocked: it dropped
         stream._handle = handle

@@ -9,7 +9,7 @@ from engine.bench.synthetic import SyntheticCache
 from engine.cli import main
 from engine.events.wire import EventStream, Recording
 from tests.events.conftest import poll_until
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_S, wait_until
 
 
 class _Clock:
@@ -47,7 +47,7 @@ def test_record_cli_writes_what_was_published(tmp_path, capsys, monkeypatch):
         truth[29] = gen.canonical()
         # the snapshot comes from the cache (gen) while the engine idles, once the stream
         # thread has handled every batch: exactly step 29
-        assert stream.wait_idle(HANG_GUARD_S)
+        assert stream.wait_idle(HANG_S)
         rc: list[int] = []
         cli = threading.Thread(target=lambda: rc.append(main([
             "record", "--connect", stream.endpoint, "--snapshot-endpoint",
@@ -59,10 +59,10 @@ def test_record_cli_writes_what_was_published(tmp_path, capsys, monkeypatch):
             with stream.engine_lock:
                 stream.end_step(step, gen.step(stream.sink))
             truth[step] = gen.canonical()
-        assert stream.wait_idle(HANG_GUARD_S)  # all 130 steps are on the wire
+        assert stream.wait_idle(HANG_S)  # all 130 steps are on the wire
         wait_until(lambda: recorders[0].last_seq == stream.seq, "the recorder's last batch")
         clock.now = 5.0  # the 5 s are up
-        cli.join(HANG_GUARD_S)
+        cli.join(HANG_S)
         assert not cli.is_alive()
     assert rc == [0]
     assert "recorded" in capsys.readouterr().out

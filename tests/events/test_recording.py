@@ -15,7 +15,7 @@ from engine.events.sink import ListSink
 from engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
 from engine.events.wire.codec import make_batch
 from engine.events.wire.recording import RecordingWriter
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_S, wait_until
 
 STEPS = 240
 
@@ -161,7 +161,7 @@ def test_keyframes_by_time(tmp_path):
         for step in range(5):
             s.end_step(step, gen.step(s.sink))
             truth[step] = gen.canonical()
-            assert s.wait_idle(HANG_GUARD_S)
+            assert s.wait_idle(HANG_S)
             # the stream thread asks for one (time is due); the next end_step takes it
             wait_until(lambda: s._snap_wanted != s._snap_taken, "a snapshot request")
     with Recording(path) as rec:

@@ -26,7 +26,7 @@ from engine.events.vllm.translate import MEDIUM, VllmTranslator
 from engine.events.wire import EventStream
 from engine.events.wire.codec import make_batch
 from tests.events.slow_joiner import publish_until_received
-from tests.waiting import HANG_GUARD_MS, HANG_GUARD_S
+from tests.waiting import HANG_MS, HANG_S
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-kv-events.vllmtrace"
 
@@ -184,7 +184,7 @@ def _drive(stream: EventStream, sub: VllmSubscriber, cache: VllmPrefixCache, ste
 
 def _collect(sub: VllmSubscriber, pub: VllmPublisher, cache: VllmPrefixCache) -> None:
     """Everything published, applied in order (the hang guard only fails a stuck run)."""
-    end = time.monotonic() + HANG_GUARD_S
+    end = time.monotonic() + HANG_S
     while sub.last_seq != pub.seq:
         assert time.monotonic() < end, (sub.last_seq, pub.seq)
         for b in sub.batches(timeout_s=0.2):
@@ -196,11 +196,11 @@ def test_publisher_both_directions_and_replay(tmp_path, publisher_binds):
     if publisher_binds:  # vLLM's default shape: PUB binds, the consumer connects
         endpoint = f"ipc://{tmp_path}/pub"
         sub = VllmSubscriber(endpoint, replay_endpoint=f"ipc://{tmp_path}/replay",
-                             replay_timeout_s=HANG_GUARD_S)
+                             replay_timeout_s=HANG_S)
     else:  # PUB given a concrete tcp address connects: the consumer binds it
         sub = VllmSubscriber("tcp://127.0.0.1:0", bind=True,
                              replay_endpoint=f"ipc://{tmp_path}/replay",
-                             replay_timeout_s=HANG_GUARD_S)
+                             replay_timeout_s=HANG_S)
         endpoint = sub.endpoint
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint,
                          replay_endpoint=f"ipc://{tmp_path}/replay", topic="kv")
@@ -208,7 +208,7 @@ def test_publisher_both_directions_and_replay(tmp_path, publisher_binds):
     cache = VllmPrefixCache()
     with sub, EventStream(consumers=[pub]) as stream:
         truth = _drive(stream, sub, cache, 120)
-        assert stream.wait_idle(HANG_GUARD_S) and pub.wait_idle(HANG_GUARD_S)
+        assert stream.wait_idle(HANG_S) and pub.wait_idle(HANG_S)
         _collect(sub, pub, cache)
         assert sub.errors == 0 and sub.missed == 0
         assert cache.hashes("GPU") == set(truth.tiers["gpu"].hashes.values())
@@ -233,17 +233,17 @@ def test_subscriber_survives_garbage_and_fills_gaps_by_replay(tmp_path):
     payloads = {s: enc.encode(float(s), [W.block_stored([s], None, [0] * 4, 4, "GPU")])
                 for s in range(4)}
     with VllmSubscriber(f"ipc://{tmp_path}/p", replay_endpoint=f"ipc://{tmp_path}/r",
-                        replay_timeout_s=HANG_GUARD_S) as sub:
-        assert pub.poll(HANG_GUARD_MS) and pub.recv() == b"\x01"  # subscribed to everything
+                        replay_timeout_s=HANG_S) as sub:
+        assert pub.poll(HANG_MS) and pub.recv() == b"\x01"  # subscribed to everything
         pub.send_multipart([b"", W.encode_seq(0), payloads[0]])
         pub.send_multipart([b"", W.encode_seq(1), b"\xc1garbage"])
         pub.send_multipart([b"", b"short"])
-        assert sub.recv(HANG_GUARD_S).seq == 0
+        assert sub.recv(HANG_S).seq == 0
         pub.send_multipart([b"", W.encode_seq(3), payloads[3]])  # 1 and 2 missing
         got = []
 
         def serve():  # answer the replay the subscriber sends on the gap
-            if router.poll(HANG_GUARD_MS):
+            if router.poll(HANG_MS):
                 client, _, start = router.recv_multipart()
                 for s in range(W.decode_seq(start), 4):
                     router.send_multipart([client, b"", b"", W.encode_seq(s), payloads[s]])
@@ -253,12 +253,12 @@ def test_subscriber_survives_garbage_and_fills_gaps_by_replay(tmp_path):
 
         t = threading.Thread(target=serve)
         t.start()
-        got = [sub.recv(HANG_GUARD_S).seq for _ in range(3)]
+        got = [sub.recv(HANG_S).seq for _ in range(3)]
         t.join()
         assert got == [1, 2, 3] and sub.gaps == 1 and sub.missed == 0
         assert sub.errors == 2 and "frames" in sub.last_error
         pub.send_multipart([b"", W.encode_seq(0), payloads[0]])  # a restarted publisher
-        assert sub.recv(HANG_GUARD_S).restarted and sub.restarts == 1
+        assert sub.recv(HANG_S).restarted and sub.restarts == 1
     pub.close(0)
     router.close(0)
 

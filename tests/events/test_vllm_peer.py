@@ -35,7 +35,7 @@ from engine.events.vllm.subscriber import VllmSubscriber
 from engine.events.vllm.wire import decode_seq
 from inspector.sources.vllm import VllmLiveSource
 from tests.events.slow_joiner import publish_until_received
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_S, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = os.environ.get("KVSCOPE_VLLM_PYTHON", "/tmp/kvscope-vllm/bin/python")
@@ -247,10 +247,10 @@ def test_vllms_classes_decode_kvscope(tmp_path):
     while eng.has_unfinished_requests():
         eng.step()
     pub = eng.events.consumers[0]
-    assert eng.events.wait_idle(HANG_GUARD_S) and pub.wait_idle(HANG_GUARD_S)
+    assert eng.events.wait_idle(HANG_S) and pub.wait_idle(HANG_S)
     truth = {h for h in eng.kv_state()["tiers"]["gpu"]["hash"] if h is not None}
     while sub.last_seq != pub.seq:
-        b = sub.recv(HANG_GUARD_S)
+        b = sub.recv(HANG_S)
         assert b is not None
         cache.apply(b.ts, b.events, b.seq)
     eng.close()

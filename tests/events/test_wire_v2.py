@@ -16,7 +16,7 @@ from engine.events.state import pack_ids, unpack_ids
 from engine.events.wire import EventStream
 from engine.events.wire import codec as C
 from engine.events.wire.recording import Recording
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SAMPLE = Path(__file__).parents[2] / "assets" / "sample.kvtrace"
@@ -195,7 +195,7 @@ def test_batch_consumers_see_every_batch_in_order(tmp_path):
         s.add_consumer(broken)
         for step in range(20):
             s.end_step(step, gen.step(s.sink))
-        assert s.wait_idle(HANG_GUARD_S)
+        assert s.wait_idle(HANG_S)
         assert s.stats["consumer_errors"] == 20
     assert [q for q, _ in seen] == list(range(1, 21))
     assert all(kind is list for _, kind in seen)  # consumers get plain id lists

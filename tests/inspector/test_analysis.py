@@ -12,7 +12,7 @@ from engine.events.analysis.ranges import diff_states, range_summary
 from engine.events.wire.recording import RecordingError
 from inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H, elide_middle
 from tests.inspector.conftest import expected_state
-from tests.waiting import HANG_GUARD_MS
+from tests.waiting import HANG_MS
 
 
 def test_lifecycle_rows_select_everywhere(replay_window, batches, qtbot):  # noqa: ANN001
@@ -163,6 +163,6 @@ def test_long_recordings_are_indexed_in_the_background(window, recording_path, q
     panel = window.analysis
     # the result arrives through the event loop: until it runs, the view says it is busy
     assert panel.index is None and panel.lifecycle.canvas.message.startswith("building")
-    qtbot.waitUntil(lambda: panel.index is not None, timeout=HANG_GUARD_MS)
+    qtbot.waitUntil(lambda: panel.index is not None, timeout=HANG_MS)
     assert LifecycleIndex.for_recording(rec) is panel.index  # cached for the recording
     assert panel.lifecycle.canvas.rows == panel.index.order and panel.index.order

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from inspector.sources.live import LiveSource
 from tests.inspector.test_live import Engine, _converged, endpoints, joined  # noqa: F401
-from tests.waiting import HANG_GUARD_MS
+from tests.waiting import HANG_MS
 
 
 def test_live_lifecycle_joins_late_and_follows(window, qtbot, endpoints):  # noqa: ANN001, F811
@@ -18,10 +18,10 @@ def test_live_lifecycle_joins_late_and_follows(window, qtbot, endpoints):  # noq
     window.attach_live(live, pub)
     live.start()
     try:
-        qtbot.waitUntil(lambda: joined(live), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: joined(live), timeout=HANG_MS)
         engine.run_steps(100)
         engine.wait()
-        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_MS)
         idx = window.model.lifecycle
         assert set(window.model.state.seqs) <= set(idx.seqs)  # all alive ones are known
         assert any(p.detail == "joined here" for s in idx.seqs.values() for p in s.phases)
@@ -36,7 +36,7 @@ def test_live_lifecycle_joins_late_and_follows(window, qtbot, endpoints):  # noq
         engine = Engine(pub, snap, seed=4)  # a restart: steps count from 0 again
         engine.run_steps(60)
         engine.wait()
-        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_MS)
         assert window.model.lifecycle is not idx
         window.analysis._refresh_live()
         assert window.analysis.index is window.model.lifecycle

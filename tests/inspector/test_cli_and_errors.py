@@ -14,7 +14,7 @@ from engine.events.wire.recording import RecordingWriter
 from inspector.app import open_recording, run
 from inspector.errors import InspectError
 from tests.inspector.conftest import write_recording
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,14 +80,14 @@ def test_cli_screenshot_headless(tmp_path, recording_path, artifacts):  # noqa: 
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
     r = subprocess.run([sys.executable, "-m", "engine.cli", "inspect", str(recording_path),
                         "--screenshot", str(out), "--step", "150"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 20_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # A wrong endpoint, with --screenshot: a clear message and a non-zero exit, no hang.
     r = subprocess.run([sys.executable, "-m", "engine.cli", "inspect", "--connect",
                         "tcp://127.0.0.1:1", "--screenshot", str(tmp_path / "l.png"),
                         "--wait", "0.5"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=HANG_GUARD_S)
+                       timeout=HANG_S)
     assert r.returncode == 3 and "no state from tcp://127.0.0.1:1" in r.stderr
 
 
@@ -111,5 +111,5 @@ def test_inspector_imports_without_torch() -> None:
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=HANG_GUARD_S, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+                       timeout=HANG_S, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert r.returncode == 0, r.stderr

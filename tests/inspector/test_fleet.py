@@ -12,7 +12,7 @@ import pytest
 
 from tests.inspector.batches import synthetic_batches
 from tests.inspector.conftest import expected_state, write_recording
-from tests.waiting import HANG_GUARD_S
+from tests.waiting import HANG_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_cli_renders_several_recordings(two_recordings, tmp_path: Path) -> None:
     _, paths = two_recordings
     r = subprocess.run([sys.executable, "-m", "engine.cli", "inspect", *map(str, paths),
                         "--screenshot", str(out)], cwd=REPO_ROOT, capture_output=True,
-                       text=True, timeout=HANG_GUARD_S,
+                       text=True, timeout=HANG_S,
                        env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 10_000
@@ -74,6 +74,6 @@ def test_the_fleet_view_imports_without_torch() -> None:
             "import inspector.fleet\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                       text=True, timeout=HANG_GUARD_S,
+                       text=True, timeout=HANG_S,
                        env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert r.returncode == 0, r.stderr

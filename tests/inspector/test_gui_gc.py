@@ -7,7 +7,7 @@ import gc
 import threading
 
 from inspector import gui_gc
-from tests.waiting import HANG_GUARD_MS
+from tests.waiting import HANG_MS
 
 
 class _Finalized:
@@ -35,7 +35,7 @@ def test_a_worker_threads_allocations_never_collect(app, qtbot):  # noqa: ANN001
     worker.start()
     worker.join()
     assert where == []  # without the guard the worker's collections free it
-    qtbot.waitUntil(lambda: bool(where), timeout=HANG_GUARD_MS)  # the GUI timer's collection
+    qtbot.waitUntil(lambda: bool(where), timeout=HANG_MS)  # the GUI timer's collection
     assert where == [threading.main_thread().name]
 
 

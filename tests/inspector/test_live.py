@@ -15,7 +15,7 @@ from engine.bench.synthetic import SyntheticCache
 from engine.events.wire import EventStream
 from inspector.errors import InspectError
 from inspector.sources.live import LiveSource
-from tests.waiting import HANG_GUARD_MS, HANG_GUARD_S
+from tests.waiting import HANG_MS, HANG_S
 
 
 class Engine:
@@ -51,7 +51,7 @@ class Engine:
         self._thread.start()
 
     def wait(self) -> None:
-        assert self._done.wait(HANG_GUARD_S)
+        assert self._done.wait(HANG_S)
 
     def close(self) -> None:
         self.stream.close()
@@ -94,10 +94,10 @@ def test_late_join_converges_and_survives_restart(window, qtbot, endpoints, arti
     window.attach_live(live, pub)
     live.start()
     try:
-        qtbot.waitUntil(lambda: joined(live), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: joined(live), timeout=HANG_MS)
         engine.run_steps(120)
         engine.wait()
-        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_MS)
         assert live.sub.status == "connected" and not window.banner.isVisible()
         rows = {r[0] for r in window.sequences.visible_rows()}
         assert rows == set(engine.cache.canonical()["seqs"])
@@ -109,14 +109,14 @@ def test_late_join_converges_and_survives_restart(window, qtbot, endpoints, arti
         engine.close()  # the engine dies: the window keeps its last frame, says so
         frame = window.model.state.canonical()
         qtbot.waitUntil(lambda: (live.tick(), live.sub.status == "stale")[1],
-                        timeout=HANG_GUARD_MS)
+                        timeout=HANG_MS)
         assert window.banner.isVisible() and "silent" in window.banner.text()
         assert window.model.state.canonical() == frame
 
         engine = Engine(pub, snap, seed=2)  # a new engine on the same endpoints
         engine.run_steps(80)
         engine.wait()
-        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_MS)
         assert live.sub.restarts >= 1 and live.sub.epoch == engine.stream.epoch
         assert not window.banner.isVisible()
         window.export_png(artifacts / "inspector_live_after_restart.png")
@@ -140,7 +140,7 @@ def test_flood_keeps_the_gui_responsive(window, qtbot, endpoints):  # noqa: ANN0
             live.tick()
             worst = max(worst, time.perf_counter() - t)
             qtbot.wait(5)
-        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_MS)
         print(f"worst GUI tick during flood: {worst * 1000:.1f} ms")
     finally:
         live.stop()
@@ -153,7 +153,7 @@ def test_nobody_publishing_says_so(window, qtbot, endpoints, monkeypatch):  # no
     window.attach_live(live, endpoints[0])
     live.start()
     try:
-        qtbot.waitUntil(lambda: window.banner.isVisible(), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: window.banner.isVisible(), timeout=HANG_MS)
         assert "no kvscope publisher answering" in window.banner.text()
         assert "waiting" in window.status_labels["source"].text()
     finally:
@@ -180,7 +180,7 @@ def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN00
                 {"v": 3, "type": "heartbeat", "epoch": "x", "seq": 1, "time": 0.0})])
             return window.banner.isVisible()
 
-        qtbot.waitUntil(answer, timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(answer, timeout=HANG_MS)
         assert "protocol version 3" in window.banner.text()
         assert not live.has_state
     finally:

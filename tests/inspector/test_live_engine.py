@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from inspector.sources.live import LiveSource
-from tests.waiting import HANG_GUARD_MS
+from tests.waiting import HANG_MS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -68,19 +68,19 @@ def test_live_window_follows_real_engine_and_restart(window, qtbot, loaded):  # 
         # Joined (the snapshot, taken while the engine idles) and subscribed (a heartbeat
         # arrived live) before the next step: every later batch arrives live, no gap.
         qtbot.waitUntil(lambda: (live.tick(), live.sub.status != "waiting"
-                                 and live.sub.live_messages > 0)[1], timeout=HANG_GUARD_MS)
+                                 and live.sub.live_messages > 0)[1], timeout=HANG_MS)
         while eng.has_unfinished_requests():
             eng.step()
             live.tick()
             qtbot.wait(1)
-        qtbot.waitUntil(lambda: converged(live, eng), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: converged(live, eng), timeout=HANG_MS)
         assert eng.step_count > 3 and live.sub.gaps == 0
 
         eng.close()  # the engine goes away; a new one starts on the same endpoint
         eng = start_engine(loaded, endpoint, ["Once upon a time", "The sky is"])
         eng.step()
         eng.step()
-        qtbot.waitUntil(lambda: converged(live, eng), timeout=HANG_GUARD_MS)
+        qtbot.waitUntil(lambda: converged(live, eng), timeout=HANG_MS)
         assert live.sub.restarts >= 1 and live.sub.epoch == eng.events.epoch
         assert {r[0] for r in window.sequences.visible_rows()} == set(eng.kv_state()["seqs"])
     finally:

@@ -14,7 +14,7 @@ from engine.events import schema as S
 from inspector import palette as P
 from inspector.views.sequences import COLUMNS
 from tests.inspector.conftest import expected_state
-from tests.waiting import HANG_GUARD_MS
+from tests.waiting import HANG_MS
 
 
 def _check_frame(win, truth) -> None:  # noqa: ANN001
@@ -65,7 +65,7 @@ def test_step_play_and_slider(replay_window, batches, qtbot):  # noqa: ANN001
     rp.set_speed(16.0)
     rp.seek_step(250)
     rp.play()
-    qtbot.waitUntil(lambda: not rp.playing, timeout=HANG_GUARD_MS)  # 50 steps at 16x
+    qtbot.waitUntil(lambda: not rp.playing, timeout=HANG_MS)  # 50 steps at 16x
     assert rp.step == 299
     _check_frame(win, expected_state(batches, 299))
 

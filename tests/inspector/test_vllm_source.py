@@ -20,7 +20,7 @@ from inspector.errors import InspectError
 from inspector.sources.vllm import VllmLiveSource, load_vllm_recording
 from inspector.views.vllm_prefix import age_map, block_rows, summary_text, timeline_arrays
 from tests.events.slow_joiner import publish_until_received
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_S, wait_until
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-kv-events.vllmtrace"
 
@@ -104,7 +104,7 @@ def test_live_source_reads_a_publisher(tmp_path, listen):
         work = ManagerWorkload(manager, seed=4, max_running=8)
         for step in range(first, first + 59):
             stream.end_step(step, work.step())
-        assert stream.wait_idle(HANG_GUARD_S) and pub.wait_idle(HANG_GUARD_S)
+        assert stream.wait_idle(HANG_S) and pub.wait_idle(HANG_S)
         truth = set(KVState.from_canonical(manager.snapshot()).tiers["gpu"].hashes.values())
         wait_until(lambda: (src.drain(), src.cache.last_seq == pub.seq)[1],
                    "the source to apply the publisher's last batch")

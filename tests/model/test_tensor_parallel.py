@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from tests.model.tiny_models import save_hf, tiny_hf_model
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_S, wait_until
 
 
 def _greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -87,7 +87,7 @@ def test_a_dead_rank_fails_the_engine_loudly(tiny_dir: Path,
     try:
         assert _greedy(engine, [[1, 2, 3]], 2)  # it works ...
         engine.runner.procs[0].kill()  # ... until rank 1 dies
-        engine.runner.procs[0].join(HANG_GUARD_S)
+        engine.runner.procs[0].join(HANG_S)
         assert not engine.runner.procs[0].is_alive()
         engine.add_request("x", [4, 5, 6], SamplingParams(max_tokens=2))
 
@@ -108,7 +108,7 @@ def test_a_dead_rank_fails_the_engine_loudly(tiny_dir: Path,
         fut = loop.submit("y", {"prompt_token_ids": [7, 8]}, SamplingParams(max_tokens=2),
                           lambda item: None)
         with pytest.raises(RuntimeError, match="engine failed: tensor-parallel rank 1 died"):
-            fut.result(HANG_GUARD_S)
+            fut.result(HANG_S)
         loop.stop()
     finally:
         engine.close()

@@ -23,7 +23,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # the fleet view test dra
 import httpx
 import pytest
 
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = HANG_S

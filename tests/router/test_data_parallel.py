@@ -16,7 +16,7 @@ import pytest
 
 from tests.model.tiny_models import save_hf, tiny_hf_model
 from tests.router.conftest import launch, wait_ready
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 pytestmark = pytest.mark.slow
 

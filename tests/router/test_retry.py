@@ -16,7 +16,7 @@ import pytest
 from engine.router.app import Router, create_app
 from engine.router.policy import Policy
 from engine.router.replica import Replica
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
           "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}

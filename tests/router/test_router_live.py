@@ -14,7 +14,7 @@ import pytest
 
 from engine.load.summary import parse_metrics
 from tests.router.conftest import Cluster, launch_replica, wait_ready
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_S, wait_until
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_vs_vllm.py"
 _spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
@@ -63,7 +63,7 @@ def test_unknown_workload_is_a_clear_error_before_anything_starts(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", sys.executable,
                         "--hf-dir", str(hf), "--workdir", str(tmp_path),
                         "--workloads", "offline-32x64,nope"],
-                       capture_output=True, text=True, timeout=HANG_GUARD_S)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode != 0 and "unknown workloads ['nope']" in r.stderr
 
 
@@ -88,7 +88,7 @@ def test_before_ref_that_is_not_a_commit_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--vllm-python", sys.executable,
                         "--hf-dir", str(hf), "--workdir", str(tmp_path),
                         "--before", "no-such-ref-xyz"],
-                       capture_output=True, text=True, timeout=HANG_GUARD_S)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode != 0 and "--before no-such-ref-xyz: not a commit" in r.stderr
 
 

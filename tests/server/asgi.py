@@ -22,7 +22,7 @@ import openai
 from engine.load.summary import parse_metrics
 from engine.server.app import create_app
 from engine.server.state import ServerState
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 BASE = "http://kvscope"
 T = TypeVar("T")

@@ -29,7 +29,7 @@ import pytest
 
 from engine.load.summary import parse_metrics
 from tests.server.asgi import InProcess
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 READY = re.compile(r"ready on (http://\S+)")

@@ -29,8 +29,7 @@ from engine.server.engine_client import (
     Deliver,
     EngineUnavailable,
 )
-
-HANG_S = 300.0  # how long a wait may take before the test calls it a hang
+from tests.waiting import HANG_S
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from tests.server.asgi import InProcess
 from tests.server.conftest import CAPACITY_TOKENS
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]

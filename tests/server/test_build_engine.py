@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from engine.server.daemon import build_engine
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 
 def test_builds_off_the_calling_thread_and_returns_the_engine():

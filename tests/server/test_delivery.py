@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 from engine.server.delivery import StepDelivery
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 
 def test_a_burst_is_one_wakeup_and_keeps_order():

@@ -12,7 +12,8 @@ import json
 import pytest
 
 from tests.server.asgi import serve_double
-from tests.server.doubles import HANG_S, CharTokenizer, SimulatedEngine
+from tests.server.doubles import CharTokenizer, SimulatedEngine
+from tests.waiting import HANG_S
 
 
 @pytest.mark.parametrize("stream", [True, False])

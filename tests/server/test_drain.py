@@ -17,7 +17,8 @@ import pytest
 
 from engine.server.daemon import drain
 from tests.server.asgi import InProcess, serve_double
-from tests.server.doubles import HANG_S, CharTokenizer, SimulatedEngine
+from tests.server.doubles import CharTokenizer, SimulatedEngine
+from tests.waiting import HANG_S
 
 CHAT = "/v1/chat/completions"
 

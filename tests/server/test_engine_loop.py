@@ -14,7 +14,8 @@ from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.server.engine_client import Aborted, EngineClient, EngineUnavailable
 from engine.server.engine_loop import EngineLoop
-from tests.server.doubles import HANG_S, ScriptedLLMEngine, SimulatedEngine
+from tests.server.doubles import ScriptedLLMEngine, SimulatedEngine
+from tests.waiting import HANG_S
 
 PROMPT = {"prompt_token_ids": [1, 2, 3]}
 

@@ -14,8 +14,8 @@ import pytest
 
 from tests.server.asgi import InProcess
 from tests.server.conftest import SHARED, Daemon, start_daemon, stop_daemon
-from tests.server.doubles import HANG_S
 from tests.server.faulty_serve import KILLER_TOKEN, POISON_SEED
+from tests.waiting import HANG_S
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]

@@ -23,7 +23,7 @@ import pytest
 
 from engine.events.wire.recording import Recording
 from tests.server.conftest import Daemon, start_daemon, stop_daemon
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 CHAT = "/v1/chat/completions"
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine.load.workloads import list_workloads
 from tests.server.conftest import REPO, Daemon
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 
 @pytest.mark.parametrize("workload", list_workloads())

@@ -27,7 +27,7 @@ import pytest
 from engine.events.state import KVState
 from engine.events.wire.recording import Recording, RecordingWarning
 from tests.server.conftest import Daemon, start_daemon, stop_daemon
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 CLIENTS = 500
 MAX_TOKENS = 3

@@ -19,7 +19,7 @@ from engine.server.responses_protocol import ResponsesRequest, responses_names
 from engine.server.strict import parse
 from tests.server.asgi import InProcess
 from tests.server.conftest import REPO
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 LIMITS = Limits(max_model_len=64, vocab_size=1000, max_n=4, max_logprobs=5)
 HI = [{"role": "user", "content": "hi"}]

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.server.conftest import REPO
-from tests.server.doubles import HANG_S
+from tests.waiting import HANG_S
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
