@@ -367,10 +367,15 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of ``probs`` [R, V], the token i with c[i-1] <= u * c[-1] < c[i], c the
     running sum: token i with probability p[i], never one of probability 0 (its c equals
     the one before it). ``u`` [R] in [0, 1), on any device."""
-    c = torch.cumsum(probs, dim=-1)
-    # u < 1 in float32, so u * total rounds to below total (never up to it): the search
-    # stays within the row
-    target = u.to(c.device, c.dtype)[:, None] * c[:, -1:]
+    # float32 at least: in bfloat16 a u of 0.999 rounds to 1.0, and u * total would reach
+    # the total and search past the row's end
+    c = torch.cumsum(probs.float() if probs.dtype in (torch.float16, torch.bfloat16)
+                     else probs, dim=-1)
+    total = c[:, -1:]
+    # u * total can still round up to the total (a subnormal total): keep the target
+    # strictly below it, so some c[i] > target and the index stays within the row
+    target = torch.minimum(u.to(c.device, c.dtype)[:, None] * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(c, target, right=True)[:, 0]
 
 

@@ -197,6 +197,20 @@ def test_inverse_cdf_never_picks_a_token_of_probability_zero():
         assert _inverse_cdf(probs * total, below_one[None].expand(4)).tolist() == [4] * 4
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_inverse_cdf_stays_within_the_row_whatever_the_probs_dtype(dtype):
+    """A half-precision row's u of 0.999 rounds to 1.0 and a subnormal total absorbs
+    u < 1: neither may search past the last token of nonzero probability."""
+    from engine.sampling import _inverse_cdf
+
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]], dtype=dtype)
+    for u in (0.999, 0.9999, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))):
+        assert _inverse_cdf(probs, torch.tensor([u])).tolist() == [1]
+    tiny = torch.tensor([[0.0, 2.0 ** -140, 0.0]])  # a subnormal float32 total
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    assert _inverse_cdf(tiny, below_one[None]).tolist() == [1]
+
 def test_top_logprobs_batch_is_what_top_logprobs_returns_row_by_row():
     logits = _logits(rows=5, vocab=50, seed=2)
     ks = [0, 1, 5, 50, 3]
