@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.cache import KVCacheManager
+from engine.cache import CacheError, KVCacheManager
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.events.sink import NullSink
@@ -325,7 +325,8 @@ class LLMEngine:
         failed request's sequences are aborted in its place in that order)."""
         now = time.monotonic()
         sampled: list[SampledToken] = []
-        for result in self.sampler.sample(self._sample_rows(out, now), logits):
+        rows = self._sample_rows(out, now, touched, sampled)
+        for result in self.sampler.sample(rows, logits):
             req = self.requests[result.seq.request_id]
             if isinstance(result, SampleError):
                 self._fail_request(req, result.error, touched)
@@ -335,10 +336,14 @@ class LLMEngine:
                 sampled.append(result)
         self.scheduler.update_from_output(out, sampled, now)
 
-    def _sample_rows(self, out: SchedulerOutput, now: float) -> list[SampleRow]:
+    def _sample_rows(self, out: SchedulerOutput, now: float,
+                     touched: dict[str, RequestState],
+                     sampled: list[SampledToken]) -> list[SampleRow]:
         """The step's rows that sample, in batch order; a request with n > 1 forks its
         children when its parent's prompt is done, before its first token lands, so they
-        share every prompt block copy-on-write (and sample from the parent's row)."""
+        share every prompt block copy-on-write (and sample from the parent's row). A fork
+        the pool cannot hold (a contiguous reservation per child) fails that request
+        alone: its sequences go into ``sampled`` as aborts and it samples no row."""
         rows: list[SampleRow] = []
         r = -1  # the logits row: the runner returns one per scheduled sequence that samples
         for s in out.scheduled:
@@ -349,15 +354,23 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if req.error is not None:
                 continue
-            rows.append(self._row(req, seq, r))
+            mine = [self._row(req, seq, r)]
             if seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
-                for i in range(1, req.params.n):
-                    child = self._new_seq(req, i, seq.priority)
-                    child.num_computed_tokens = s.start + s.num_new_tokens
-                    child.ever_started, child.first_scheduled_time = True, now
-                    child.num_cached_tokens = seq.num_cached_tokens
-                    self.scheduler.add_forked(seq, child)
-                    rows.append(self._row(req, child, r))
+                try:
+                    for i in range(1, req.params.n):
+                        child = self._new_seq(req, i, seq.priority)
+                        child.num_computed_tokens = s.start + s.num_new_tokens
+                        child.ever_started, child.first_scheduled_time = True, now
+                        child.num_cached_tokens = seq.num_cached_tokens
+                        self.scheduler.add_forked(seq, child)
+                        mine.append(self._row(req, child, r))
+                except CacheError as e:
+                    # the child the pool refused never entered the cache: nothing to free
+                    child.status, child.finish_reason = "finished", "abort"
+                    self._fail_request(req, e, touched)
+                    sampled += [SampledToken(x, None, "abort") for x in req.seqs]
+                    continue
+            rows += mine
         return rows
 
     @staticmethod

@@ -76,6 +76,22 @@ def test_contiguous_layout(make_engine, reference):
         assert out.outputs[0].token_ids == reference[p]
 
 
+
+def test_contiguous_fork_the_pool_cannot_hold_fails_that_request_alone(make_engine, reference):
+    """Contiguous layout: each n > 1 child reserves a whole context. With room for two
+    reservations, request 0 (n=3) cannot fork: it fails with the cache's reason, its
+    blocks are freed, and request 1 beside it finishes with the reference's tokens."""
+    eng = make_engine(kv_layout="contiguous", max_model_len=64, block_size=16,
+                      num_gpu_blocks=8)
+    loaded = (eng.model, eng.tokenizer, eng.model_config)
+    eng.add_request("0", as_prompt(loaded, PROMPTS[0]),
+                    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, n=3))
+    eng.add_request("1", as_prompt(loaded, PROMPTS[1]), GREEDY)
+    out = run_all(eng)
+    assert out["0"].error is not None and "cannot fork" in out["0"].error
+    assert out["1"].error is None and out["1"].outputs[0].token_ids == reference[PROMPTS[1]]
+    assert eng.cache.gpu.num_free_blocks == 8
+
 def test_seeded_sampling_reproducible_across_layouts(make_engine, loaded):
     model, tok, cfg = loaded
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10,
