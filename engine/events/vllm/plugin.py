@@ -95,9 +95,11 @@ def register() -> None:
     except Exception as e:  # noqa: BLE001 - a plugin must never break vLLM
         log.warning("kvscope: cannot read vLLM (%s); the kvscope plugin stays off", e)
         return
-    missing = [f"{cls.__name__}.{name}" for cls, name in (
-        (Scheduler, "update_from_output"), (Scheduler, "finish_requests"),
-        (Scheduler, "_preempt_request"), (BlockPool, "reset_prefix_cache"))
+    missing = [f"{where}.{name}" for where, cls, name in (
+        ("Scheduler", Scheduler, "update_from_output"),
+        ("Scheduler", Scheduler, "finish_requests"),
+        ("Scheduler", Scheduler, "_preempt_request"),
+        ("BlockPool", BlockPool, "reset_prefix_cache"))
         if not callable(getattr(cls, name, None))]
     if missing or not hasattr(RequestStatus, "RUNNING"):
         log.warning("kvscope: vLLM %s lacks %s; the kvscope plugin stays off", version,
