@@ -163,6 +163,11 @@ def run(seed: int, steps: int, n: int = 24, groups: int = 1) -> tuple[KVState, d
         assert state.canonical() == expected, f"step {step}"
         assert differ.canonical() == expected
         assert differ.unrepresentable == 0
+        codes = state.block_codes("gpu").tolist()
+        used = sum(c >= S.BLOCK_USED for c in codes)
+        assert differ.block_counts() == {
+            "total": n, "used": used, "cached": codes.count(S.BLOCK_CACHED),
+            "free": codes.count(S.BLOCK_FREE)}
     return state, counts
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, compress
 from typing import Any
 
 from engine.events import causes as C
@@ -121,14 +121,13 @@ def read_page_table(scheduler: Any, running_status: Any) -> PageTable:
     reserved = [null_id, *chain.from_iterable(held)]
     counts = Counter(chain.from_iterable(s.table for s in seqs.values()))
     counts.update(reserved)
-    unexplained = 0
-    extra: list[int] = []
-    for b, n in enumerate(ref):
-        d = n - counts.get(b, 0)
-        if d > 0:
-            extra.extend([b] * d)
-            unexplained += d
-    reserved.extend(extra)
+    # Every ref explained (the common case) is checked without a pass over all blocks: no
+    # block is counted more than its ref, and the totals agree.
+    unexplained = sum(ref) - sum(counts.values())
+    if unexplained or any(ref[b] < n for b, n in counts.items()):
+        extra = [b for b, n in enumerate(ref) for _ in range(n - counts.get(b, 0))]
+        unexplained = len(extra)
+        reserved.extend(extra)
     seqs[RESERVED] = SeqView("running", reserved, 0)
     return PageTable(len(blocks), block_size, ref, keys, seqs, unexplained)
 
@@ -304,8 +303,9 @@ class PageTableDiffer:
         pt = self.prev
         if pt is None:
             return {}
-        used = sum(1 for n in pt.ref if n)
-        cached = sum(1 for n, k in zip(pt.ref, pt.keys, strict=True) if not n and k is not None)
+        used = len(pt.ref) - pt.ref.count(0)
+        held_keys = list(compress(pt.keys, pt.ref))  # keys of blocks with ref > 0
+        cached = (len(pt.keys) - pt.keys.count(None)) - (len(held_keys) - held_keys.count(None))
         return {"total": pt.num_blocks, "used": used, "cached": cached,
                 "free": pt.num_blocks - used - cached}
 

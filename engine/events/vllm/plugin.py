@@ -14,7 +14,9 @@ modules imported keep working): ``Scheduler.update_from_output`` (the end of an 
 core step: the page table is read there, ``engine.events.vllm.pagetable``, and one batch
 closes), ``Scheduler.finish_requests`` (aborts between steps close a batch too),
 ``Scheduler._preempt_request`` (the preemption's cause) and
-``BlockPool.reset_prefix_cache`` (evictions caused by a reset). vLLM loads general
+``BlockPool.reset_prefix_cache`` (evictions caused by a reset), and
+``Scheduler.shutdown`` when there is one (the stream closes: the recording's index is
+written). vLLM loads general
 plugins in every process (front end, engine core, workers); only the engine core has a
 scheduler, so only it opens the stream, at its first step. A data-parallel vLLM (one
 engine core per rank) gets one stream per rank: rank r publishes on the port + r and
@@ -26,6 +28,7 @@ rest of the run (the stream is closed); vLLM goes on.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -142,6 +145,15 @@ def _patch(scheduler_cls: Any, pool_cls: Any, running: Any, cfg: Config,
                 p.differ.reset_pending = True
         return ok
 
+    shutdown = getattr(scheduler_cls, "shutdown", None)
+    if callable(shutdown):
+        def scheduler_shutdown(self: Any, *args: Any, **kw: Any) -> Any:
+            p = getattr(self, "_kvscope", None)
+            if p is not None:
+                p.close()  # the recording's index is written; subscribers see it end
+            return shutdown(self, *args, **kw)
+
+        scheduler_cls.shutdown = scheduler_shutdown
     scheduler_cls.update_from_output = update_from_output
     scheduler_cls.finish_requests = finish_requests
     scheduler_cls._preempt_request = _preempt_request
@@ -184,6 +196,7 @@ class Producer:
                                       header=_header(scheduler, version, rank),
                                       snapshot_fn=self._snapshot, engine_lock=self.lock)
             self.on = True
+            atexit.register(self.close)  # a vLLM that exits without shutting down
             log.info("kvscope: publishing vLLM's page table%s%s",
                      f" on {self.stream.endpoint}" if cfg.endpoint else "",
                      f", recording to {cfg.record}" if cfg.record else "")
