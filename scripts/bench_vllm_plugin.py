@@ -34,12 +34,16 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3, help="passes per side")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--blocks", type=int, default=48, help="KV blocks of 32 tokens")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="KV blocks of 32 tokens (default: what VLLM_CPU_KVCACHE_SPACE=1 GiB "
+                         "gives); a small pool makes vLLM preempt")
+    ap.add_argument("--events", default="tcp://127.0.0.1:0",
+                    help="where the plugin publishes (to attach `kvscope inspect --connect`)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvscope-vllm-bench-"))
     rec = work / "run.kvtrace"
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
-                       "HF_HUB_OFFLINE": "1", "KVSCOPE_EVENTS": "tcp://127.0.0.1:0",
+                       "HF_HUB_OFFLINE": "1", "KVSCOPE_EVENTS": args.events,
                        "KVSCOPE_RECORD": str(rec), "VLLM_PLUGINS": "kvscope"})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     sys.path.insert(0, str(ROOT))
@@ -67,6 +71,8 @@ def main() -> None:
     core = llm.llm_engine.engine_core.engine_core
     producer = core.scheduler._kvscope
     stream = producer.stream
+    print(f"publishing on {stream.endpoint}; {producer.differ.prev.num_blocks} blocks",
+          flush=True)
 
     from engine.events import schema as S
     from engine.events.wire.subscriber import Subscriber

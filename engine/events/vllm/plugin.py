@@ -213,7 +213,7 @@ class Producer:
             cause = {C.POLICY: _policy(scheduler), C.REASON: C.R_ALLOCATE,
                      C.FREE_BLOCKS: self.pool.get_num_free_blocks()}
             rid = getattr(needed_by, "request_id", None)
-            if isinstance(rid, str) and needed_by is not request:
+            if isinstance(rid, str):  # may be the victim itself (the last one running)
                 cause[C.NEEDED_BY] = rid
             self.differ.preempt_causes[request.request_id] = cause
         except Exception:  # noqa: BLE001 - a cause is optional
