@@ -51,6 +51,9 @@ def _drive(model: Path, out: Path, in_process: bool) -> tuple[Path, Path, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
            "VLLM_NO_USAGE_STATS": "1", "VLLM_PLUGINS": "kvscope",
+           # vLLM's own guard on its engine core's start (600 s) fails a loaded box's
+           # compile; this test's hang guard is RUN_GUARD_S
+           "VLLM_ENGINE_READY_TIMEOUT_S": str(RUN_GUARD_S),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
            "KVSCOPE_RECORD": str(rec), "KVSCOPE_TEST_EXPECT": str(expect)}
     env.pop("KVSCOPE_EVENTS", None)
