@@ -61,9 +61,12 @@ class LLMEngine:
             config.model, device=self.device, dtype=self.dtype, seed=config.seed,
             hf_config=config.hf_config)
         mc = self.model_config
-        limit = mc.max_position_embeddings
+        limit = mc.max_context
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
+            why = (f" (the model's sliding window of {mc.sliding_window} tokens bounds it)"
+                   if limit != mc.max_position_embeddings else "")
+            raise ValueError(f"max_model_len must be in [2, {limit}]{why}, "
+                             f"got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames

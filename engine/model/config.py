@@ -8,7 +8,7 @@ from typing import Any
 from engine.model.errors import ModelLoadError
 
 # HF `model_type` values whose weights and forward are the Llama layout kvscope implements.
-# Qwen2 differs only by q/k/v biases; Mistral (without sliding window) is plain Llama.
+# Qwen2 differs only by q/k/v biases; Mistral is plain Llama plus its sliding window.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # RoPE variants implemented in engine/model/rope.py.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -36,6 +36,7 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -47,6 +48,8 @@ class ModelConfig:
             raise ModelLoadError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", "default")
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -54,6 +57,15 @@ class ModelConfig:
                     f"unsupported rope scaling {rope_type!r} "
                     f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
                 )
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence (prompt + output) this forward computes exactly: the model's
+        positions, bounded by its sliding window (past W tokens windowed attention drops keys
+        that the attention paths here would still see)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def q_size(self) -> int:
@@ -80,10 +92,13 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             f"{source}: unsupported architecture {model_type!r} "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    if model_type in ("mistral", "qwen2") and cfg.get("use_sliding_window", False) and cfg.get(
+    if model_type == "qwen2" and cfg.get("use_sliding_window", False) and cfg.get(
         "sliding_window"
-    ):
-        raise ModelLoadError(f"{source}: sliding-window attention is not supported")
+    ):  # Qwen2 windows only the layers from max_window_layers on: per-layer windows
+        raise ModelLoadError(f"{source}: qwen2 with use_sliding_window (a window on some "
+                             "layers only) is not supported")
+    # Mistral's `sliding_window` (no `use_sliding_window` flag) windows every layer.
+    window = cfg.get("sliding_window") if model_type == "mistral" else None
     # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
     rope = dict(cfg.get("rope_parameters") or {})
     legacy_scaling = cfg.get("rope_scaling")
@@ -114,6 +129,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
+            sliding_window=None if window is None else int(window),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{source}: config lacks required key {exc.args[0]!r}") from exc

@@ -101,6 +101,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     eot = _field(reader, "tokenizer.ggml.eot_token_id", path, None)
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    window = get("attention.sliding_window", None)  # llama.cpp writes it where it applies
     return ModelConfig(
         architecture=_GGUF_ARCHS[arch],
         num_layers=int(get("block_count")),
@@ -118,6 +119,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        sliding_window=None if window is None else int(window),
     )
 
 

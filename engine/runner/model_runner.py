@@ -165,7 +165,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and enforce_eager is not True and mixed is None and \
                 type(model) is LlamaModel:
-            self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
+            self.graphs = self.decode_graphs(max_model_len or model_config.max_context,
                                              max_num_seqs)
         self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
         if num_cpu_blocks:
