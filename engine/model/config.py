@@ -9,7 +9,8 @@ from engine.model.errors import ModelLoadError
 
 # HF `model_type` values whose weights and forward are the Llama layout kvscope implements.
 # Qwen2 differs only by q/k/v biases; Mistral is plain Llama plus its sliding window.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Qwen3 adds a per-head RMSNorm on q and k before RoPE (``qk_norm``).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants implemented in engine/model/rope.py.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -37,6 +38,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm over each head's q and k (weights [head_dim]) before RoPE
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -92,11 +94,11 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             f"{source}: unsupported architecture {model_type!r} "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    if model_type == "qwen2" and cfg.get("use_sliding_window", False) and cfg.get(
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False) and cfg.get(
         "sliding_window"
-    ):  # Qwen2 windows only the layers from max_window_layers on: per-layer windows
-        raise ModelLoadError(f"{source}: qwen2 with use_sliding_window (a window on some "
-                             "layers only) is not supported")
+    ):  # Qwen windows only the layers from max_window_layers on: per-layer windows
+        raise ModelLoadError(f"{source}: {model_type} with use_sliding_window (a window on "
+                             "some layers only) is not supported")
     # Mistral's `sliding_window` (no `use_sliding_window` flag) windows every layer.
     window = cfg.get("sliding_window") if model_type == "mistral" else None
     # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
@@ -130,6 +132,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
             sliding_window=None if window is None else int(window),
+            qk_norm=model_type == "qwen3",
         )
     except KeyError as exc:
         raise ModelLoadError(f"{source}: config lacks required key {exc.args[0]!r}") from exc

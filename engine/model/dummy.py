@@ -52,6 +52,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         "max_position_embeddings": 8192, "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    # Qwen/Qwen3-0.6B's config.json (q/k norms; head_dim 128 is not hidden / heads).
+    "qwen3-0.6b": {
+        "model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 3072, "vocab_size": 151936, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     # A few-MB model of the same family for CPU smoke runs (scripts/gpu_check.py --smoke).
     "tiny": {
         "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,

@@ -32,6 +32,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]
     down: torch.Tensor | None  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3: config.qk_norm)
+    k_norm: torch.Tensor | None = None  # [head_dim]
 
 
 @dataclass
@@ -96,6 +98,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
+                       p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (config.q_size,),
@@ -181,6 +186,8 @@ class LlamaModel:
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=gate_up.to(device),
                 down=take(p + "mlp.down_proj.weight"),
+                q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
             ))
         embed = take("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
@@ -203,6 +210,8 @@ class LlamaModel:
         x = (cpu_fused.rms_norm if native else rms_norm)(hidden, self.layers[0].input_norm, eps)
         for idx, (layer, lin) in enumerate(zip(self.layers, self.linears, strict=True)):
             qkv = lin.qkv(x)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer, num_tokens)
             # q and k are adjacent columns of qkv: rotate them in one pass (heads broadcast)
             if native:
                 cpu_fused.rope_(qkv, cos, sin, qk_heads, cfg.head_dim)  # in place
@@ -222,6 +231,15 @@ class LlamaModel:
         return x
 
     __call__ = forward
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, num_tokens: int) -> None:
+        """Qwen3: RMSNorm over each head of q and of k, in place in ``qkv``, before RoPE."""
+        cfg = self.config
+        q = qkv[:, :cfg.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(num_tokens, cfg.num_kv_heads,
+                                                             cfg.head_dim)
+        q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+        k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
     # The two places a tensor-parallel shard differs (engine.model.parallel.ShardedLlama):
     # a vocab-parallel embedding, and summing row-parallel partial outputs over the ranks.
