@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,9 +11,13 @@ from engine.model.errors import ModelLoadError
 # HF `model_type` values whose weights and forward are the Llama layout kvscope implements.
 # Qwen2 differs only by q/k/v biases; Mistral is plain Llama plus its sliding window.
 # Qwen3 adds a per-head RMSNorm on q and k before RoPE (``qk_norm``).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Phi-3 fuses q/k/v and gate/up in its checkpoint, may rotate only part of each head
+# (``rotary_dim``) and scales RoPE with LongRoPE.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Architectures whose checkpoints hold qkv_proj and gate_up_proj already fused.
+FUSED_CHECKPOINTS = ("phi3",)
 # RoPE variants implemented in engine/model/rope.py.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
     qk_norm: bool = False  # RMSNorm over each head's q and k (weights [head_dim]) before RoPE
+    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim of each head (None: all)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -52,6 +58,10 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise ModelLoadError(f"rotary_dim={self.rotary_dim} must be even and in "
+                                 f"(0, head_dim={self.head_dim}]")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", "default")
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -68,6 +78,11 @@ class ModelConfig:
         if self.sliding_window is None:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def q_size(self) -> int:
@@ -99,8 +114,8 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     ):  # Qwen windows only the layers from max_window_layers on: per-layer windows
         raise ModelLoadError(f"{source}: {model_type} with use_sliding_window (a window on "
                              "some layers only) is not supported")
-    # Mistral's `sliding_window` (no `use_sliding_window` flag) windows every layer.
-    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    # Mistral's and Phi-3's `sliding_window` (no `use_sliding_window` flag) windows every layer.
+    window = cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None
     # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
     rope = dict(cfg.get("rope_parameters") or {})
     legacy_scaling = cfg.get("rope_scaling")
@@ -109,17 +124,22 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
+    partial_rotary = float(rope.pop("partial_rotary_factor",
+                                    cfg.get("partial_rotary_factor", 1.0)))
     rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            rope_scaling = _longrope(rope_scaling, cfg)
         return ModelConfig(
             architecture=model_type,
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
             rope_theta=rope_theta,
@@ -133,8 +153,31 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
             sliding_window=None if window is None else int(window),
             qk_norm=model_type == "qwen3",
+            rotary_dim=None if partial_rotary == 1.0 else int(head_dim * partial_rotary),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{source}: config lacks required key {exc.args[0]!r}") from exc
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc
+
+
+def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's parameters made explicit, as transformers derives them: the pretraining
+    length (``original_max_position_embeddings``), and the cos/sin scale
+    ``attention_factor`` (from ``factor``, by default max_position_embeddings over the
+    pretraining length)."""
+    scaling = dict(scaling)
+    original = scaling.get("original_max_position_embeddings",
+                           cfg.get("original_max_position_embeddings"))
+    if original is None or "long_factor" not in scaling or "short_factor" not in scaling:
+        raise ModelLoadError("longrope scaling needs long_factor, short_factor and "
+                             "original_max_position_embeddings")
+    original = int(original)
+    factor = scaling.get("factor") or int(cfg["max_position_embeddings"]) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else \
+            math.sqrt(1 + math.log(factor) / math.log(original))
+    scaling.update(original_max_position_embeddings=original, factor=float(factor),
+                   attention_factor=float(attention_factor))
+    return scaling

@@ -60,6 +60,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # microsoft/Phi-4-mini-instruct's shapes: fused qkv/gate_up, 3/4 of each head rotated.
+    # Its LongRoPE factor lists (48 numbers each) are left out: plain RoPE, since dummy
+    # weights make only the shapes matter.
+    "phi-4-mini": {
+        "model_type": "phi3", "num_hidden_layers": 32, "hidden_size": 3072,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+        "vocab_size": 200064, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "sliding_window": 262144,
+        "max_position_embeddings": 131072, "bos_token_id": 199999, "eos_token_id": 199999,
+    },
     # A few-MB model of the same family for CPU smoke runs (scripts/gpu_check.py --smoke).
     "tiny": {
         "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionBackend
-from engine.model.config import ModelConfig
+from engine.model.config import FUSED_CHECKPOINTS, ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.linear import Linear, make_linear
 from engine.model.rope import RotaryEmbedding
@@ -77,7 +77,8 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF-named tensor the forward needs, with its shape."""
+    """Every HF-named tensor the forward needs, with its shape (q/k/v and gate/up as the
+    checkpoint holds them: fused for FUSED_CHECKPOINTS)."""
     h, i = config.hidden_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
@@ -90,14 +91,20 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
             p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if config.architecture in FUSED_CHECKPOINTS:
+            shapes |= {p + "self_attn.qkv_proj.weight": (config.q_size + 2 * config.kv_size, h),
+                       p + "mlp.gate_up_proj.weight": (2 * i, h)}
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (config.q_size, h),
+                p + "self_attn.k_proj.weight": (config.kv_size, h),
+                p + "self_attn.v_proj.weight": (config.kv_size, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+            }
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
                        p + "self_attn.k_norm.weight": (config.head_dim,)}
@@ -125,7 +132,7 @@ class LlamaModel:
         # weight memory doubles. ``dense_layers``/``lm_head`` unpack them on demand.
         self.layers = [dataclasses.replace(w, qkv=None, o_proj=None, gate_up=None, down=None)
                        for w in layers]
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+        self.rope = RotaryEmbedding(config.rope_dim, config.rope_theta, config.rope_scaling,
                                     embed.device)
 
     @property
@@ -172,13 +179,16 @@ class LlamaModel:
         layers = []
         for n in range(config.num_layers):
             p = f"model.layers.{n}."
-            qkv = torch.cat([found.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            fused = config.architecture in FUSED_CHECKPOINTS
+            qkv = found.pop(p + "self_attn.qkv_proj.weight") if fused else \
+                torch.cat([found.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             bias = None
             if config.attention_bias:
                 bias = torch.cat([found.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
                 bias = bias.to(device)
-            gate_up = torch.cat([found.pop(p + "mlp.gate_proj.weight"),
-                                 found.pop(p + "mlp.up_proj.weight")])
+            gate_up = found.pop(p + "mlp.gate_up_proj.weight") if fused else \
+                torch.cat([found.pop(p + "mlp.gate_proj.weight"),
+                           found.pop(p + "mlp.up_proj.weight")])
             layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv.to(device), qkv_bias=bias,
@@ -213,7 +223,7 @@ class LlamaModel:
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer, num_tokens)
             # q and k are adjacent columns of qkv: rotate them in one pass (heads broadcast)
-            if native:
+            if native and cfg.rope_dim == cfg.head_dim:
                 cpu_fused.rope_(qkv, cos, sin, qk_heads, cfg.head_dim)  # in place
                 qk = qkv[:, :qk_size].view(num_tokens, qk_heads, cfg.head_dim)
             else:

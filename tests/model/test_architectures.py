@@ -17,10 +17,10 @@ STEPS = 32
 
 
 def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    hf.generation_config.eos_token_id = None  # as ignore_eos: EOS is a token like any other
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                          max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                          pad_token_id=0)
+                          max_new_tokens=steps, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -70,3 +70,52 @@ def test_qwen3_compiled_decode_matches_transformers(qwen3):
     compiled = llm.llm_engine.runner.compiled
     assert compiled is not None and compiled.enabled and compiled.compiled_buckets
     assert out.token_ids == hf_greedy(hf, PROMPT, 8)
+
+
+def _phi4_mini_like(**overrides) -> dict:
+    """Phi-4-mini's shape of RoPE in small: 3/4 of each head rotated, LongRoPE factors."""
+    rotary = int(16 * 0.75)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(rotary // 2)],
+            "long_factor": [1.5 + 0.5 * i for i in range(rotary // 2)]}
+    return {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 128,
+            "rope_parameters": rope, "tie_word_embeddings": True} | overrides
+
+
+def test_phi3_matches_transformers(tmp_path):
+    hf = tiny_hf_model("phi3", seed=12)
+    path = save_hf(hf, tmp_path)
+    _, _, config = load_model(path)
+    assert config.architecture == "phi3" and config.rope_dim == config.head_dim
+    check_parity(hf, path)
+
+
+def test_phi4_mini_partial_rotary_and_longrope_match_transformers(tmp_path):
+    hf = tiny_hf_model("phi3", seed=13, **_phi4_mini_like())
+    path = save_hf(hf, tmp_path)
+    _, _, config = load_model(path)
+    assert config.rotary_dim == 12 and config.rope_scaling["rope_type"] == "longrope"
+    assert config.rope_scaling["attention_factor"] > 1.0  # 256 / 128: factor 2
+    check_parity(hf, path)  # 40 + 32 tokens: inside the pretraining length (short factors)
+
+
+def test_longrope_long_factors_past_the_pretraining_length():
+    """Past original_max_position_embeddings the long factors apply: our cos/sin equal
+    transformers' at those positions (its rotary embedding switches on the max position)."""
+    import transformers
+
+    from engine.model.config import config_from_hf
+    from engine.model.rope import RotaryEmbedding
+
+    hf_config = transformers.Phi3Config(hidden_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=256,
+                                        pad_token_id=0, **_phi4_mini_like())
+    ours = config_from_hf(hf_config.to_dict(), "phi3")
+    rope = RotaryEmbedding(ours.rope_dim, ours.rope_theta, ours.rope_scaling, torch.device("cpu"))
+    theirs = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(hf_config)
+    x = torch.zeros(1, 4, 16)
+    for positions in (torch.arange(0, 100), torch.arange(128, 200)):  # short, then long
+        hf_cos, hf_sin = theirs(x, positions[None])
+        cos, sin = rope.cos_sin(positions, torch.float32)
+        torch.testing.assert_close(cos[:, 0], hf_cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin[:, 0], hf_sin[0], atol=1e-6, rtol=0)

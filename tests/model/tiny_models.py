@@ -26,6 +26,8 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[kind]
     extra = {"sliding_window": None} if kind in ("mistral", "phi3") else {}
+    if kind == "phi3":  # its defaults name token 32000, past the tiny vocabulary
+        extra |= {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}
     if kind == "qwen3":
         extra = {"head_dim": 24}  # not hidden / heads, as in the real Qwen3 configs
     config = config_cls(**(TINY | extra | overrides))
