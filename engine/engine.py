@@ -61,13 +61,15 @@ class LLMEngine:
             config.model, device=self.device, dtype=self.dtype, seed=config.seed,
             hf_config=config.hf_config)
         mc = self.model_config
-        limit = mc.max_context
+        limit = mc.max_position_embeddings
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
-            why = (f" (the model's sliding window of {mc.sliding_window} tokens bounds it)"
-                   if limit != mc.max_position_embeddings else "")
-            raise ValueError(f"max_model_len must be in [2, {limit}]{why}, "
-                             f"got {config.max_model_len}")
+            raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
+        if mc.windowed and (self.device.type != "cpu" or config.kv_demotion):
+            raise ValueError(
+                f"{mc.architecture} has sliding-window layers: their attention runs on CPU "
+                "without --kv-demotion only, so far (the Triton and mixed-page kernels take "
+                "no window yet)")
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)

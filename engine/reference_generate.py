@@ -26,7 +26,7 @@ def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: at least one token is needed")
     config = model.config
-    max_len = max_model_len or config.max_context
+    max_len = max_model_len or config.max_position_embeddings
     if len(prompt_token_ids) >= max_len:
         raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                          f"{max_len}, leaving no room to generate")

@@ -56,7 +56,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, max_seq_len: int | None = None,
                     num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Causal paged attention for prefill with cached context, chunked prefill and decode.
 
     q ``[T, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32 (tokens
@@ -67,9 +68,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sequence, sizes the decode splits (default: block_tables width * block_size, which needs
     no device sync; a wrong value only unbalances the splits), ``num_splits`` fixes the
     decode split count; ``out`` receives the result. ``k_scale``/``v_scale``: the scales of
-    quantized pages (module docstring).
+    quantized pages (module docstring). ``window`` W: sliding-window attention, query i
+    also sees only keys > seq_len - q_len + i - W (the reference backend only, so far).
     """
-    return _impl(q.device).paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+    impl = _impl(q.device)
+    if window is not None:
+        if impl is not reference:
+            raise NotImplementedError("sliding-window paged attention runs on the reference "
+                                      "backend only; the Triton kernels take no window yet")
+        return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                         cu_seqlens_q, scale, out=out, k_scale=k_scale,
+                                         v_scale=v_scale, window=window)
+    return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale, out=out,
                                            max_seq_len=max_seq_len, num_splits=num_splits,
                                            k_scale=k_scale, v_scale=v_scale)

@@ -24,7 +24,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 class ModelConfig:
     """Invariants: hidden_size == num_heads * head_dim is NOT assumed (head_dim is explicit);
     num_heads % num_kv_heads == 0 (GQA groups); rope_scaling is None or has a 'rope_type'
-    in SUPPORTED_ROPE_TYPES."""
+    in SUPPORTED_ROPE_TYPES. ``sliding_window`` W (None: none) means a query at position p
+    of a windowed layer attends to keys p-W+1..p only (transformers' sliding attention);
+    ``layer_windows`` says which layers are windowed."""
 
     architecture: str
     num_layers: int
@@ -71,13 +73,13 @@ class ModelConfig:
                 )
 
     @property
-    def max_context(self) -> int:
-        """The longest sequence (prompt + output) this forward computes exactly: the model's
-        positions, bounded by its sliding window (past W tokens windowed attention drops keys
-        that the attention paths here would still see)."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window W, or None for full attention."""
+        return (self.sliding_window,) * self.num_layers
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
 
     @property
     def rope_dim(self) -> int:

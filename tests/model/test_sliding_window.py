@@ -1,5 +1,6 @@
-"""Mistral's sliding window: a context is bounded by the window (where windowed attention and
-the full attention kvscope computes agree exactly), never run silently past it."""
+"""Mistral's sliding window, honoured: past the window a windowed layer sees only the last W
+positions, in the contiguous reference forward and in the engine's paged CPU path, exactly
+as transformers computes it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from engine.model.loader import load_model
 from tests.model.tiny_models import hf_logits, our_logits, save_hf, tiny_hf_model
 
 WINDOW = 48
+PROMPT = [(7 * i + 3) % 272 for i in range(97)]  # two windows and a token
 
 
 @pytest.fixture(scope="module")
@@ -20,42 +22,49 @@ def windowed(tmp_path_factory):
     return hf, save_hf(hf, tmp_path_factory.mktemp("mistral-w48"))
 
 
-def test_config_bounds_the_context_by_the_window(windowed):
+def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    hf.generation_config.eos_token_id = None  # as ignore_eos
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                          max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_config_reads_the_window(windowed):
     _, path = windowed
     _, _, config = load_model(path)
-    assert config.sliding_window == WINDOW and config.max_position_embeddings == 256
-    assert config.max_context == WINDOW
+    assert config.sliding_window == WINDOW and config.layer_windows == (WINDOW, WINDOW)
     base = {"model_type": "mistral", "num_hidden_layers": 1, "hidden_size": 8,
             "num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 8}
-    assert config_from_hf(base | {"sliding_window": None}, "x").max_context == 2048
-    assert config_from_hf(base | {"sliding_window": 4096}, "x").max_context == 2048
+    assert not config_from_hf(base | {"sliding_window": None}, "x").windowed
 
 
-def test_within_the_window_logits_and_greedy_match_transformers(windowed):
+def test_past_the_window_logits_match_transformers(windowed):
     hf, path = windowed
     model, _, _ = load_model(path)
-    ids = [(7 * i + 3) % 272 for i in range(WINDOW)]
-    torch.testing.assert_close(our_logits(model, ids), hf_logits(hf, ids), atol=2e-5, rtol=0)
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4)
-    prompt = ids[:16]
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=64),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == WINDOW - len(prompt) and out.finish_reason == "length"
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                             max_new_tokens=len(out.token_ids), do_sample=False,
-                             pad_token_id=0)[0, len(prompt):].tolist()
-    assert out.token_ids == theirs
+    torch.testing.assert_close(our_logits(model, PROMPT), hf_logits(hf, PROMPT), atol=2e-5,
+                               rtol=0)
 
 
-def test_past_the_window_is_refused_with_the_reason(windowed):
+@pytest.mark.parametrize("engine_args", [
+    {"block_size": 8},
+    # a prefill in chunks (context + window masks) and prefix-cache hits on a second request
+    {"block_size": 16, "max_num_batched_tokens": 32, "enable_prefix_caching": True},
+])
+def test_engine_greedy_past_the_window_matches_transformers_generate(windowed, engine_args):
+    hf, path = windowed
+    llm = LLM(str(path), device="cpu", dtype="float32", **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = hf_greedy(hf, PROMPT, 32)
+    for _ in range(2):
+        out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == expected
+
+
+def test_windowed_model_refuses_kernels_without_a_window(windowed):
     _, path = windowed
-    with pytest.raises(ValueError, match="sliding window of 48 tokens"):
-        LLM(str(path), device="cpu", dtype="float32", max_model_len=97)
-    llm = LLM(str(path), device="cpu", dtype="float32")
-    with pytest.raises(ValueError, match="max_model_len is 48"):
-        llm.generate({"prompt_token_ids": list(range(97))}, SamplingParams(max_tokens=4),
-                     use_tqdm=False)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        LLM(str(path), device="cpu", dtype="float32", kv_demotion="int8")
 
 
 def test_qwen2_windowed_layers_are_refused():
