@@ -95,6 +95,8 @@ class LLMEngine:
             if self.mixed is not None:
                 raise ValueError("--kv-demotion is not supported with "
                                  "--tensor-parallel-size > 1")
+            if mc.architecture == "gemma3_text":  # its ranks would run the Llama forward
+                raise ValueError("gemma3_text is not supported with --tensor-parallel-size > 1")
             from engine.distributed.tp import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,

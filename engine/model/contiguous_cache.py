@@ -21,7 +21,7 @@ class ContiguousKVCache:
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.max_len = max_len
         self.num_layers = config.num_layers
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attn_scale
         self.num_tokens = 0
         self.windows = config.layer_windows
 

@@ -34,6 +34,8 @@ class LayerWeights:
     down: torch.Tensor | None  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3: config.qk_norm)
     k_norm: torch.Tensor | None = None  # [head_dim]
+    pre_ff_norm: torch.Tensor | None = None  # [hidden] (Gemma 3: norms around the MLP)
+    post_ff_norm: torch.Tensor | None = None  # [hidden]
 
 
 @dataclass
@@ -108,6 +110,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
                        p + "self_attn.k_norm.weight": (config.head_dim,)}
+        if config.architecture == "gemma3_text":
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
+                       p + "post_feedforward_layernorm.weight": (h,)}
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (config.q_size,),
@@ -198,6 +203,10 @@ class LlamaModel:
                 down=take(p + "mlp.down_proj.weight"),
                 q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+                pre_ff_norm=take(p + "pre_feedforward_layernorm.weight")
+                if config.architecture == "gemma3_text" else None,
+                post_ff_norm=take(p + "post_feedforward_layernorm.weight")
+                if config.architecture == "gemma3_text" else None,
             ))
         embed = take("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")

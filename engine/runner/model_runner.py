@@ -156,7 +156,7 @@ class ModelRunner:
         self.kv = page_format(kv_cache_dtype, kv_dtype, model_config, block_size).allocate(
             num_blocks if mixed is None else 1, device)
         self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
-        self.attn = PagedAttention(self.kv, model_config.head_dim ** -0.5,
+        self.attn = PagedAttention(self.kv, model_config.attn_scale,
                                    model_config.layer_windows)
         # mixed-precision arena (engine.runner.mixed_kv), ``mixed`` = its layout
         self.mixed_kv = None
@@ -164,7 +164,7 @@ class ModelRunner:
             from engine.runner.mixed_kv import MixedKV, MixedPagedAttention
 
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
-            self.attn = MixedPagedAttention(self.mixed_kv, model_config.head_dim ** -0.5)
+            self.attn = MixedPagedAttention(self.mixed_kv, model_config.attn_scale)
         # CUDA: pure decode steps replay captured graphs unless enforce_eager is True
         # (engine.runner.cuda_graphs); not over the mixed arena, whose kernels were never
         # captured on a device.

@@ -119,3 +119,22 @@ def test_longrope_long_factors_past_the_pretraining_length():
         cos, sin = rope.cos_sin(positions, torch.float32)
         torch.testing.assert_close(cos[:, 0], hf_cos[0], atol=1e-6, rtol=0)
         torch.testing.assert_close(sin[:, 0], hf_sin[0], atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    hf = tiny_hf_model("gemma3_text", seed=14)
+    return hf, save_hf(hf, tmp_path_factory.mktemp("gemma3"))
+
+
+def test_gemma3_matches_transformers_past_its_window(gemma3):
+    """Windowed layers (W = 16) and global ones, separate RoPE bases (the global one linearly
+    scaled), q/k norms, four norms a layer, the scaled embedding; a 40-token prompt and 32
+    greedy tokens run far past the window."""
+    hf, path = gemma3
+    _, _, config = load_model(path)
+    assert config.architecture == "gemma3_text" and config.qk_norm
+    assert config.layer_windows == (16, 16, 16, 16, 16, None, 16)
+    assert config.rope_local_theta == 10000.0 and config.rope_scaling["factor"] == 4.0
+    assert config.attn_scale == 24 ** -0.5
+    check_parity(hf, path, atol=5e-5)

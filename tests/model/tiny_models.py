@@ -24,10 +24,19 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
     extra = {"sliding_window": None} if kind in ("mistral", "phi3") else {}
     if kind == "phi3":  # its defaults name token 32000, past the tiny vocabulary
         extra |= {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}
+    if kind == "gemma3_text":  # five windowed layers, then a global one (and one more)
+        extra = {"num_hidden_layers": 7, "head_dim": 16, "sliding_window": 16,
+                 "query_pre_attn_scalar": 24, "pad_token_id": 0, "bos_token_id": 2,
+                 "eos_token_id": 1,
+                 "rope_parameters": {
+                     "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                        "rope_theta": 1000000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
     if kind == "qwen3":
         extra = {"head_dim": 24}  # not hidden / heads, as in the real Qwen3 configs
     config = config_cls(**(TINY | extra | overrides))
