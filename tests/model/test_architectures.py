@@ -138,3 +138,12 @@ def test_gemma3_matches_transformers_past_its_window(gemma3):
     assert config.rope_local_theta == 10000.0 and config.rope_scaling["factor"] == 4.0
     assert config.attn_scale == 24 ** -0.5
     check_parity(hf, path, atol=5e-5)
+
+
+def test_gemma3_final_logit_softcap_matches_transformers(tmp_path):
+    hf = tiny_hf_model("gemma3_text", seed=15, final_logit_softcapping=0.5)
+    model, _, config = load_model(save_hf(hf, tmp_path))
+    assert config.final_logit_softcapping == 0.5
+    ours = our_logits(model, PROMPT)
+    assert float(ours.abs().max()) <= 0.5
+    torch.testing.assert_close(ours, hf_logits(hf, PROMPT), atol=2e-5, rtol=0)
