@@ -30,8 +30,10 @@ Differences, all for speed on CPU:
 A rejected step raises ValueError before layer 0 writes anything.
 
 Sliding-window layers (``forward(..., window=W)``) take the torch path with masks that also
-hide keys before the window (built once per step and window); the native kernels read
-every key of a sequence, so they serve only full-attention layers.
+hide keys before the window (built once per step and window); a decode gathers only the
+pages from the one holding its window's first key (at most W / block_size + 1 of them,
+whatever the sequence's length). The native kernels read every key of a sequence, so they
+serve only full-attention layers.
 """
 
 from __future__ import annotations
@@ -160,14 +162,29 @@ class StepPlan:
         # every group's pages, concatenated (clamped: the masks hide extras)
         return groups, torch.cat(group_pages), rows, unsort
 
-    def _window_masks(self, window: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The decode groups' and the prefills' masks for a ``window``-token sliding window,
-        built on first use and kept for the step (every windowed layer shares them)."""
+    def _window_masks(self, window: int
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """For a ``window``-token sliding window: each decode group's (pages, mask), the
+        pages from the first one holding a visible key, and each prefill's mask; built on
+        first use and kept for the step (every windowed layer shares them)."""
         cache = self.__dict__.setdefault("_windows", {})
         if window not in cache:
             groups = self._torch_decode[0] if self.native_rows.numel() else []
-            decode = [reference.window_mask(g.lens - 1, g.visible.shape[-1],
-                                            window)[:, None, None, :] for g in groups]
+            order = torch.argsort(self.native_lens, stable=True)  # as _torch_decode's
+            bs, tables = self.block_size, self.native_tables
+            decode = []
+            for g in groups:
+                seqs = order[g.first:g.first + g.num_seqs]
+                lens = self.native_lens[seqs]
+                first = (lens - window).clamp(min=0) // bs  # page of the first visible key
+                num_pages = int(((lens + bs - 1) // bs - first).max())
+                # columns past a sequence's pages hold keys past its end: clamped, masked
+                cols = (first[:, None] + torch.arange(num_pages)).clamp(max=tables.shape[1] - 1)
+                pages = tables[seqs[:, None], cols].clamp(0, self.num_blocks - 1).flatten()
+                keys = first[:, None] * bs + torch.arange(num_pages * bs)
+                last = (lens - 1)[:, None]
+                mask = (keys <= last) & (keys > last - window)
+                decode.append((pages, mask[:, None, None, :]))
             prefill = [reference.window_mask(torch.arange(p.end - p.start) + p.seq_len
                                              - (p.end - p.start), p.seq_len, window)
                        for p in self.prefills]
@@ -252,10 +269,11 @@ class StepPlan:
 
     def _attend(self, q: torch.Tensor, kv: reference._Pages, scale: float,
                 given: tuple[torch.Tensor, torch.Tensor] | None,
-                windowed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-                ) -> torch.Tensor:
-        """``windowed``: a sliding-window layer's (decode group masks, prefill masks), which
-        replace the plain causal ones; such a layer never takes the native kernels."""
+                windowed: tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """``windowed``: a sliding-window layer's (decode groups' (pages, mask), prefill
+        masks), which replace the plain causal ones; such a layer never takes the native
+        kernels."""
         head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
         out = None
         # prefills the native kernel reads in place write q's dtype straight into out
@@ -286,11 +304,12 @@ class StepPlan:
                 # one gather per group, right before its SDPA: a group's K/V (~1 MB fp32)
                 # is still in cache when SDPA reads it; one gather for all groups measured
                 # slower (kernels docs, docs/BENCHMARKS.md)
-                k, v = kv.gather(pages[g.page_lo:g.page_hi], COMPUTE_DTYPE)
+                group_pages, mask = (pages[g.page_lo:g.page_hi], g.visible) \
+                    if windowed is None else windowed[0][i]
+                k, v = kv.gather(group_pages, COMPUTE_DTYPE)
                 k = k.view(shape).transpose(1, 2)  # [m, Hkv, L, D]
                 v = v.view(shape).transpose(1, 2)
                 qg = queries[g.first:g.first + g.num_seqs]
-                mask = g.visible if windowed is None else windowed[0][i]
                 outs.append(F.scaled_dot_product_attention(qg, k, v, attn_mask=mask,
                                                            scale=scale, enable_gqa=True))
             o = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)

@@ -80,3 +80,14 @@ def test_step_plan_window_matches_the_reference(fmt, window):
     got = plan.forward(q, k, v, pkc, pvc, SCALE, k_scale=pks, v_scale=pvs, window=window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(pkc, kc) and torch.equal(pvc, vc)
+
+
+@pytest.mark.parametrize("window", [2, 5, 8])
+def test_windowed_decode_gathers_at_most_the_window_pages(window):
+    """A windowed decode reads the pages from the one holding its first visible key: at most
+    ceil(W / block_size) + 1 per sequence, however long the sequence."""
+    slots, tables, lens, cu, *_ = _filled_step()
+    decode, _ = StepPlan(slots, tables, lens, cu, BS, NB)._window_masks(window)
+    assert decode
+    for pages, mask in decode:
+        assert pages.numel() // mask.shape[0] <= -(-window // BS) + 1
