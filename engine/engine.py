@@ -65,11 +65,9 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
-        if mc.windowed and (self.device.type != "cpu" or config.kv_demotion):
-            raise ValueError(
-                f"{mc.architecture} has sliding-window layers: their attention runs on CPU "
-                "without --kv-demotion only, so far (the Triton and mixed-page kernels take "
-                "no window yet)")
+        if mc.windowed and config.kv_demotion:
+            raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-demotion is "
+                             "not supported with them (the mixed-page kernels take no window)")
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)

@@ -69,20 +69,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     no device sync; a wrong value only unbalances the splits), ``num_splits`` fixes the
     decode split count; ``out`` receives the result. ``k_scale``/``v_scale``: the scales of
     quantized pages (module docstring). ``window`` W: sliding-window attention, query i
-    also sees only keys > seq_len - q_len + i - W (the reference backend only, so far).
+    also sees only keys > seq_len - q_len + i - W.
     """
-    impl = _impl(q.device)
-    if window is not None:
-        if impl is not reference:
-            raise NotImplementedError("sliding-window paged attention runs on the reference "
-                                      "backend only; the Triton kernels take no window yet")
-        return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                         cu_seqlens_q, scale, out=out, k_scale=k_scale,
-                                         v_scale=v_scale, window=window)
-    return impl.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+    return _impl(q.device).paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale, out=out,
                                            max_seq_len=max_seq_len, num_splits=num_splits,
-                                           k_scale=k_scale, v_scale=v_scale)
+                                           k_scale=k_scale, v_scale=v_scale, window=window)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

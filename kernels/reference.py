@@ -78,6 +78,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for their values' sake: the mask hides them).
     """
     del max_seq_len, num_splits
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     validate.check_scales(k_cache, k_scale, v_scale)
     kv = _Pages(k_cache, v_cache, k_scale, v_scale)

@@ -61,7 +61,7 @@ def test_engine_greedy_past_the_window_matches_transformers_generate(windowed, e
         assert out.token_ids == expected
 
 
-def test_windowed_model_refuses_kernels_without_a_window(windowed):
+def test_windowed_model_refuses_the_mixed_page_arena(windowed):
     _, path = windowed
     with pytest.raises(ValueError, match="sliding-window layers"):
         LLM(str(path), device="cpu", dtype="float32", kv_demotion="int8")
