@@ -65,6 +65,9 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
+        if mc.windowed and config.kv_demotion:
+            raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-demotion is "
+                             "not supported with them (the mixed-page kernels take no window)")
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
@@ -90,6 +93,8 @@ class LLMEngine:
             if self.mixed is not None:
                 raise ValueError("--kv-demotion is not supported with "
                                  "--tensor-parallel-size > 1")
+            if mc.architecture == "gemma3_text":  # its ranks would run the Llama forward
+                raise ValueError("gemma3_text is not supported with --tensor-parallel-size > 1")
             from engine.distributed.tp import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,

@@ -52,8 +52,11 @@ class PagedAttention:
     reaches it (the first prefill) unless given with ``set_fp8_scales``; fixed afterwards,
     since codes already written depend on them."""
 
-    def __init__(self, pages: KVPages, scale: float) -> None:
+    def __init__(self, pages: KVPages, scale: float,
+                 windows: tuple[int | None, ...] | None = None) -> None:
         self.pages, self.scale = pages, scale
+        # each layer's sliding window (None: full attention)
+        self.windows = windows or (None,) * len(pages.k_caches)
         self.k_caches, self.v_caches = pages.k_caches, pages.v_caches
         no_scales = [None] * len(pages.k_caches)
         self.k_scales = pages.k_scales or no_scales
@@ -87,13 +90,15 @@ class PagedAttention:
         plan = self._step_plan(b, q.device)
         if plan is not None:
             out = plan.forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
-                               self.scale, k_scale=k_scale, v_scale=v_scale)
+                               self.scale, k_scale=k_scale, v_scale=v_scale,
+                               window=self.windows[layer])
             return out if rot is None else out @ rot.T
         kernels.reshape_and_cache(k, v, self.k_caches[layer], self.v_caches[layer],
                                   b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         out = kernels.paged_attention(q, self.k_caches[layer], self.v_caches[layer],
                                       b.block_tables, b.seq_lens, b.cu_seqlens_q, self.scale,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale,
+                                      window=self.windows[layer])
         return out if rot is None else out @ rot.T
 
     def _step_plan(self, b: StepBatch, device: torch.device) -> StepPlan | None:
@@ -151,14 +156,15 @@ class ModelRunner:
         self.kv = page_format(kv_cache_dtype, kv_dtype, model_config, block_size).allocate(
             num_blocks if mixed is None else 1, device)
         self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
-        self.attn = PagedAttention(self.kv, model_config.head_dim ** -0.5)
+        self.attn = PagedAttention(self.kv, model_config.attn_scale,
+                                   model_config.layer_windows)
         # mixed-precision arena (engine.runner.mixed_kv), ``mixed`` = its layout
         self.mixed_kv = None
         if mixed is not None:
             from engine.runner.mixed_kv import MixedKV, MixedPagedAttention
 
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
-            self.attn = MixedPagedAttention(self.mixed_kv, model_config.head_dim ** -0.5)
+            self.attn = MixedPagedAttention(self.mixed_kv, model_config.attn_scale)
         # CUDA: pure decode steps replay captured graphs unless enforce_eager is True
         # (engine.runner.cuda_graphs); not over the mixed arena, whose kernels were never
         # captured on a device.
