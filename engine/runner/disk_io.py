@@ -1,12 +1,16 @@
 """DiskIO: the disk tier's tensor side: host blocks to files and back, off the engine thread.
 
 The engine thread only ever enqueues. ``save`` copies one host block's bytes (every
-per-block tensor's row, a memcpy) and puts the job on a bounded queue; a writer thread
-writes the file (engine.runner.disk_store). When the queue is full the block is dropped
-and counted (``dropped``): a slow disk costs cache hits, never engine time. ``load``
-queues a read; a reader thread reads and verifies the file into a staging buffer, and
-``take_loaded``/``install`` hand verified bytes into host blocks on the engine thread.
-Every job's outcome comes back through ``take_done`` (saves) and ``take_loaded`` (reads),
+per-block tensor's row, a memcpy) and queues the job (at most ``queue_blocks`` saves
+wait); a writer thread writes the file (engine.runner.disk_store). When the queue is
+full the block is dropped and counted (``dropped``): a slow disk costs cache hits,
+never engine time. ``load`` queues a read; a reader thread reads and verifies the file
+into a staging buffer, and ``install`` copies verified bytes into a host block on the
+engine thread (op FILL).
+``perform`` runs one ``DiskBatch`` of the cache manager's ops in order (SAVE, LOAD, FILL,
+DROP; deletes share the writer's queue, so a file is never deleted before an earlier
+write of it). Every job's outcome comes back through ``results``, keyed by the manager's
+disk block,
 so the cache manager learns which disk entries really exist and which reads arrived: it
 never serves a block whose file was not written, nor schedules a sequence against a block
 whose read has not arrived.
@@ -26,11 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskOp
 from engine.runner.disk_store import DiskStore
 
 
 @dataclass(slots=True)
 class SaveJob:
+    slot: int
     hash: int
     parent: int
     first: bool
@@ -39,7 +45,13 @@ class SaveJob:
 
 
 @dataclass(slots=True)
+class DropJob:
+    hash: int
+
+
+@dataclass(slots=True)
 class LoadJob:
+    slot: int
     hash: int
     parent: int
     tokens: tuple[int, ...]
@@ -75,10 +87,12 @@ class DiskIO:
         if self.payload_bytes != store.payload_bytes:
             raise ValueError("the store's payload size does not match the host tensors")
         self.stats = DiskIOStats()
-        self._saves: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self.queue_blocks = queue_blocks
+        self._saves: queue.Queue = queue.Queue()  # saves (bounded by count) and drops
         self._loads: queue.Queue = queue.Queue()
-        self._done: deque[tuple[int, bool]] = deque()  # (hash, written?)
+        self._done: deque[tuple[int, int, bool]] = deque()  # (slot, hash, written?)
         self._loaded: deque[LoadJob] = deque()
+        self._staged: dict[int, LoadJob] = {}  # arrived reads by slot, until FILLed
         self._idle = threading.Condition()
         self._pending_saves = 0
         self._threads = [threading.Thread(target=self._writer, name="kv-disk-writer",
@@ -89,32 +103,54 @@ class DiskIO:
             t.start()
 
     # ------------------------------------------------------- engine thread
-    def save(self, host_block: int, h: int, parent: int, first: bool,
+    def perform(self, batch: list[DiskOp]) -> None:
+        """The cache manager's disk ops, in order (engine.cache.transfers)."""
+        for op in batch:
+            if op.kind == SAVE:
+                self.save(op.host, op.slot, op.hash, op.parent, op.first, op.tokens)
+            elif op.kind == FILL:
+                job = self._staged.pop(op.slot, None)
+                if job is None or job.hash != op.hash or job.data is None:
+                    raise RuntimeError(f"disk block {op.slot} filled without its read")
+                self.install(job, op.host)
+            elif op.kind == LOAD:
+                self.load(op.slot, op.hash, op.parent, op.tokens)
+            elif op.kind == DROP:
+                self._saves.put(DropJob(op.hash))
+            else:
+                raise ValueError(f"unknown disk op {op.kind!r}")
+
+    def save(self, host_block: int, slot: int, h: int, parent: int, first: bool,
              tokens: tuple[int, ...]) -> bool:
-        """Queue host block ``host_block``'s bytes for writing as block ``h``; False
-        (dropped, counted) when the queue is full or the store is disabled."""
-        if self.store.disabled:
-            self.stats.dropped += 1
-            self._done.append((h, False))
-            return False
-        pieces = [memoryview(v[host_block].numpy().copy()) for v in self._views]
-        job = SaveJob(h, parent, first, tokens, pieces)
+        """Queue host block ``host_block``'s bytes for writing as block ``h`` (the
+        manager's disk block ``slot``); False (dropped, counted) when ``queue_blocks``
+        saves are queued already or the store is disabled."""
         with self._idle:
-            try:
-                self._saves.put_nowait(job)
-            except queue.Full:
+            if self.store.disabled or self._pending_saves >= self.queue_blocks:
                 self.stats.dropped += 1
-                self._done.append((h, False))
+                self._done.append((slot, h, False))
                 return False
             self._pending_saves += 1
+        pieces = [memoryview(v[host_block].numpy().copy()) for v in self._views]
+        self._saves.put(SaveJob(slot, h, parent, first, tokens, pieces))
         return True
 
-    def load(self, h: int, parent: int, tokens: tuple[int, ...]) -> None:
+    def load(self, slot: int, h: int, parent: int, tokens: tuple[int, ...]) -> None:
         """Queue a read of block ``h``; its outcome comes back from ``take_loaded``."""
-        self._loads.put(LoadJob(h, parent, tokens))
+        self._loads.put(LoadJob(slot, h, parent, tokens))
 
-    def take_done(self) -> list[tuple[int, bool]]:
-        """(hash, written?) of every save finished (or dropped) since the last call."""
+    def results(self) -> tuple[list[tuple[int, int, bool]], list[tuple[int, bool]], bool]:
+        """What the cache manager's ``disk_results`` takes: finished saves, arrived reads
+        (kept staged for this step's FILL ops; staged reads not filled by the next call
+        are let go) and whether the store is disabled."""
+        loaded = self.take_loaded()
+        self._staged = {j.slot: j for j in loaded if j.data is not None}
+        return self.take_done(), [(j.slot, j.data is not None) for j in loaded], \
+            self.store.disabled
+
+    def take_done(self) -> list[tuple[int, int, bool]]:
+        """(slot, hash, written?) of every save finished (or dropped) since the last
+        call."""
         out = []
         while self._done:
             out.append(self._done.popleft())
@@ -139,7 +175,7 @@ class DiskIO:
     def read_now(self, h: int, parent: int, tokens: tuple[int, ...],
                  host_block: int) -> bool:
         """Read block ``h`` into ``host_block`` on this thread (tests, benchmarks)."""
-        job = LoadJob(h, parent, tokens)
+        job = LoadJob(-1, h, parent, tokens)
         self._read(job)
         if job.data is None:
             return False
@@ -169,6 +205,9 @@ class DiskIO:
             job = self._saves.get()
             if job is _STOP:
                 return
+            if isinstance(job, DropJob):
+                self.store.remove(job.hash)
+                continue
             t0 = time.perf_counter()
             ok = self.store.write(job.hash, job.parent, job.first, job.tokens, job.pieces)
             dt = time.perf_counter() - t0
@@ -180,7 +219,7 @@ class DiskIO:
                 st.failed += 1
             st.write_s += dt
             with self._idle:
-                self._done.append((job.hash, ok))
+                self._done.append((job.slot, job.hash, ok))
                 self._pending_saves -= 1
                 self._idle.notify_all()
 

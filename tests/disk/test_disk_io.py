@@ -33,16 +33,16 @@ def test_save_then_read_back_bit_exact(tmp_path):
     io = make(tmp_path, ts)
     try:
         for y in range(3):
-            assert io.save(y, 100 + y, 99 + y, y == 0, (y, y, y, y))
+            assert io.save(y, y, 100 + y, 99 + y, y == 0, (y, y, y, y))
         assert io.drain(time.monotonic() + HANG_S) == 0
-        assert sorted(io.take_done()) == [(100, True), (101, True), (102, True)]
+        assert sorted(io.take_done()) == [(0, 100, True), (1, 101, True), (2, 102, True)]
         for y in range(3):
             assert io.read_now(100 + y, 99 + y, (y, y, y, y), 3 + y)
         for t in ts:
             assert torch.equal(t[3:6].view(torch.uint8), t[0:3].view(torch.uint8))
         # queued reads come back through take_loaded; a wrong parent is a miss
-        io.load(101, 100, (1, 1, 1, 1))
-        io.load(101, 5, (1, 1, 1, 1))
+        io.load(1, 101, 100, (1, 1, 1, 1))
+        io.load(1, 101, 5, (1, 1, 1, 1))
         got = []
         wait_until(lambda: got.extend(io.take_loaded()) or len(got) == 2, "two reads")
         assert [j.data is not None for j in got] == [True, False]
@@ -63,14 +63,14 @@ def test_full_queue_drops_and_counts_never_waits(tmp_path):
 
     io.store.write = slow_write
     try:
-        results = [io.save(0, 200 + i, 0, True, (i, 0, 0, 0)) for i in range(6)]
-        # the writer holds at most one job, the queue two: at least three are dropped
-        assert results.count(False) >= 3 and io.stats.dropped == results.count(False)
-        dropped = {h for h, ok in io.take_done() if not ok}
+        results = [io.save(0, i, 200 + i, 0, True, (i, 0, 0, 0)) for i in range(6)]
+        # two saves may be pending: the other four are dropped at once
+        assert results.count(False) == 4 and io.stats.dropped == results.count(False)
+        dropped = {h for _, h, ok in io.take_done() if not ok}
         assert len(dropped) == results.count(False)
         gate.set()
         assert io.drain(time.monotonic() + HANG_S) == 0
-        written = {h for h, ok in io.take_done() if ok}
+        written = {h for _, h, ok in io.take_done() if ok}
         assert written.isdisjoint(dropped) and len(written) == results.count(True)
     finally:
         gate.set()
@@ -84,7 +84,7 @@ def test_drain_gives_up_at_its_deadline(tmp_path):
     real = io.store.write
     io.store.write = lambda *a, **k: gate.wait(HANG_S) and real(*a, **k)
     try:
-        io.save(0, 1, 0, True, (0, 0, 0, 0))
+        io.save(0, 0, 1, 0, True, (0, 0, 0, 0))
         assert io.drain(time.monotonic()) == 1  # a deadline already passed
     finally:
         gate.set()
