@@ -102,6 +102,24 @@ class DiskTier:
             self.sink.emit(S.DISK_STORE, src=[y for y, _ in todo], dst=dst,
                            hashes=[e[0] for _, e in todo])
 
+    def save_all(self) -> int:
+        """A graceful stop: write every host-cached block the disk does not hold yet
+        (after the gpu's cached blocks were written back to the host); returns how many
+        (event ``disk_store``; the host keeps its copies)."""
+        if not self.enabled:
+            return 0
+        host = self.host
+        todo = [y for y in range(host.num_blocks) if host.entry[y] is not None
+                and host.entry[y][0] not in self.disk.cached and len(host.entry[y]) > 4]
+        n = 0
+        while todo:  # a disk smaller than the host keeps the most recent ones
+            part, todo = todo[:self.disk.num_free_blocks], todo[self.disk.num_free_blocks:]
+            if not part:
+                break
+            self.write_back(part, [host.entry[y] for y in part])
+            n += len(part)
+        return n
+
     def _dropped(self, victims: list[int], entries: list[Entry]) -> None:
         """The disk pool evicted ``victims``: their files go."""
         for s, e in zip(victims, entries, strict=True):

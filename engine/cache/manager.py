@@ -533,6 +533,24 @@ class KVCacheManager:
         if disabled and self.disk.enabled:
             self.disk.disable()
 
+    def persist_to_disk(self) -> int:
+        """A graceful stop: every cached gpu block is written back to the host, and every
+        host-cached block the disk lacks is written to disk (bounded by the disk's size);
+        returns the blocks queued for disk. The runner then performs the rounds and waits
+        for the writes, bounded by its drain time."""
+        if self.disk is None:
+            return 0
+        self._asking("", C.R_RESET)
+        n0 = self.disk.stored_blocks
+        gpu, host = self.gpu, self.host.host
+        while len(gpu.evictable):  # written back to the host, whose evictions go to disk
+            k = min(len(gpu.evictable), host.num_free_blocks)
+            if not k:
+                break
+            gpu.evict(k)
+        self.disk.save_all()
+        return self.disk.stored_blocks - n0
+
     def adopt_disk(self, found: list[tuple[int, int, bool, tuple[int, ...]]]) -> int:
         """Index the blocks a warm disk directory holds, (hash, parent hash, first?,
         tokens), oldest first; returns how many fit (engine.cache.disk_tier.adopt)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskOp
-from engine.runner.disk_store import DiskStore
+from engine.runner.disk_store import DiskStore, fingerprint
 
 
 @dataclass(slots=True)
@@ -76,6 +76,17 @@ class DiskIOStats:
 _STOP = object()
 
 
+def open_disk(directory: str, model: str, fmt_name: str, block_size: int,
+              host_tensors: list[torch.Tensor]) -> DiskIO:
+    """The disk tier over ``directory`` for blocks shaped like ``host_tensors``' rows (the
+    host tier's tensors, which its reads and writes go through)."""
+    specs = [(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for t in host_tensors]
+    payload = sum(t[0].numel() * t.element_size() for t in host_tensors)
+    store = DiskStore(directory, fingerprint(model, fmt_name, block_size, specs), block_size,
+                      payload)
+    return DiskIO(store, host_tensors)
+
+
 class DiskIO:
     def __init__(self, store: DiskStore, host_tensors: list[torch.Tensor],
                  queue_blocks: int = 256) -> None:
@@ -88,6 +99,9 @@ class DiskIO:
             raise ValueError("the store's payload size does not match the host tensors")
         self.stats = DiskIOStats()
         self.queue_blocks = queue_blocks
+        # set while the engine stops: saves wait (until then) for room instead of dropping
+        self.persist_until: float | None = None
+        self._closing = False
         self._saves: queue.Queue = queue.Queue()  # saves (bounded by count) and drops
         self._loads: queue.Queue = queue.Queue()
         self._done: deque[tuple[int, int, bool]] = deque()  # (slot, hash, written?)
@@ -126,6 +140,12 @@ class DiskIO:
         manager's disk block ``slot``); False (dropped, counted) when ``queue_blocks``
         saves are queued already or the store is disabled."""
         with self._idle:
+            while self._pending_saves >= self.queue_blocks and not self.store.disabled \
+                    and self.persist_until is not None:
+                left = self.persist_until - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
             if self.store.disabled or self._pending_saves >= self.queue_blocks:
                 self.stats.dropped += 1
                 self._done.append((slot, h, False))
@@ -194,6 +214,9 @@ class DiskIO:
             return self._pending_saves
 
     def close(self) -> None:
+        """Stop the threads; saves still queued are abandoned (never half-written: a file
+        appears only by its final rename)."""
+        self._closing = True
         self._saves.put(_STOP)
         self._loads.put(_STOP)
         for t in self._threads:
@@ -207,6 +230,11 @@ class DiskIO:
                 return
             if isinstance(job, DropJob):
                 self.store.remove(job.hash)
+                continue
+            if self._closing:
+                with self._idle:
+                    self.stats.dropped += 1
+                    self._pending_saves -= 1
                 continue
             t0 = time.perf_counter()
             ok = self.store.write(job.hash, job.parent, job.first, job.tokens, job.pieces)

@@ -81,6 +81,11 @@ class DiskEntry:
     mtime_ns: int  # the scan orders entries by it: least recently written first
 
 
+def file_bytes(block_size: int, payload_bytes: int) -> int:
+    """The size of one block's file."""
+    return HEADER.size + 4 * block_size + payload_bytes
+
+
 def file_name(h: int) -> str:
     return f"{h & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
 
@@ -96,7 +101,7 @@ class DiskStore:
         self.fp = fp
         self.block_size = block_size
         self.payload_bytes = payload_bytes
-        self.file_bytes = HEADER.size + 4 * block_size + payload_bytes
+        self.file_bytes = file_bytes(block_size, payload_bytes)
         self.disabled = False
         self.error: str | None = None
         # counters
