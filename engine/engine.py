@@ -39,6 +39,8 @@ from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+IDLE_DISK_WAIT_S = 0.001  # an empty step waiting only for disk reads pauses this long
+DISK_PERSIST_S = 30.0  # a graceful stop writes cached blocks to the disk tier for this long
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once (rows x vocab fp32)
 
 
@@ -74,12 +76,14 @@ class LLMEngine:
         num_blocks = kv_budget.num_gpu_blocks(config, self.page_format, self.mixed, self.model,
                                               mc, self.device)
         num_cpu_blocks = kv_budget.num_cpu_blocks(config, self.page_format)
+        num_disk_blocks = kv_budget.num_disk_blocks(config, self.page_format)
         # Held while the cache changes: the event stream's thread snapshots the cache (for
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+            num_disk_blocks=num_disk_blocks,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
@@ -108,6 +112,9 @@ class LLMEngine:
                                       max_num_seqs=config.max_num_seqs,
                                       num_cpu_blocks=num_cpu_blocks)
         self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
+        self.disk_io = None  # the disk tier's files and threads (engine.runner.disk_io)
+        if num_disk_blocks:
+            self._open_disk(num_disk_blocks)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
@@ -120,6 +127,22 @@ class LLMEngine:
             self._close_step(0.0, None)  # the tier_init events become batch 0
 
     # ---------------------------------------------------------------- set-up
+    def _open_disk(self, num_disk_blocks: int) -> None:
+        """Open the disk tier's directory and serve the blocks a previous run left there
+        that match this model and page format (the most recent that fit)."""
+        from engine.runner.disk_io import open_disk
+
+        cfg = self.config
+        self.disk_io = open_disk(cfg.disk_cache_dir, cfg.model, self.page_format.name,
+                                 cfg.block_size, self.swapper.host_tensors)
+        self.swapper.disk = self.disk_io
+        found = self.disk_io.store.scan()
+        n = self.cache.adopt_disk([(e.hash, e.parent, e.first, e.tokens) for e in found])
+        log.info("disk KV tier: %s, %d blocks; %d found from a previous run%s",
+                 cfg.disk_cache_dir, num_disk_blocks, n,
+                 f" (disabled: {self.disk_io.store.error})" if self.disk_io.store.disabled
+                 else "")
+
     def _open_events(self):
         cfg = self.config
         from engine.events.vllm.config import KVEventsConfig
@@ -264,6 +287,8 @@ class LLMEngine:
         """schedule -> execute -> sample -> process; the request outputs this step
         changed (finished ones, and every change of a CUMULATIVE request)."""
         t0 = time.perf_counter()
+        if self.disk_io is not None:  # writes done and reads arrived since the last step
+            self.cache.disk_results(*self.disk_io.results())
         out = self.scheduler.schedule()
         touched = {seq.request_id: self.requests[seq.request_id] for seq in out.truncated}
         plan = self._prompt_logprob_plan(out)
@@ -273,6 +298,8 @@ class LLMEngine:
             self._add_prompt_logprobs(plan, kept, touched)
         if logits is not None:
             self._process(out, logits, touched)
+        if out.is_empty and self.disk_io is not None and self.scheduler.waiting_for_disk:
+            time.sleep(IDLE_DISK_WAIT_S)  # nothing to run until reads arrive: no busy loop
         self._close_step(time.perf_counter() - t0, out)
         return [self._output(req) for req in touched.values()
                 if req.finished or req.params.output_kind == RequestOutputKind.CUMULATIVE]
@@ -424,10 +451,27 @@ class LLMEngine:
         if self.events:
             self.events.end_step(self.step_count, self.stats.to_map())
 
+    def _persist_disk(self, deadline: float) -> None:
+        io = self.disk_io
+        self.cache.disk_results(*io.results())
+        if self.cache.persist_to_disk():
+            io.persist_until = deadline
+            self.swapper.execute(self.cache.take_swap_rounds())
+            left = io.drain(deadline)
+            self.cache.disk_results(*io.results())
+            log.info("disk KV tier: %d blocks written at stop%s", io.stats.saved,
+                     f", {left} left unwritten (drain time over)" if left else "")
+        io.close()
+        self.disk_io = None
+
     @_holding_cache_lock
     def close(self) -> None:
         """Publish what happened since the last step (e.g. an abort on an idle engine) as
-        a final batch, then flush and close the event stream and recording."""
+        a final batch, then flush and close the event stream and recording. With a disk
+        tier, cached blocks not on disk yet are written there first (for at most
+        ``DISK_PERSIST_S``), so that a restart starts warm."""
+        if self.disk_io is not None:
+            self._persist_disk(time.monotonic() + DISK_PERSIST_S)
         if self.events:
             self._close_step(0.0, None)
             self.events.close()

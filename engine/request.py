@@ -40,6 +40,10 @@ class Sequence:
     # False while the request still needs this prompt's logits (prompt logprobs): the
     # scheduler then does not look the prefix cache up for it.
     prefix_lookup: bool = True
+    # the disk tier (engine.scheduler._waits_for_disk): when it started waiting for its
+    # prefix's reads, and whether it is done with the disk (nothing to read, or waited)
+    disk_wait_since: float | None = None
+    disk_done: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

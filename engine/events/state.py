@@ -1018,6 +1018,40 @@ class KVState:
         s.block_table.extend(dst)
         s.hit_tokens += int(ev.get("tokens", 0))
 
+    def _disk_store(self, ev: dict[str, Any]) -> None:
+        host, disk = self._tier("cpu"), self._tier("disk")
+        src, dst = unpack_ids(ev["src"]), unpack_ids(ev["dst"])
+        hashes = [int(h) for h in ev["hashes"]]
+        host.check_ids(src)
+        disk.check_ids(dst)
+        if not len(src) == len(dst) == len(hashes):
+            raise ProtocolError("disk_store: src, dst and hashes differ in length")
+        self._free_blocks(disk, dst, "disk_store")
+        self._set_hashes(disk, dst, hashes)
+
+    def _cached_on_disk(self, ev: dict[str, Any], what: str) -> tuple[TierState, list[int]]:
+        disk, src = self._tier("disk"), unpack_ids(ev["src"])
+        disk.check_ids(src)
+        hashed = disk.hashed_c.py
+        for b in src:
+            if not hashed[b]:
+                raise ProtocolError(f"{what}: disk block {b} is not cached")
+        return disk, src
+
+    def _prefetch_ev(self, ev: dict[str, Any]) -> None:
+        self._seq(ev["seq"])
+        self._cached_on_disk(ev, "prefetch")  # nothing changes until they arrive
+
+    def _disk_load(self, ev: dict[str, Any]) -> None:
+        # the sequence may have finished meanwhile: what arrives still becomes host cache
+        disk, src = self._cached_on_disk(ev, "disk_load")
+        host, dst = self._tier("cpu"), unpack_ids(ev["dst"])
+        host.check_ids(dst)
+        if len(src) != len(dst):
+            raise ProtocolError("disk_load: src and dst differ in length")
+        self._free_blocks(host, dst, "disk_load")
+        self._set_hashes(host, dst, [disk.hash_value(b) for b in src])
+
     def _quantize(self, ev: dict[str, Any]) -> None:
         """Demotion: the blocks' page format changes in place (refs, hashes and block
         tables are unchanged). Only blocks holding K/V (in use or cached) can change; a
@@ -1098,4 +1132,7 @@ _HANDLERS = {
     S.OFFLOAD: KVState._offload,
     S.HOST_HIT: KVState._host_hit,
     S.QUANTIZE: KVState._quantize,
+    S.DISK_STORE: KVState._disk_store,
+    S.PREFETCH: KVState._prefetch_ev,
+    S.DISK_LOAD: KVState._disk_load,
 }
