@@ -11,7 +11,9 @@ from typing import Any
 
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = ("recompute", "swap")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
+# block-quantized pages (kernels.block_quant): keys per channel, a full-precision residual
+BLOCK_KV_CACHE_DTYPES = ("kivi4", "k8v4", "kivi2")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 
 # KV memory when the user gives neither num_gpu_blocks nor kv_cache_memory_bytes and no
@@ -104,6 +106,10 @@ class EngineConfig:
         need(not demotion or self.kv_cache_dtype == "auto",
              "kv_demotion keeps hot pages at full precision: it needs kv_cache_dtype='auto', "
              f"got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES or
+             (self.swap_space == 0 and self.kv_layout == "paged"),
+             f"kv_cache_dtype={self.kv_cache_dtype!r} keeps a residual window beside its "
+             "pages: it needs the paged layout and no swap space (swap_space=0)")
         need(not demotion or (self.swap_space == 0 and self.kv_layout == "paged"),
              "kv_demotion needs the paged layout and no swap space (swap_space=0)")
         need(isinstance(self.kv_hot_window, int) and self.kv_hot_window >= 0,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.cache import CacheError, KVCacheManager
-from engine.config import EngineConfig
+from engine.config import BLOCK_KV_CACHE_DTYPES, EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.events.sink import NullSink
 from engine.events.stats import StepStats, TierStats
@@ -70,6 +70,10 @@ class LLMEngine:
         if mc.windowed and config.kv_demotion:
             raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-demotion is "
                              "not supported with them (the mixed-page kernels take no window)")
+        if mc.windowed and config.kv_cache_dtype in BLOCK_KV_CACHE_DTYPES:
+            raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-cache-dtype "
+                             f"{config.kv_cache_dtype} is not supported with them (the "
+                             "block-quantized pages' attention takes no window)")
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)

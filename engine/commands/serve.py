@@ -89,7 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    type=int, default=None, help="KV blocks (default: from memory)")
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8 | int4")
+    e.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto | fp8 | int8 | int4 | kivi4 | k8v4 | kivi2")
     e.add_argument("--kv-demotion", default="",
                    help="demote cold pages in place under memory pressure: int8 | int4 | "
                         "int8,int4 (default off; needs --kv-cache-dtype auto)")

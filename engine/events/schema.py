@@ -48,7 +48,7 @@ TIERS = ("gpu", "cpu", "disk")
 SEQ_STATUSES = ("waiting", "running", "swapped")
 FINISH_REASONS = ("stop", "length", "abort")
 PREEMPT_MODES = ("recompute", "swap")
-KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4")
+KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
 
 # Event kinds. Names are the wire strings (each ``Event`` subclass below is tagged with one).
 TIER_INIT = "tier_init"

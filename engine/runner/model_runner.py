@@ -153,11 +153,26 @@ class ModelRunner:
             keep_freed_memory()
         # kv_dtype: the model dtype, which "auto" pages use; others: engine.runner.page_format
         # (a mixed arena replaces these pages: one block of each stays as a placeholder)
-        self.kv = page_format(kv_cache_dtype, kv_dtype, model_config, block_size).allocate(
-            num_blocks if mixed is None else 1, device)
+        fmt = page_format(kv_cache_dtype, kv_dtype, model_config, block_size)
+        # block-quantized formats (engine.runner.block_kv) replace these pages, as a mixed
+        # arena does: one placeholder block of 16-bit pages stays
+        self.block_kv = None
+        if fmt.is_block:
+            from engine.runner.block_kv import BlockKV, BlockPagedAttention
+            from kernels.block_quant import block_format
+
+            self.block_kv = BlockKV(block_format(kv_cache_dtype), model_config.num_layers,
+                                    num_blocks, block_size, model_config.num_kv_heads,
+                                    model_config.head_dim, kv_dtype, device)
+            fmt = page_format("auto", kv_dtype, model_config, block_size)
+        self.kv = fmt.allocate(num_blocks if mixed is None and self.block_kv is None else 1,
+                               device)
         self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
         self.attn = PagedAttention(self.kv, model_config.attn_scale,
                                    model_config.layer_windows)
+        if self.block_kv is not None:
+            self.attn = BlockPagedAttention(self.block_kv, model_config.attn_scale,
+                                            model_config.head_dim)
         # mixed-precision arena (engine.runner.mixed_kv), ``mixed`` = its layout
         self.mixed_kv = None
         if mixed is not None:
@@ -170,6 +185,7 @@ class ModelRunner:
         # captured on a device.
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and enforce_eager is not True and mixed is None and \
+                self.block_kv is None and \
                 type(model) is LlamaModel:
             self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
                                              max_num_seqs)
@@ -284,7 +300,9 @@ class ModelRunner:
     def copy_blocks(self, orders: list[tuple[int, int]]) -> None:
         """Execute copy-on-write orders (src -> dst) before the step that needs them (mixed
         arena: page codes of full-precision pages)."""
-        if orders and self.mixed_kv is not None:
+        if orders and self.block_kv is not None:
+            self.block_kv.copy(orders)
+        elif orders and self.mixed_kv is not None:
             frames = self.mixed_kv.frames_of(np.asarray(orders, dtype=np.int64))
             self.mixed_kv.copy(frames.tolist())
         elif orders:

@@ -61,10 +61,12 @@ def test_engine_greedy_past_the_window_matches_transformers_generate(windowed, e
         assert out.token_ids == expected
 
 
-def test_windowed_model_refuses_the_mixed_page_arena(windowed):
+@pytest.mark.parametrize("engine_args", [{"kv_demotion": "int8"},
+                                         {"kv_cache_dtype": "kivi4"}])
+def test_windowed_model_refuses_the_page_formats_that_take_no_window(windowed, engine_args):
     _, path = windowed
     with pytest.raises(ValueError, match="sliding-window layers"):
-        LLM(str(path), device="cpu", dtype="float32", kv_demotion="int8")
+        LLM(str(path), device="cpu", dtype="float32", **engine_args)
 
 
 def test_qwen2_windowed_layers_are_refused():
