@@ -27,7 +27,9 @@ from engine.events.wire.recording import Recording
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent / "vllm_plugin"
-VLLM_PY = os.environ.get("KVSCOPE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+# absolute, not resolved: the venv's python is a link the venv's own site depends on
+VLLM_PY = str(Path(os.environ.get("KVSCOPE_VLLM_PYTHON")
+                   or ROOT / ".venv-vllm" / "bin" / "python").absolute())
 RUN_GUARD_S = 1500  # vLLM's start on a loaded 2-core box, plus the run: a hang guard only
 pytestmark = [
     pytest.mark.vllm,
