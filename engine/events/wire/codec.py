@@ -58,9 +58,10 @@ MSG_ERROR = "error"
 MSG_TYPES = (MSG_BATCH, MSG_HEARTBEAT, MSG_SNAPSHOT, MSG_GET_SNAPSHOT, MSG_REPLAY,
              MSG_REPLAY_END, MSG_ERROR)
 
-# A snapshot of a 1M-block cache is ~10 MiB of msgpack; 256 MiB leaves room and still
-# stops a hostile peer from making us allocate gigabytes.
-DEFAULT_MAX_BYTES = 256 << 20
+# A snapshot of a 1M-block cache is ~10 MiB of msgpack (a mirror holds at most 4M blocks
+# a tier, state.MAX_TIER_BLOCKS); 64 MiB leaves room and keeps what one hostile message
+# can make a reader allocate (msgpack to Python objects) in the hundreds of MiB.
+DEFAULT_MAX_BYTES = 64 << 20
 
 _SEQ = struct.Struct(">Q")
 
