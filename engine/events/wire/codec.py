@@ -173,7 +173,7 @@ def check_envelope(msg: Any) -> dict[str, Any]:
         raise ProtocolError(f"protocol version {v!r}, this reader speaks "
                             f"{'/'.join(map(str, READABLE_VERSIONS))}")
     mtype = msg.get("type")
-    fields = _REQUIRED.get(mtype)  # type: ignore[arg-type]
+    fields = _REQUIRED.get(mtype) if isinstance(mtype, str) else None
     if fields is None:
         raise ProtocolError(f"unknown message type {mtype!r}")
     for name, types in fields.items():
@@ -258,7 +258,7 @@ class Codec:
             raise self._fail("size", f"message of {len(data)} bytes exceeds limit {self.max_bytes}")
         try:
             batch = self._batch_decoder.decode(data)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, ValueError):  # a bad utf-8 key: UnicodeDecodeError
             return self.decode_checked(data)
         return msgspec.to_builtins(batch, builtin_types=(bytes,))
 
