@@ -457,7 +457,7 @@ class Recording:
             return last - first + 1 == n
         return (isinstance(steps, list) and len(steps) == n and all(map(_int, steps))
                 and steps[0] == first and steps[-1] == last
-                and all(a < b for a, b in zip(steps, steps[1:])))
+                and all(a < b for a, b in zip(steps, steps[1:], strict=False)))
 
     def _checked(self, frames: Any) -> list[list[Any]] | None:
         """The index's entries if every one is trustworthy and they run in step order."""
