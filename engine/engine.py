@@ -36,6 +36,7 @@ from engine.runner.page_format import check_supported, page_format
 from engine.sampler import SampleError, Sampler, SampleRow
 from engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)
 
@@ -350,8 +351,12 @@ class LLMEngine:
         """One request broke inside the step: it fails alone (the caller aborts its
         sequences: their blocks are freed and the event stream shows seq_finish "abort");
         the step goes on."""
-        log.error("request %s failed inside the step; aborting it alone", req.request_id,
-                  exc_info=exc)
+        if isinstance(exc, ConstraintError):  # the request's constraint: its fault, one line
+            log.warning("request %s aborted: %s", req.request_id, exc)
+            req.error_is_constraint = True
+        else:
+            log.error("request %s failed inside the step; aborting it alone", req.request_id,
+                      exc_info=exc)
         req.error = f"{type(exc).__name__}: {exc}"
         touched[req.request_id] = req
 

@@ -31,6 +31,7 @@ class Sequence:
     output_text: str = ""
     # metrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_cache_write_tokens: int = 0  # prompt tokens it wrote into the prefix cache
     num_preemptions: int = 0
     max_computed_tokens: int = 0  # high-water mark of num_computed_tokens (recompute cost)
     first_scheduled_time: float | None = None

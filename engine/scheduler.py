@@ -347,6 +347,7 @@ class Scheduler:
             self._preempt(victim, out, cause)
             if victim is seq:
                 return None
+        seq.num_cache_write_tokens = self.cache.sequences[seq.seq_id].prompt_written
         return slots
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, cause: dict | None = None) -> None:
@@ -421,6 +422,7 @@ class Scheduler:
                 self.cache.free(seq.seq_id)  # undo the shared prefix; stays waiting
                 seq.num_computed_tokens = 0
                 break
+            seq.num_cache_write_tokens = self.cache.sequences[seq.seq_id].prompt_written
             self.waiting.pop(0)
             seq.status = "running"
             self.running.append(seq)

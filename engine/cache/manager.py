@@ -581,7 +581,9 @@ class KVCacheManager:
         first_block = seq.block_table[0] if seq.block_table else None
         # zip(*[it] * bs) cuts the token span into bs-tuples at C speed.
         chunks = zip(*[iter(seq.token_ids[first * bs:full * bs])] * bs, strict=True)
-        for b, chunk in zip(seq.block_table[first:full], chunks, strict=True):
+        prompt_blocks = seq.num_prompt_tokens // bs
+        for i, (b, chunk) in enumerate(zip(seq.block_table[first:full], chunks, strict=True),
+                                       first):
             h = hash((ph, chunk))
             e = entry[b]
             if e is not None:  # indexed already (shared with a sequence that got there first)
@@ -601,6 +603,8 @@ class KVCacheManager:
                         pid = serial
                     cached[h] = b
                     stored.append(b)
+                    if i < prompt_blocks:
+                        seq.prompt_written += bs
                     if detail:
                         parents.append(None if b == first_block else ph)
                 else:  # the same content under another block stays the indexed one

@@ -48,6 +48,10 @@ from engine.events.schema import ProtocolError
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 ORPHAN = -2  # owner column: held, but not by the sequence that took it (see docstring)
 NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages are huge)
+# The largest tier a mirror builds (26 bytes of columns a block: ~110 MiB here). A real
+# cache is far smaller (a 1M-block pool is huge); a 30-byte tier_init from a hostile file
+# or publisher must not make the reader allocate gigabytes.
+MAX_TIER_BLOCKS = 1 << 22
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
 # little-endian int32 x k, for unpacking the short id lists of most events
@@ -415,8 +419,10 @@ class KVState:
             st.time = float(snap.get("time", 0.0))
             st.stats = dict(snap.get("stats") or {})
             for name, t in snap["tiers"].items():
-                tier = TierState(name, int(t["num_blocks"]), int(t["block_size"]),
-                                 str(t["format"]))
+                n = int(t["num_blocks"])
+                if not 0 <= n <= MAX_TIER_BLOCKS:
+                    raise ProtocolError(f"snapshot tier {name}: bad size {n} blocks")
+                tier = TierState(name, n, int(t["block_size"]), str(t["format"]))
                 n = tier.num_blocks
                 ref = t["ref"]
                 ref = (np.frombuffer(ref, dtype="<i4") if isinstance(ref, bytes)
@@ -818,8 +824,9 @@ class KVState:
         if name not in S.TIERS:
             raise ProtocolError(f"unknown tier {name!r}")
         n, bs = int(ev["num_blocks"]), int(ev["block_size"])
-        if n < 0 or bs < 1 or n >= 1 << 31:
-            raise ProtocolError(f"tier {name}: bad size {n} blocks x {bs} tokens")
+        if n < 0 or bs < 1 or n > MAX_TIER_BLOCKS or bs >= 1 << 31:
+            raise ProtocolError(f"tier {name}: bad size {n} blocks x {bs} tokens (a mirror "
+                                f"holds at most {MAX_TIER_BLOCKS} blocks a tier)")
         self._save_item(self.tiers, name)
         self.tiers[name] = TierState(name, n, bs, str(ev.get("format", "auto")))
 
