@@ -87,23 +87,11 @@ def tokenizer(state: ServerState, param: str) -> Any:
 SHRINK_ALLOWANCE = 4
 
 
-def max_token_bytes(tok: Any) -> int:
-    """The most bytes one token of ``tok`` stands for, at most: the longest vocabulary
-    entry in UTF-8 (a byte-level or byte-fallback spelling only overstates it). Computed
-    once per tokenizer."""
-    n = getattr(tok, "_max_token_bytes", None)
-    if n is None:
-        vocab = tok.backend.get_vocab(with_added_tokens=True)
-        n = max((len(t.encode("utf-8")) for t in vocab), default=1)
-        tok._max_token_bytes = n
-    return n
-
-
 def check_prompt_bytes(state: ServerState, text: str, param: str) -> None:
     """Refuse, before tokenizing it, a prompt whose length alone proves it exceeds the
     context: ``n`` bytes hold at least ``n / (max_token_bytes * SHRINK_ALLOWANCE)``
     tokens. The same 400 (context_length_exceeded) the token count would give."""
-    limit = state.max_model_len * max_token_bytes(state.tokenizer) * SHRINK_ALLOWANCE
+    limit = state.max_model_len * state.tokenizer.max_token_bytes * SHRINK_ALLOWANCE
     if len(text) <= limit // 4:  # a str's UTF-8 is at most 4 bytes a character
         return
     nbytes = len(text.encode("utf-8", "surrogatepass"))

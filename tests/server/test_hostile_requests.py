@@ -168,7 +168,7 @@ def test_an_obviously_oversized_prompt_is_refused_before_tokenizing(served: InPr
     monkeypatch.setattr(tok, "encode", lambda text, *a, **kw: calls.append(len(text)) or
                         real(text, *a, **kw))
     # (with this server's 64 KiB body limit, pretend tokens are at most 2 bytes long)
-    monkeypatch.setattr(tok, "_max_token_bytes", 2, raising=False)
+    monkeypatch.setattr(tok, "max_token_bytes", 2)
     limit = served.state.max_model_len * 2 * admission.SHRINK_ALLOWANCE
     big = "word " * (limit // 5 + 10)
     for url, body in [("/v1/completions", {"prompt": big}),
@@ -180,7 +180,7 @@ def test_an_obviously_oversized_prompt_is_refused_before_tokenizing(served: InPr
     assert calls == []
     # the real longest token of this vocabulary: a bound no shorter text can break
     monkeypatch.undo()
-    assert admission.max_token_bytes(tok) >= max(
+    assert tok.max_token_bytes >= max(
         len(tok.decode([i]).encode()) for i in range(0, tok.backend.get_vocab_size(), 97))
 
 
