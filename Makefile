@@ -37,7 +37,7 @@ $(VLLM_STAMP): pyproject.toml
 
 test: install $(VLLM_STAMP)
 	$(PY) -m ruff check engine inspector kernels tests scripts
-	QT_QPA_PLATFORM=offscreen KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q tests
+	QT_QPA_PLATFORM=offscreen KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests
 
 demo: install
 	@bash scripts/demo.sh
