@@ -91,7 +91,7 @@ class LLMEngine:
         if self.hybrid_applies(config, mc, num_cpu_blocks):
             window = max(w for w in mc.layer_windows if w is not None)
             num_blocks, num_window_blocks = kv_budget.hybrid_split(
-                config, self.page_format, mc, num_blocks, self.max_model_len)
+                config, mc, num_blocks, self.max_model_len)
             log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
                      "(window %d)", num_blocks, num_window_blocks, window)
         self.cache = KVCacheManager(

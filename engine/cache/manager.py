@@ -662,7 +662,7 @@ class KVCacheManager:
         reserve = int(watermark * self.gpu.capacity)
         if self.window is not None:
             w = self.window.needed(seq, num_new_tokens)
-            if w and w > self.window.pool.num_free_blocks - int(
+            if w > 0 and w > self.window.pool.num_free_blocks - int(
                     watermark * self.window.pool.capacity):
                 return False
         return need == 0 or need <= self.gpu.num_free_blocks - reserve

@@ -20,7 +20,7 @@ counts = table entries, forks share). Released: every logical block ``i`` with
 ``(i + 1) * block_size <= start - W + 1`` where ``start`` is the first position the last
 allocation computed (decode steps included), so during decode a sequence holds at most
 ``ceil(W / block_size) + 1`` window blocks (a prefill chunk of n tokens: about
-``(W + n) / block_size + 1``).
+``(W + n) / block_size + 1``, the blocks it releases reused by its own allocation).
 
 Limits (the cache manager refuses them with a window group): prefix caching (a hit would
 need the window group's blocks of the last W prefix tokens, which are not indexed), the
@@ -46,22 +46,28 @@ class WindowGroup:
         return max(0, (start - self.window + 1) // self.block_size)
 
     def needed(self, seq: CacheSeq, n: int) -> int:
-        """Window blocks ``allocate(seq, n)`` takes from the pool (blocks released by the
-        same call are not counted: they are returned after the new ones are taken)."""
+        """Free window blocks ``allocate(seq, n)`` needs: the new ones, less those the
+        same call releases first (blocks only this sequence held); may be negative."""
         if n == 0:
             return 0
         bs, num, table = self.block_size, seq.num_tokens, seq.window_table
         need = -(-(num + n) // bs) - len(table)
         if num % bs and table and self.pool.ref[table[-1]] > 1:
             need += 1  # copy-on-write of the shared partial last block
-        return need
+        ref = self.pool.ref
+        first = min(self.first_kept(num), len(table))
+        return need - sum(ref[b] == 1 for b in table[seq.window_first:first])
 
     def allocate(self, seq: CacheSeq, n: int) -> tuple[list[int], list[int], list[int]]:
-        """Blocks for positions [num_tokens, num_tokens + n) (the caller checked
-        ``needed``), then release what no query from ``num_tokens`` on can see. Returns
-        (new blocks, released blocks, (src, dst) of a copy-on-write or [])."""
+        """Release what no query from ``num_tokens`` on can see, then take blocks for
+        positions [num_tokens, num_tokens + n) (the caller checked ``needed``; a released
+        block may be reused at once: no query of this step reads it). Returns (new
+        blocks, released blocks, (src, dst) of a copy-on-write or [])."""
         bs, pool, table, start = self.block_size, self.pool, seq.window_table, seq.num_tokens
-        need = self.needed(seq, n)
+        released = self._release_before(seq, self.first_kept(start))
+        need = -(-(start + n) // bs) - len(table)
+        if start % bs and table and pool.ref[table[-1]] > 1:
+            need += 1
         blocks = pool.allocate(need) if need > 0 else []
         cow: list[int] = []
         if start % bs and table and pool.ref[table[-1]] > 1:
@@ -72,7 +78,6 @@ class WindowGroup:
             self.copy_orders.append((src, dst))
             cow = [src, dst]
         table += blocks
-        released = self._release_before(seq, self.first_kept(start))
         return blocks, released, cow
 
     def _release_before(self, seq: CacheSeq, first: int) -> list[int]:

@@ -139,3 +139,20 @@ def test_random_workload_keeps_the_invariants():
 def test_unsupported_window_groups_are_refused(kw):
     with pytest.raises(CacheError):
         KVCacheManager(16, 4, **kw)
+
+
+def test_hybrid_bench_fits_more_sequences_in_one_budget():
+    """`kvscope bench hybrid`, small: the windowed group's saving shows in bytes per
+    sequence and in sequences per budget; the pools stay within the budget."""
+    import argparse
+
+    from engine.bench.hybrid import measure
+
+    args = argparse.Namespace(context=2048, chunk=512, decode=16, budget_gib=0.125,
+                              block_size=16)
+    gemma = measure("gemma-3-1b", args)
+    assert gemma["window_blocks_held"] <= 512 // 16 + 1
+    assert gemma["bytes_ratio"] > 2 and gemma["hybrid_seqs"] >= 2 * gemma["keep_seqs"] > 0
+    assert gemma["hybrid_pools_bytes"] <= 0.125 * (1 << 30)
+    mistral = measure("mistral-7b", args)  # context < 2 W: little to release at 2k
+    assert mistral["hybrid_seqs"] >= mistral["keep_seqs"]
