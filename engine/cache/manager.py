@@ -189,6 +189,9 @@ class KVCacheManager:
                     S.TIER_INIT, tier=pool.tier, num_blocks=pool.num_blocks,
                     block_size=block_size, format=kv_format,
                 )
+            if self.window is not None:
+                self.sink.emit(S.TIER_INIT, tier="gpu", num_blocks=num_window_blocks,
+                               block_size=block_size, format=kv_format, group=1)
 
     # ------------------------------------------------------------ sequences
     def add_sequence(
@@ -279,6 +282,9 @@ class KVCacheManager:
             emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, blocks=list(table))
             if child.status == "running":
                 emit(S.SEQ_START, seq=child_id)
+            if self.window is not None and child.window_table:
+                emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, group=1,
+                     blocks=child.window_table[child.window_first:])
         if num_private:
             logical = list(range(first_private, len(table)))
             src = table[first_private:]
@@ -410,7 +416,9 @@ class KVCacheManager:
         if not table:
             return
         if self.window is not None:
-            self.window.release_all(seq)
+            held = self.window.release_all(seq)
+            if held and self.sink.enabled:
+                self.sink.emit(S.FREE, tier="gpu", seq=seq.seq_id, blocks=held, group=1)
         self.pools[seq.tier].release(table)
         if self.sink.enabled:
             self.sink.emit(S.FREE, tier=seq.tier, seq=seq.seq_id, blocks=table)
@@ -681,7 +689,10 @@ class KVCacheManager:
                 last = seq.block_table[-1]
                 if self._ref[last] == 1:
                     if self.window is not None:  # release what left the window
-                        self.window.release_before(seq, n)
+                        out = self.window.release_before(seq, n)
+                        if out and self.sink.enabled:
+                            self.sink.emit(S.RELEASE, tier="gpu", seq=seq_id, group=1,
+                                           blocks=out)
                     seq.num_tokens = n + 1
                     if off + 1 == bs and self.enable_prefix_caching:
                         self._store_full_blocks(seq)
@@ -752,7 +763,18 @@ class KVCacheManager:
 
     def _allocate_window(self, seq: CacheSeq, n: int) -> None:
         """The window group's share of ``_allocate`` (before ``num_tokens`` moves on)."""
-        self.window.allocate(seq, n)
+        blocks, released, cow = self.window.allocate(seq, n)
+        if not self.sink.enabled:
+            return
+        emit, sid = self.sink.emit, seq.seq_id
+        if released:
+            emit(S.RELEASE, tier="gpu", seq=sid, group=1, blocks=released)
+        if cow:  # the last entry before the new ones; the mirror's table holds held ones
+            emit(S.COW, tier="gpu", seq=sid, group=1,
+                 logical=[len(seq.window_table) - len(blocks) - 1 - seq.window_first],
+                 src=[cow[0]], dst=[cow[1]])
+        if blocks:
+            emit(S.ALLOC, tier="gpu", seq=sid, group=1, blocks=blocks)
 
     def window_slots(self, seq_id: str, start: int, end: int) -> list[int]:
         """Window-group slots of positions [start, end) of the sequence (allocated)."""

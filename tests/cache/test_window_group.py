@@ -10,6 +10,8 @@ import pytest
 from engine.cache import KVCacheManager
 from engine.cache.errors import CacheError
 from engine.cache.window_group import RELEASED
+from engine.events import schema as S
+from tests.cache.conftest import Mirrored, kinds
 
 
 def _manager(window: int = 48, bs: int = 16, gpu: int = 64, win: int = 16) -> KVCacheManager:
@@ -69,27 +71,34 @@ def test_window_pool_exhaustion_refuses_the_allocation_and_changes_nothing():
 
 
 def test_fork_shares_window_blocks_and_copies_the_partial_one_on_write():
-    m = _manager(window=16, bs=4, gpu=32, win=16)
+    x = Mirrored(32, 4, enable_prefix_caching=False, window=16, num_window_blocks=16)
+    m = x.m
     m.add_sequence("p", list(range(10)))
     m.allocate_slots("p", 10)
     m.start("p")
     m.fork("p", "c")
-    m.check_invariants()
+    x.sync()
     m.append_token_ids("c", [7])
     m.allocate_slots("c", 1)  # into the shared partial block: copy-on-write in both groups
     assert len(m.take_copy_orders()) == 1
     w = m.take_window_copy_orders()
     assert len(w) == 1 and w[0][0] == m.sequences["p"].window_table[-1]
-    m.check_invariants()
+    x.sync()
+    assert x.state.seqs["c"].group_tables[1][-1] == w[0][1]
     m.preempt("p")
     m.finish("c", "stop")
-    m.check_invariants()
+    x.sync()
     assert m.window.pool.num_free_blocks == 16
 
 
-def test_random_workload_keeps_the_invariants():
-    rng = random.Random(5)
-    m = _manager(window=24, bs=4, gpu=80, win=30)
+@pytest.mark.parametrize("seed", [5, 6])
+def test_random_workload_keeps_the_invariants_and_the_event_mirror(seed):
+    """Random adds, prefills, decodes, forks, preemptions: after every operation the
+    invariants hold and the KVState rebuilt from the events (group 1's pool and tables
+    included) equals the manager's snapshot."""
+    rng = random.Random(seed)
+    x = Mirrored(80, 4, enable_prefix_caching=False, window=24, num_window_blocks=30)
+    m = x.m
     live: list[str] = []
     decoding: set[str] = set()  # last allocation was one token: the decode bound holds
     for i in range(400):
@@ -124,7 +133,7 @@ def test_random_workload_keeps_the_invariants():
                 m.append_token_ids(sid, [rng.randrange(50)])
                 decoding.add(sid)
         m.take_window_copy_orders()
-        m.check_invariants()
+        x.sync()  # check_invariants, and mirror == snapshot
         for sid in decoding & set(live):
             s = m.sequences[sid]
             assert m.window.held(s) <= -(-24 // 4) + 1
@@ -156,3 +165,32 @@ def test_hybrid_bench_fits_more_sequences_in_one_budget():
     assert gemma["hybrid_pools_bytes"] <= 0.125 * (1 << 30)
     mistral = measure("mistral-7b", args)  # context < 2 W: little to release at 2k
     assert mistral["hybrid_seqs"] >= mistral["keep_seqs"]
+
+
+def test_events_name_the_group_and_old_recordings_replay():
+    """Group 1 has its own tier_init; releases are ``release`` events; events without a
+    group (every recording before groups) mean group 0, as before."""
+    x = Mirrored(32, 4, enable_prefix_caching=False, window=8, num_window_blocks=8)
+    first = x.events
+    assert [e.get("group", 0) for e in first if e["kind"] == S.TIER_INIT] == [0, 1]
+    m = x.m
+    m.add_sequence("a", list(range(10)))
+    m.allocate_slots("a", 10)
+    m.start("a")
+    x.sync()
+    for t in range(12):
+        m.allocate_slots("a", 1)
+        m.append_token_ids("a", [t])
+    evs = x.sync()
+    assert S.RELEASE in kinds(evs)
+    assert all(e["group"] == 1 for e in evs if e["kind"] == S.RELEASE)
+    assert x.state.seqs["a"].group_tables[1] == m.sequences["a"].window_table[
+        m.sequences["a"].window_first:]
+    assert "gpu/1" in x.state.tiers and x.state.tiers["gpu/1"].num_blocks == 8
+    # a group-0-only stream (no group field anywhere) replays unchanged
+    y = Mirrored(16, 4)
+    y.m.add_sequence("b", [1, 2, 3])
+    y.m.allocate_slots("b", 3)
+    y.sync()
+    assert all("group" not in e for e in y.events)
+    assert "group_tables" not in y.state.canonical()["seqs"]["b"]

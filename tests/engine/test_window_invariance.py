@@ -158,3 +158,35 @@ def test_hybrid_cache_long_generation_keeps_the_window_group_bounded(make_engine
         assert steps < 1000  # hang guard
     assert longest * 4 >= len(PROMPTS[1]) + 119
     assert eng.cache.window.pool.num_free_blocks == eng.cache.window.pool.num_blocks
+
+
+def test_hybrid_cache_recording_equals_kv_state_every_step(make_engine, tmp_path):
+    """The events name each block's group: the state rebuilt from a recording (through
+    the wire codec) equals the engine's kv_state() after every step, window group's pool
+    and tables included, through preemptions and forks."""
+    from engine.events import KVState
+    from engine.events.wire.recording import Recording
+
+    path = tmp_path / "hybrid.kvtrace"
+    eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0, record_path=str(path),
+                      **HYBRID)
+    expected = {eng.step_count: eng.kv_state()}
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), {"prompt_token_ids": p},
+                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                       n=2 if i == 0 else 1))
+    while eng.has_unfinished_requests():
+        eng.step()
+        expected[eng.step_count] = eng.kv_state()
+    assert eng.scheduler.num_preemptions > 0
+    assert any(s.get("group_tables") for snap in expected.values()
+               for s in snap["seqs"].values())
+    eng.close()
+    expected[eng.step_count] = eng.kv_state()
+    state, kinds = KVState(), set()
+    for batch in Recording(path):
+        state.apply(batch)
+        kinds |= {e["kind"] for e in batch["events"]}
+        if batch["step"] in expected:
+            assert state.canonical() == expected[batch["step"]], f"step {batch['step']}"
+    assert "release" in kinds and "gpu/1" in state.tiers
