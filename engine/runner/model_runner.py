@@ -235,7 +235,8 @@ class ModelRunner:
         if self.swapper is not None:
             self.swapper.execute(out.swap_rounds)
         self.copy_blocks(out.copies)
-        self.copy_blocks(out.window_copies, group=1)
+        if out.window_copies:  # the window group's pages (hybrid cache, one rank only)
+            self.copy_blocks(out.window_copies, group=1)
         if out.is_empty:
             return None, None
         return self.execute_keeping(self.prepare(out.scheduled), keep_rows)
