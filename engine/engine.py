@@ -86,8 +86,17 @@ class LLMEngine:
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
+        # hybrid cache: the sliding-window layers' own group (engine.cache.window_group)
+        window, num_window_blocks = None, 0
+        if self.hybrid_applies(config, mc, num_cpu_blocks):
+            window = max(w for w in mc.layer_windows if w is not None)
+            num_blocks, num_window_blocks = kv_budget.hybrid_split(
+                config, mc, num_blocks, self.max_model_len)
+            log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
+                     "(window %d)", num_blocks, num_window_blocks, window)
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+            window=window, num_window_blocks=num_window_blocks,
             num_disk_blocks=num_disk_blocks,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
@@ -115,7 +124,8 @@ class LLMEngine:
                                       enforce_eager=config.enforce_eager,
                                       max_model_len=self.max_model_len,
                                       max_num_seqs=config.max_num_seqs,
-                                      num_cpu_blocks=num_cpu_blocks)
+                                      num_cpu_blocks=num_cpu_blocks,
+                                      num_window_blocks=num_window_blocks)
         self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
         self.disk_io = None  # the disk tier's files and threads (engine.runner.disk_io)
         if num_disk_blocks:
@@ -132,6 +142,17 @@ class LLMEngine:
             self._close_step(0.0, None)  # the tier_init events become batch 0
 
     # ---------------------------------------------------------------- set-up
+    @staticmethod
+    def hybrid_applies(config: EngineConfig, mc, num_cpu_blocks: int) -> bool:
+        """Whether a windowed model gets the hybrid cache: not when switched off, and not
+        yet beside prefix caching, a cpu tier, demotion, block formats or tensor
+        parallelism (it then keeps every block, as before)."""
+        return bool(mc.windowed and not config.disable_hybrid_kv_cache_manager
+                    and config.kv_layout == "paged" and not config.enable_prefix_caching
+                    and not num_cpu_blocks and not config.kv_demotion
+                    and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
+                    and config.tensor_parallel_size == 1)
+
     def _open_disk(self, num_disk_blocks: int) -> None:
         """Open the disk tier's directory and serve the blocks a previous run left there
         that match this model and page format (the most recent that fit)."""

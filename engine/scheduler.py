@@ -120,6 +120,10 @@ class ScheduledSeq:
     start: int
     slot_mapping: list[int]
     block_table: list[int] = field(default_factory=list)
+    # the sliding-window group's table and slots (hybrid cache, engine.cache.window_group;
+    # empty without one): what the windowed layers read and write
+    window_table: list[int] = field(default_factory=list)
+    window_slot_mapping: list[int] = field(default_factory=list)
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +155,9 @@ class SchedulerOutput:
     demotions: list[tuple[int, int]] = field(default_factory=list)
     swap_rounds: list[Round | DiskBatch] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # copy-on-write (src, dst) of the sliding-window group's pages (hybrid cache), with
+    # ``copies``
+    window_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -303,6 +310,13 @@ class Scheduler:
         if codes is None:
             for s in out.scheduled:
                 s.block_table = cache.block_table(s.seq.seq_id)
+            if cache.window is not None:
+                out.window_copies = cache.take_window_copy_orders()
+                for s in out.scheduled:
+                    sid = s.seq.seq_id
+                    s.window_table = cache.window_table(sid)
+                    s.window_slot_mapping = cache.window_slots(sid, s.start,
+                                                               s.start + s.num_new_tokens)
             return
         bs = cache.block_size
         out.copies = [(codes([a])[0], codes([b])[0]) for a, b in out.copies]

@@ -91,14 +91,18 @@ class InspectorModel(QObject):
         """Blocks to keep bright on ``tier``'s map, or None when nothing is selected.
 
         An explicit highlight first (``set_highlight``); else the selected sequence's
-        table; else the tables of the selected block's owners."""
+        table (on a cache group's pool, ``gpu/1``: its table in that group); else the
+        tables of the selected block's owners."""
         st = self.state
         if self.highlight is not None:
             return list(self.highlight.get(tier, []))
+        base, _, group = tier.partition("/")  # a cache group's pool: "gpu/1"
         if self.selected_seq is not None:
             s = st.seqs.get(self.selected_seq)
             if s is None:
                 return None
+            if group:
+                return list(s.group_tables.get(int(group), [])) if s.tier == base else []
             return list(s.block_table) if s.tier == tier else []
         if self.selected_block is not None:
             btier, b = self.selected_block

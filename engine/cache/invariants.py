@@ -100,3 +100,9 @@ def check_invariants(m: CacheView) -> None:
                     _require(o.num_tokens % bs == s.num_tokens % bs,
                              f"{sid}: shared partial block {last} filled differently")
         _require(s.status in ("waiting", "running", "swapped"), f"{sid}: bad status")
+    window = getattr(m, "window", None)
+    if window is not None:  # the sliding-window group (engine.cache.window_group)
+        window.check(list(m.sequences.values()))
+        for sid, s in m.sequences.items():
+            _require(s.window_first >= 0 and s.window_first <= window.first_kept(
+                max(0, s.num_tokens - 1)), f"{sid}: window blocks released too early")

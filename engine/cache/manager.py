@@ -96,6 +96,7 @@ from engine.cache.sequence import CacheSeq
 from engine.cache.slots import slot_mapping
 from engine.cache.transfers import Round, plan_rounds
 from engine.cache.validation import check_count, is_int, token_list
+from engine.cache.window_group import WindowGroup
 from engine.events import causes as C
 from engine.events import schema as S
 from engine.events.sink import EventSink, NullSink
@@ -114,6 +115,8 @@ class KVCacheManager:
         kv_format: str = "auto",
         sink: EventSink | None = None,
         demotion: DemotionPolicy | None = None,
+        window: int | None = None,
+        num_window_blocks: int = 0,
     ) -> None:
         if not is_int(block_size) or block_size < 1:
             raise CacheError(f"block_size must be a positive int, got {block_size!r}")
@@ -128,6 +131,15 @@ class KVCacheManager:
                              "caching: it stores the host's evicted prefix-cache blocks")
         if kv_format not in S.KV_FORMATS:
             raise CacheError(f"unknown kv_format {kv_format!r}; choose one of {S.KV_FORMATS}")
+        if window is not None:
+            if not is_int(window) or window < 1:
+                raise CacheError(f"window must be a positive int, got {window!r}")
+            if not is_int(num_window_blocks) or num_window_blocks < 1:
+                raise CacheError("a window group needs at least one block, got "
+                                 f"{num_window_blocks!r}")
+            if enable_prefix_caching or num_cpu_blocks or demotion is not None:
+                raise CacheError("a sliding-window group cannot be combined with prefix "
+                                 "caching, a cpu tier or kv demotion yet")
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eviction_policy = eviction_policy
@@ -157,6 +169,12 @@ class KVCacheManager:
         self.disk: DiskTier | None = None
         if "disk" in self.pools:
             self.disk = DiskTier(self.gpu, self.host, self.pools["disk"], self.sink)
+        # group 1, the sliding-window layers' blocks (engine.cache.window_group), or None
+        self.window: WindowGroup | None = None
+        if window is not None:
+            self.window = WindowGroup(BlockPool(
+                "gpu", num_window_blocks, block_size, kv_format, make_policy("lru"),
+                NullSink()), window)
         self._seqs: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
         self._demotion_orders: list[tuple[int, int]] = []
@@ -171,6 +189,9 @@ class KVCacheManager:
                     S.TIER_INIT, tier=pool.tier, num_blocks=pool.num_blocks,
                     block_size=block_size, format=kv_format,
                 )
+            if self.window is not None:
+                self.sink.emit(S.TIER_INIT, tier="gpu", num_blocks=num_window_blocks,
+                               block_size=block_size, format=kv_format, group=1)
 
     # ------------------------------------------------------------ sequences
     def add_sequence(
@@ -232,6 +253,9 @@ class KVCacheManager:
         bs, table, known = self.block_size, parent.block_table, len(parent.token_ids)
         first_private = known // bs if parent.num_tokens > known else len(table)
         num_private = len(table) - first_private
+        if num_private and self.window is not None:
+            raise CacheError(f"cannot fork {parent_id!r}: its lookahead slots would need "
+                             "private window-group copies (not supported yet)")
         self._asking(child_id, C.R_FORK)
         if num_private > self.gpu.num_free_blocks:
             raise CacheError(f"cannot fork {parent_id!r}: its {num_private} blocks of "
@@ -248,6 +272,8 @@ class KVCacheManager:
         child.num_stored = parent.num_stored
         child.status, child.started = parent.status, parent.started
         self.gpu.add_ref(table)
+        if self.window is not None:
+            self.window.fork(parent, child)
         self._seqs[child_id] = child
         if self.sink.enabled:
             emit = self.sink.emit
@@ -256,6 +282,9 @@ class KVCacheManager:
             emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, blocks=list(table))
             if child.status == "running":
                 emit(S.SEQ_START, seq=child_id)
+            if self.window is not None and child.window_table:
+                emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, group=1,
+                     blocks=child.window_table[child.window_first:])
         if num_private:
             logical = list(range(first_private, len(table)))
             src = table[first_private:]
@@ -386,6 +415,10 @@ class KVCacheManager:
         table = seq.block_table
         if not table:
             return
+        if self.window is not None:
+            held = self.window.release_all(seq)
+            if held and self.sink.enabled:
+                self.sink.emit(S.FREE, tier="gpu", seq=seq.seq_id, blocks=held, group=1)
         self.pools[seq.tier].release(table)
         if self.sink.enabled:
             self.sink.emit(S.FREE, tier=seq.tier, seq=seq.seq_id, blocks=table)
@@ -635,6 +668,11 @@ class KVCacheManager:
             raise CacheError(f"{seq_id!r} is swapped out: use can_swap_in")
         need = self._blocks_needed(seq, num_new_tokens)
         reserve = int(watermark * self.gpu.capacity)
+        if self.window is not None:
+            w = self.window.needed(seq, num_new_tokens)
+            if w > 0 and w > self.window.pool.num_free_blocks - int(
+                    watermark * self.window.pool.capacity):
+                return False
         return need == 0 or need <= self.gpu.num_free_blocks - reserve
 
     def allocate_slots(self, seq_id: str, num_new_tokens: int) -> list[int] | None:
@@ -650,6 +688,11 @@ class KVCacheManager:
             if off and seq.tier == "gpu":
                 last = seq.block_table[-1]
                 if self._ref[last] == 1:
+                    if self.window is not None:  # release what left the window
+                        out = self.window.release_before(seq, n)
+                        if out and self.sink.enabled:
+                            self.sink.emit(S.RELEASE, tier="gpu", seq=seq_id, group=1,
+                                           blocks=out)
                     seq.num_tokens = n + 1
                     if off + 1 == bs and self.enable_prefix_caching:
                         self._store_full_blocks(seq)
@@ -689,6 +732,9 @@ class KVCacheManager:
         pool, table, bs = self.gpu, seq.block_table, self.block_size
         if need > pool.num_free_blocks:
             return None
+        if self.window is not None and \
+                self.window.needed(seq, n) > self.window.pool.num_free_blocks:
+            return None
         start = seq.num_tokens
         if need:
             self._asking(seq.seq_id, C.R_ALLOCATE)
@@ -708,10 +754,42 @@ class KVCacheManager:
             seq.tier = "gpu"  # as the mirror's alloc does (a table emptied on the cpu)
             if self.sink.enabled:
                 self.sink.emit(S.ALLOC, tier="gpu", seq=seq.seq_id, blocks=blocks)
+        if self.window is not None:
+            self._allocate_window(seq, n)
         seq.num_tokens = end = start + n
         if self.enable_prefix_caching and min(end, len(seq.token_ids)) // bs > seq.num_stored:
             self._store_full_blocks(seq)
         return slot_mapping(table, bs, start, end)
+
+    def _allocate_window(self, seq: CacheSeq, n: int) -> None:
+        """The window group's share of ``_allocate`` (before ``num_tokens`` moves on)."""
+        blocks, released, cow = self.window.allocate(seq, n)
+        if not self.sink.enabled:
+            return
+        emit, sid = self.sink.emit, seq.seq_id
+        if released:
+            emit(S.RELEASE, tier="gpu", seq=sid, group=1, blocks=released)
+        if cow:  # the last entry before the new ones; the mirror's table holds held ones
+            emit(S.COW, tier="gpu", seq=sid, group=1,
+                 logical=[len(seq.window_table) - len(blocks) - 1 - seq.window_first],
+                 src=[cow[0]], dst=[cow[1]])
+        if blocks:
+            emit(S.ALLOC, tier="gpu", seq=sid, group=1, blocks=blocks)
+
+    def window_slots(self, seq_id: str, start: int, end: int) -> list[int]:
+        """Window-group slots of positions [start, end) of the sequence (allocated)."""
+        return self.window.slots(self._get(seq_id), start, end)
+
+    def window_table(self, seq_id: str) -> list[int]:
+        """The window group's table as the kernels read it (released entries: block 0)."""
+        return self.window.runner_table(self._get(seq_id))
+
+    def take_window_copy_orders(self) -> list[tuple[int, int]]:
+        """The window group's copy-on-write (src, dst) block copies since the last call."""
+        if self.window is None:
+            return []
+        out, self.window.copy_orders = self.window.copy_orders, []
+        return out
 
     def take_swap_rounds(self) -> list[Round]:
         """The block copies between tiers queued since the last call, batched into rounds

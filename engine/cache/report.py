@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.events import schema as S
+
 if TYPE_CHECKING:
     from engine.cache.view import CacheView
 
 
 def snapshot(m: CacheView) -> dict[str, Any]:
-    """The state in exactly the form of ``KVState.canonical()``."""
+    """The state in exactly the form of ``KVState.canonical()`` (a window group's pool is
+    the tier ``schema.group_pool("gpu", 1)``; a sequence's held blocks in it its
+    ``group_tables["1"]``, present when it holds any)."""
+    pools = dict(m.pools)
+    window = getattr(m, "window", None)
+    if window is not None:
+        pools[S.group_pool("gpu", 1)] = window.pool
+
+    def groups(s) -> dict[str, Any]:
+        held = s.window_table[s.window_first:] if window is not None else []
+        return {"group_tables": {"1": list(held)}} if held else {}
+
     return {
         "tiers": {
             name: {
@@ -20,7 +33,7 @@ def snapshot(m: CacheView) -> dict[str, Any]:
                 "hash": [None if e is None else e[0] for e in p.entry],
                 "block_formats": _block_formats(p),
             }
-            for name, p in sorted(m.pools.items())
+            for name, p in sorted(pools.items())
         },
         "seqs": {
             sid: {
@@ -28,6 +41,7 @@ def snapshot(m: CacheView) -> dict[str, Any]:
                 "tier": s.tier,
                 "block_table": list(s.block_table),
                 "num_tokens": s.num_tokens,
+                **groups(s),
             }
             for sid, s in sorted(m.sequences.items())
         },

@@ -26,7 +26,8 @@ class CacheSeq:
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "num_tokens", "block_table", "status",
         "started", "priority", "cache_salt", "root_hash", "root_id", "chain_hash", "chain_id",
-        "num_stored", "reported_tokens", "tier", "prompt_written",
+        "num_stored", "reported_tokens", "tier", "prompt_written", "window_table",
+        "window_first",
     )
 
     def __init__(
@@ -52,6 +53,9 @@ class CacheSeq:
         # prompt tokens this sequence wrote into the prefix cache (new entries, in whole
         # blocks; kept across preemptions): the API's cache_write_tokens
         self.prompt_written = 0
+        # the sliding-window group's table (engine.cache.window_group; empty without one)
+        self.window_table: list[int] = []
+        self.window_first = 0  # entries before it were released (out of every window)
 
     def drop_table(self) -> None:
         self.block_table = []

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from engine.cache.disk_tier import DiskTier
     from engine.cache.host_tier import HostTier
     from engine.cache.sequence import CacheSeq
+    from engine.cache.window_group import WindowGroup
 
 
 class CacheView(Protocol):
@@ -29,6 +30,7 @@ class CacheView(Protocol):
     num_cow_copies: int
     num_preemptions: int
     num_swap_fallbacks: int
+    window: WindowGroup | None
 
     @property
     def sequences(self) -> Mapping[str, CacheSeq]:

@@ -98,6 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens at the end of each running sequence never demoted")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
+    e.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="a windowed model keeps every block of every layer (default: with "
+                        "prefix caching off, its sliding-window layers free the blocks "
+                        "that left the window)")
     e.add_argument("--eviction-policy", default="lru", help="lru | lfu | priority")
     e.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap tier")
     e.add_argument("--disk-cache-dir", default=None, metavar="DIR",
@@ -132,7 +136,7 @@ ENGINE_FLAGS = ("model", "load_format", "device", "dtype", "seed", "block_size",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
                 "tensor_parallel_size", "kv_demotion", "kv_hot_window",
                 "max_prefill_tokens_with_decodes", "enforce_eager", "disk_cache_dir",
-                "disk_cache_size")
+                "disk_cache_size", "disable_hybrid_kv_cache_manager")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -82,7 +82,8 @@ class TensorParallelRunner(ModelRunner):
         if rows:
             raise TensorParallelError("prompt logprobs are not supported with tensor "
                                       "parallelism")
-        self._send({"op": OP_STEP, "batch": {k: v.cpu() for k, v in vars(batch).items()}})
+        self._send({"op": OP_STEP, "batch": {k: v.cpu() for k, v in vars(batch).items()
+                                             if v is not None}})  # None: no window group
         try:
             return super().execute_keeping(batch, None)
         except RuntimeError as e:  # a collective failed or timed out

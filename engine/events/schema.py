@@ -73,6 +73,14 @@ QUANTIZE = "quantize"
 DISK_STORE = "disk_store"
 PREFETCH = "prefetch"
 DISK_LOAD = "disk_load"
+RELEASE = "release"
+
+
+def group_pool(tier: str, group: int) -> str:
+    """The mirror's name for a cache group's pool: the tier for group 0 (every producer
+    before the hybrid cache), ``"gpu/1"`` for the sliding-window group 1 of the gpu tier
+    (engine.cache.window_group)."""
+    return tier if not group else f"{tier}/{group}"
 
 # Per-block state codes, as the inspector's uint8 block map uses them. Derived from a
 # block's ref count and whether it holds a prefix-cache hash (see KVState.block_codes).
@@ -110,12 +118,16 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True,
 class TierInit(Event, tag=TIER_INIT):
     """(Re)create a tier, all blocks free.
 
-    Absent format: "auto"."""
+    Absent format: "auto". Absent group: 0. A group other than 0 is a KV cache group's
+    own pool in that tier (the hybrid cache's sliding-window layers, group 1): the block
+    events that name the same group address it, and its sequences' tables (``group``
+    in alloc, free, fork, cow, release; absent: 0, every producer before groups)."""
 
     tier: str
     num_blocks: int
     block_size: int  # tokens per block
     format: Opt[str] = UNSET  # the tier's KV page format (KV_FORMATS)
+    group: Opt[int] = UNSET  # the KV cache group whose pool this is (hybrid cache)
 
 
 class SeqAdd(Event, tag=SEQ_ADD):
@@ -141,6 +153,7 @@ class Alloc(Event, tag=ALLOC):
     tier: str
     seq: str
     blocks: BlockIds
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class Hit(Event, tag=HIT):
@@ -180,6 +193,7 @@ class Free(Event, tag=FREE):
     tier: str
     seq: str
     blocks: BlockIds  # the table, in order
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class Fork(Event, tag=FORK):
@@ -189,6 +203,7 @@ class Fork(Event, tag=FORK):
     seq: str
     parent: str
     blocks: BlockIds  # the parent's table
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class Cow(Event, tag=COW):
@@ -199,6 +214,7 @@ class Cow(Event, tag=COW):
     logical: list[int]
     src: BlockIds
     dst: BlockIds
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class SeqTokens(Event, tag=SEQ_TOKENS):
@@ -311,11 +327,21 @@ class DiskLoad(Event, tag=DISK_LOAD):
     missed: Opt[int] = UNSET  # reads that found no intact file
 
 
+class Release(Event, tag=RELEASE):
+    """The oldest held blocks of the sequence's table in a sliding-window group leave it:
+    no query still to come can see them (hybrid cache, engine.cache.window_group)."""
+
+    tier: str
+    seq: str
+    group: int
+    blocks: BlockIds  # the table's first held entries, in order
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__struct_config__.tag: cls for cls in (
         TierInit, SeqAdd, SeqStart, Alloc, Hit, Store, Evict, Free, Fork, Cow, SeqTokens,
         SeqPreempt, SeqResume, SeqFinish, SwapOut, SwapIn, Offload, HostHit, Quantize,
-        DiskStore, Prefetch, DiskLoad)
+        DiskStore, Prefetch, DiskLoad, Release)
 }
 EVENT_KINDS = tuple(EVENT_TYPES)
 AnyEvent = Union[tuple(EVENT_TYPES.values())]  # noqa: UP007 (a tagged union, by "kind")

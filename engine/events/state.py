@@ -277,6 +277,10 @@ class SeqState:
     preemptions: int = 0
     hit_tokens: int = 0
     owner_id: int = -1
+    # tables of KV cache groups other than 0 (hybrid cache: group 1, the sliding-window
+    # layers' held blocks, oldest first; pool ``schema.group_pool(tier, group)``). Handlers
+    # replace the dict and its lists, never mutate them: the undo log keeps the old ones.
+    group_tables: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Canonical(dict):
@@ -363,6 +367,7 @@ class KVState:
                     "tier": s.tier,
                     "block_table": list(s.block_table),
                     "num_tokens": s.num_tokens,
+                    **_group_tables(s.group_tables),
                 }
                 for sid, s in sorted(self.seqs.items())
             },
@@ -400,6 +405,8 @@ class KVState:
                     "prompt_tokens": s.prompt_tokens, "priority": s.priority,
                     "parent": s.parent, "preemptions": s.preemptions,
                     "hit_tokens": s.hit_tokens,
+                    **({"group_tables": {str(g): pack_ids(t) for g, t in s.group_tables.items()}}
+                       if s.group_tables else {}),
                 }
                 for s in self.seqs.values()
             ],
@@ -463,6 +470,8 @@ class KVState:
                     priority=int(s.get("priority", 0)), parent=s.get("parent"),
                     preemptions=int(s.get("preemptions", 0)),
                     hit_tokens=int(s.get("hit_tokens", 0)), owner_id=seq_owner_id(sid),
+                    group_tables={int(g): unpack_ids(t)
+                                  for g, t in (s.get("group_tables") or {}).items()},
                 )
             st.kind_counts = dict(snap.get("kind_counts") or {})
             st._assign_owners()
@@ -823,6 +832,8 @@ class KVState:
         name = ev["tier"]
         if name not in S.TIERS:
             raise ProtocolError(f"unknown tier {name!r}")
+        if "group" in ev:
+            name = S.group_pool(name, self._group_id(ev))
         n, bs = int(ev["num_blocks"]), int(ev["block_size"])
         if n < 0 or bs < 1 or n > MAX_TIER_BLOCKS or bs >= 1 << 31:
             raise ProtocolError(f"tier {name}: bad size {n} blocks x {bs} tokens (a mirror "
@@ -846,6 +857,8 @@ class KVState:
         self._seq(ev["seq"]).status = "running"
 
     def _alloc(self, ev: dict[str, Any]) -> None:
+        if ev.get("group"):
+            return self._group_alloc(ev)
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
@@ -908,6 +921,8 @@ class KVState:
         self._drop_formats(t, blocks)
 
     def _free(self, ev: dict[str, Any]) -> None:
+        if ev.get("group"):
+            return self._group_free(ev)
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
@@ -916,6 +931,8 @@ class KVState:
         s.num_tokens = 0
 
     def _fork(self, ev: dict[str, Any]) -> None:
+        if ev.get("group"):
+            return self._group_fork(ev)
         t, s, parent = self._tier(ev["tier"]), self._seq(ev["seq"]), self._seq(ev["parent"])
         blocks = unpack_ids(ev["blocks"])
         if parent.tier != t.name or blocks != parent.block_table or s.block_table:
@@ -926,6 +943,8 @@ class KVState:
         s.num_tokens = parent.num_tokens
 
     def _cow(self, ev: dict[str, Any]) -> None:
+        if ev.get("group"):
+            return self._group_cow(ev)
         t, s = self._tier(ev["tier"]), self._seq(ev["seq"])
         logical, src, dst = ev["logical"], unpack_ids(ev["src"]), unpack_ids(ev["dst"])
         logical = unpack_ids(logical)
@@ -941,6 +960,73 @@ class KVState:
             self._take(t, [b], s.owner_id)
             self._undo.append((_ENTRY, s.block_table, i, a))
             s.block_table[i] = b
+
+    # KV cache groups other than 0 (hybrid cache): the same meanings over the group's own
+    # pool and the sequence's table in that group
+    @staticmethod
+    def _group_id(ev: dict[str, Any]) -> int:
+        g = ev["group"]
+        if type(g) is not int or not 0 <= g < 64:
+            raise ProtocolError(f"{ev.get('kind')}: bad cache group {g!r}")
+        return g
+
+    def _group_of(self, ev: dict[str, Any]) -> tuple[TierState, int, SeqState, list[int]]:
+        g = self._group_id(ev)
+        t = self._tier(S.group_pool(ev["tier"], g))
+        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        t.check_ids(blocks)
+        return t, g, s, blocks
+
+    def _group_alloc(self, ev: dict[str, Any]) -> None:
+        t, g, s, blocks = self._group_of(ev)
+        self._free_blocks(t, blocks, "alloc")
+        self._take(t, blocks, s.owner_id)
+        s.group_tables = {**s.group_tables, g: s.group_tables.get(g, []) + blocks}
+
+    def _group_free(self, ev: dict[str, Any]) -> None:
+        t, g, s, blocks = self._group_of(ev)
+        if blocks != s.group_tables.get(g, []):
+            raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
+        self._release(t, blocks, s.owner_id)
+        s.group_tables = {k: v for k, v in s.group_tables.items() if k != g}
+
+    def _release_ev(self, ev: dict[str, Any]) -> None:
+        t, g, s, blocks = self._group_of(ev)
+        table = s.group_tables.get(g, [])
+        if not g or table[:len(blocks)] != blocks:
+            raise ProtocolError(f"release: {blocks} are not the oldest {t.name} blocks of "
+                                f"{s.seq_id}")
+        self._release(t, blocks, s.owner_id)
+        rest = table[len(blocks):]
+        s.group_tables = {**{k: v for k, v in s.group_tables.items() if k != g},
+                          **({g: rest} if rest else {})}
+
+    def _group_fork(self, ev: dict[str, Any]) -> None:
+        t, g, s, blocks = self._group_of(ev)
+        parent = self._seq(ev["parent"])
+        if blocks != parent.group_tables.get(g, []) or s.group_tables.get(g):
+            raise ProtocolError(f"fork: {s.seq_id} cannot share {parent.seq_id}'s {t.name} "
+                                "blocks")
+        self._hold(t, blocks, s.owner_id)
+        s.group_tables = {**s.group_tables, g: list(blocks)}
+
+    def _group_cow(self, ev: dict[str, Any]) -> None:
+        g = self._group_id(ev)
+        t, s = self._tier(S.group_pool(ev["tier"], g)), self._seq(ev["seq"])
+        logical, src, dst = unpack_ids(ev["logical"]), unpack_ids(ev["src"]), unpack_ids(ev["dst"])
+        t.check_ids(src)
+        t.check_ids(dst)
+        if not len(logical) == len(src) == len(dst):
+            raise ProtocolError("cow: logical, src and dst differ in length")
+        table = list(s.group_tables.get(g, []))
+        for i, a, b in zip(logical, src, dst, strict=True):
+            if not 0 <= i < len(table) or table[i] != a:
+                raise ProtocolError(f"cow: {s.seq_id}[{i}] of {t.name} is not block {a}")
+            self._free_blocks(t, [b], "cow")
+            self._release(t, [a], s.owner_id)
+            self._take(t, [b], s.owner_id)
+            table[i] = b
+        s.group_tables = {**s.group_tables, g: table}
 
     def _seq_tokens(self, ev: dict[str, Any]) -> None:
         seqs, counts = ev["seqs"], [int(n) for n in ev["num_tokens"]]
@@ -1119,8 +1205,16 @@ def _copy_seq(s: SeqState) -> SeqState:
     return c
 
 
+def _group_tables(tables: dict[int, list[int]]) -> dict[str, Any]:
+    """``canonical()``'s per-sequence group tables: absent when it holds none (so every
+    producer without cache groups compares as before)."""
+    held = {str(g): list(t) for g, t in sorted(tables.items()) if t}
+    return {"group_tables": held} if held else {}
+
+
 _HANDLERS = {
     S.TIER_INIT: KVState._tier_init,
+    S.RELEASE: KVState._release_ev,
     S.SEQ_ADD: KVState._seq_add,
     S.SEQ_START: KVState._seq_start,
     S.ALLOC: KVState._alloc,

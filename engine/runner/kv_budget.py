@@ -5,6 +5,8 @@ on CUDA, what a profiled forward leaves of ``gpu_memory_utilization``; on CPU,
 ``DEFAULT_CPU_KV_BYTES``) divided by the bytes of one block (scales included), or of one
 frame over a mixed-precision arena (``--kv-demotion``). The cpu tier: ``swap_space`` GiB.
 The disk tier: ``disk_cache_size`` bytes of block files (a header and the token ids each).
+A hybrid cache (``hybrid_split``) divides the gpu budget between the full-attention
+layers' pool and the sliding-window layers' pool.
 """
 
 from __future__ import annotations
@@ -83,3 +85,47 @@ def _profile_cuda_budget(config: EngineConfig, model: torch.nn.Module, model_con
     used_other = total - free - torch.cuda.memory_allocated(device)
     peak = torch.cuda.max_memory_allocated(device)
     return int(total * config.gpu_memory_utilization - peak - used_other)
+
+
+def hybrid_split(config: EngineConfig, model_config, num_blocks: int,
+                 max_model_len: int) -> tuple[int, int]:
+    """(full-attention group blocks, window group blocks) of a hybrid cache, from the gpu
+    pool ``num_blocks`` counts blocks of every layer.
+
+    Given ``num_gpu_blocks``: the full group keeps that count and the window group gets
+    as many (never more than the running sequences can hold at once: ``max_num_seqs``
+    windows of ceil(W / block_size) + 1 blocks plus one prefill chunk). Given a byte
+    budget: the window pool first gets one step's prefill chunk (``max_num_batched_tokens``:
+    a chunk holds its own positions beside its window), then the rest is split in the
+    proportion of what a sequence of ``max_model_len`` tokens needs in each group (the
+    full layers: all its blocks; the windowed layers: a window), so both pools run out
+    together for sequences of that length. A model with no
+    full-attention layer (Mistral) spends it all on the window pool; its full group is
+    then bookkeeping only (no pages), sized to never be the limit."""
+    windows = model_config.layer_windows
+    window = max(w for w in windows if w is not None)
+    n_win = sum(w is not None for w in windows)
+    n_full = len(windows) - n_win
+    bs = config.block_size
+    per_window_seq = -(-window // bs) + 1
+    wanted = config.max_num_seqs * per_window_seq + -(-config.max_num_batched_tokens // bs)
+    per_seq = -(-max_model_len // bs)
+    if config.num_gpu_blocks is not None:
+        num_window = min(num_blocks, wanted)
+        full = num_blocks if n_full else (num_window // per_window_seq + 1) * per_seq
+        return full, num_window
+    layer_blocks = num_blocks * len(windows)  # the budget, in blocks of one layer
+    if not n_full:
+        num_window = layer_blocks // n_win
+        return (num_window // per_window_seq + 1) * per_seq, num_window
+    # a step's prefill chunks hold up to max_num_batched_tokens more window positions
+    # than their windows: that reserve first, the rest in the proportion of steady needs
+    chunk = min(-(-config.max_num_batched_tokens // bs), per_seq)
+    rest = layer_blocks - chunk * n_win
+    full_need, win_need = per_seq * n_full, min(per_window_seq, per_seq) * n_win
+    num_window = min(wanted, chunk + max(1, rest * win_need // (full_need + win_need) // n_win))
+    num_full = (layer_blocks - num_window * n_win) // n_full
+    if num_full < 1:
+        raise ValueError("the KV cache budget holds no full-attention block beside the "
+                         "window group's; raise it")
+    return num_full, num_window

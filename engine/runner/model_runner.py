@@ -42,6 +42,10 @@ class StepBatch:
     seq_lens: torch.Tensor  # [B] int32
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     sample_index: torch.Tensor  # [R] int64, rows of the flattened batch that sample
+    # hybrid cache: the sliding-window group's slots [T] and tables [B, max_blocks] (its
+    # own pool, engine.cache.window_group), read by the windowed layers; None without one
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
 
 
 class PagedAttention:
@@ -53,10 +57,12 @@ class PagedAttention:
     since codes already written depend on them."""
 
     def __init__(self, pages: KVPages, scale: float,
-                 windows: tuple[int | None, ...] | None = None) -> None:
+                 windows: tuple[int | None, ...] | None = None, hybrid: bool = False) -> None:
         self.pages, self.scale = pages, scale
         # each layer's sliding window (None: full attention)
         self.windows = windows or (None,) * len(pages.k_caches)
+        # hybrid cache: windowed layers address the window group's pool (group 1)
+        self.group = [int(hybrid and w is not None) for w in self.windows]
         self.k_caches, self.v_caches = pages.k_caches, pages.v_caches
         no_scales = [None] * len(pages.k_caches)
         self.k_scales = pages.k_scales or no_scales
@@ -67,7 +73,7 @@ class PagedAttention:
         self.batch: StepBatch | None = None
         # CPU: the step's attention metadata, built once per batch (kernels.cpu_attention)
         self.use_plan = pages.k_caches[0].device.type == "cpu"
-        self._plan: tuple[StepBatch, StepPlan | None] | None = None
+        self._plan: tuple[StepBatch, dict[int, StepPlan | None]] | None = None
 
     def set_fp8_scales(self, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> None:
         """Given fp8 scales (per layer: [Hkv] or one value); turns calibration off."""
@@ -87,31 +93,40 @@ class PagedAttention:
             k_scale.copy_(quant.fp8_scale_from(k))
             v_scale.copy_(quant.fp8_scale_from(v))
             self.calibrate[layer] = False
-        plan = self._step_plan(b, q.device)
+        group = self.group[layer]
+        plan = self._step_plan(b, q.device, group, layer)
         if plan is not None:
             out = plan.forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
                                self.scale, k_scale=k_scale, v_scale=v_scale,
                                window=self.windows[layer])
             return out if rot is None else out @ rot.T
+        slots, tables = (b.window_slot_mapping, b.window_block_tables) if group else \
+            (b.slot_mapping, b.block_tables)
         kernels.reshape_and_cache(k, v, self.k_caches[layer], self.v_caches[layer],
-                                  b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+                                  slots, k_scale=k_scale, v_scale=v_scale)
         out = kernels.paged_attention(q, self.k_caches[layer], self.v_caches[layer],
-                                      b.block_tables, b.seq_lens, b.cu_seqlens_q, self.scale,
+                                      tables, b.seq_lens, b.cu_seqlens_q, self.scale,
                                       k_scale=k_scale, v_scale=v_scale,
                                       window=self.windows[layer])
         return out if rot is None else out @ rot.T
 
-    def _step_plan(self, b: StepBatch, device: torch.device) -> StepPlan | None:
-        """The step's CPU plan, or None when the step runs the kernels' own dispatch; decided
-        and built once per batch (layer 0), not per layer."""
+    def _step_plan(self, b: StepBatch, device: torch.device, group: int = 0,
+                   layer: int = 0) -> StepPlan | None:
+        """The step's CPU plan for a cache group, or None when the step runs the kernels'
+        own dispatch; decided and built once per batch and group, not per layer."""
         if self._plan is None or self._plan[0] is not b:
+            self._plan = (b, {})
+        plans = self._plan[1]
+        if group not in plans:
             plan = None
             if self.use_plan and kernels.select_backend(device) == "reference":
-                k = self.k_caches[0]
-                plan = StepPlan(b.slot_mapping, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                k = self.k_caches[layer]  # a layer of this group: its pool's size
+                slots, tables = (b.window_slot_mapping, b.window_block_tables) if group \
+                    else (b.slot_mapping, b.block_tables)
+                plan = StepPlan(slots, tables, b.seq_lens, b.cu_seqlens_q,
                                 k.shape[1], k.shape[0])
-            self._plan = (b, plan)
-        return self._plan[1]
+            plans[group] = plan
+        return plans[group]
 
 
 def keep_freed_memory() -> None:
@@ -143,7 +158,7 @@ class ModelRunner:
                  device: torch.device, kv_dtype: torch.dtype, *,
                  kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, num_window_blocks: int = 0) -> None:
         self.model, self.cfg = model, model_config
         # CPU: the torch.compile'd decode forward when asked (enforce_eager False;
         # engine.runner.compiled)
@@ -165,11 +180,18 @@ class ModelRunner:
                                     num_blocks, block_size, model_config.num_kv_heads,
                                     model_config.head_dim, kv_dtype, device)
             fmt = page_format("auto", kv_dtype, model_config, block_size)
-        self.kv = fmt.allocate(num_blocks if mixed is None and self.block_kv is None else 1,
-                               device)
+        # hybrid cache (engine.cache.window_group): the windowed layers' pages hold the
+        # window group's own, smaller pool
+        self.num_window_blocks = num_window_blocks
+        windows = model_config.layer_windows
+        self.kv = fmt.allocate(
+            num_blocks if mixed is None and self.block_kv is None else 1, device,
+            [num_window_blocks if w is not None else num_blocks for w in windows]
+            if num_window_blocks else None)
         self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
-        self.attn = PagedAttention(self.kv, model_config.attn_scale,
-                                   model_config.layer_windows)
+        self.attn = PagedAttention(self.kv, model_config.attn_scale, windows,
+                                   hybrid=bool(num_window_blocks))
+        self.group = self.attn.group  # each layer's cache group (0: full; 1: window)
         if self.block_kv is not None:
             self.attn = BlockPagedAttention(self.block_kv, model_config.attn_scale,
                                             model_config.head_dim)
@@ -185,7 +207,7 @@ class ModelRunner:
         # captured on a device.
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and enforce_eager is not True and mixed is None and \
-                self.block_kv is None and \
+                self.block_kv is None and not num_window_blocks and \
                 type(model) is LlamaModel:
             self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
                                              max_num_seqs)
@@ -213,6 +235,8 @@ class ModelRunner:
         if self.swapper is not None:
             self.swapper.execute(out.swap_rounds)
         self.copy_blocks(out.copies)
+        if out.window_copies:  # the window group's pages (hybrid cache, one rank only)
+            self.copy_blocks(out.window_copies, group=1)
         if out.is_empty:
             return None, None
         return self.execute_keeping(self.prepare(out.scheduled), keep_rows)
@@ -239,6 +263,13 @@ class ModelRunner:
         for i, s in enumerate(scheduled):
             table[i, :len(s.block_table)] = s.block_table
         slots = np.asarray(slot_list, dtype=np.int64)
+        window_slots = window_table = None
+        if self.num_window_blocks:  # the window group's slots and tables (its own pool)
+            window_slots = np.asarray([x for s in scheduled for x in s.window_slot_mapping],
+                                      dtype=np.int64)
+            window_table = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
+            for i, s in enumerate(scheduled):
+                window_table[i, :len(s.window_table)] = s.window_table
         if self.mixed_kv is not None:  # slots address page codes; tokens go to full pages
             pages = slots // bs
             if total and bool((pages & 3).any()):
@@ -256,6 +287,8 @@ class ModelRunner:
             slot_mapping=t(slots, torch.int64), block_tables=t(table, torch.int32),
             seq_lens=t(seq_lens, torch.int32), cu_seqlens_q=t(cu, torch.int32),
             sample_index=t(sample_rows, torch.int64),
+            window_slot_mapping=None if window_slots is None else t(window_slots, torch.int64),
+            window_block_tables=None if window_table is None else t(window_table, torch.int32),
         )
 
     @torch.inference_mode()
@@ -297,9 +330,24 @@ class ModelRunner:
             self.mixed_kv.demote(orders)
 
     @torch.inference_mode()
-    def copy_blocks(self, orders: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, orders: list[tuple[int, int]], group: int = 0) -> None:
         """Execute copy-on-write orders (src -> dst) before the step that needs them (mixed
-        arena: page codes of full-precision pages)."""
+        arena: page codes of full-precision pages); ``group``: the cache group whose
+        layers' pages they address (hybrid cache)."""
+        if orders and self.num_window_blocks:
+            layers = [i for i, g in enumerate(self.group) if g == group]
+            if not layers:
+                return
+            mapping = torch.tensor(orders, dtype=torch.int64, device=self.device)
+            per_token = self.kv.format.scale_params > 0
+
+            def pick(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+                return None if ts is None or not per_token else [ts[i] for i in layers]
+
+            kernels.copy_blocks([self.k_caches[i] for i in layers],
+                                [self.v_caches[i] for i in layers], mapping,
+                                k_scales=pick(self.kv.k_scales), v_scales=pick(self.kv.v_scales))
+            return
         if orders and self.block_kv is not None:
             self.block_kv.copy(orders)
         elif orders and self.mixed_kv is not None:

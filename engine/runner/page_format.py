@@ -98,13 +98,17 @@ class PageFormat:
     def num_blocks(self, budget_bytes: int) -> int:
         return int(budget_bytes) // self.bytes_per_block
 
-    def allocate(self, num_blocks: int, device: torch.device) -> KVPages:
-        """Zeroed K/V pages (and scale pages) for every layer."""
+    def allocate(self, num_blocks: int, device: torch.device,
+                 layer_blocks: list[int] | None = None) -> KVPages:
+        """Zeroed K/V pages (and scale pages) for every layer; ``layer_blocks``: each
+        layer's own block count (a hybrid cache's sliding-window layers have their own,
+        smaller pool, engine.cache.window_group), else ``num_blocks`` for all."""
+        counts = layer_blocks or [num_blocks] * self.num_layers
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.packed_dim)
 
         def pages(dtype: torch.dtype, tail: tuple[int, ...]) -> list[torch.Tensor]:
-            return [torch.zeros((*shape[:3], *tail), dtype=dtype, device=device)
-                    for _ in range(self.num_layers)]
+            return [torch.zeros((n, *shape[1:3], *tail), dtype=dtype, device=device)
+                    for n in counts]
 
         k, v = pages(self.cache_dtype, shape[3:]), pages(self.cache_dtype, shape[3:])
         k_scales = v_scales = None

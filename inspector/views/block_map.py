@@ -253,7 +253,9 @@ class _TierPanel:
         elif self.grid is not None:
             self.grid.setParentItem(None)
             self.grid = None
-        name = {"gpu": "GPU (device)", "cpu": "CPU (host)"}.get(self.tier, self.tier)
+        name = {"gpu": "GPU (device)", "cpu": "CPU (host)",
+                # the hybrid cache's group 1 (engine.cache.window_group)
+                "gpu/1": "GPU window group (sliding-window layers)"}.get(self.tier, self.tier)
         self.title.setText(f"<b>{name}</b> · {num_blocks:,} blocks × {block_size} tok · {fmt}")
         self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
                             autoDownsample=False)

@@ -101,3 +101,107 @@ def test_forks_keep_the_reference_tokens(make_engine, reference):
     for out, ref in zip(outs, reference[:2], strict=True):
         assert out.outputs[0].token_ids == out.outputs[1].token_ids == ref
     assert eng.cache.metrics()["cow_copies"] > 0
+
+
+# The hybrid cache (engine.cache.window_group): the five windowed layers in six read their
+# own group's tables, whose blocks are released once out of the window.
+HYBRID = {"enable_prefix_caching": False}
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"block_size": 4, "num_gpu_blocks": 128},
+    {"block_size": 16, "num_gpu_blocks": 32},
+    {"block_size": 4, "num_gpu_blocks": 128, "max_num_batched_tokens": 7},  # chunked
+], ids=["bs4", "bs16", "chunked7"])
+def test_hybrid_cache_keeps_the_reference_tokens(make_engine, reference, engine_args):
+    eng = make_engine(**engine_args, **HYBRID)
+    assert eng.cache.window is not None and eng.runner.num_window_blocks > 0
+    outs = generate(eng, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_hybrid_cache_switched_off_keeps_every_block(make_engine):
+    eng = make_engine(block_size=4, num_gpu_blocks=64, disable_hybrid_kv_cache_manager=True,
+                      **HYBRID)
+    assert eng.cache.window is None
+
+
+def test_hybrid_cache_preemption_and_forks_keep_the_reference_tokens(make_engine, reference):
+    # 24 full-attention blocks of 4 hold two of the four sequences at most: preemptions
+    eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0, **HYBRID)
+    outs = generate(eng, PROMPTS)
+    assert eng.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    eng = make_engine(block_size=4, num_gpu_blocks=128, **HYBRID)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, n=2)
+    outs = generate(eng, PROMPTS[:2], params)
+    for out, ref in zip(outs, reference[:2], strict=True):
+        assert out.outputs[0].token_ids == out.outputs[1].token_ids == ref
+
+
+def test_hybrid_cache_long_generation_keeps_the_window_group_bounded(make_engine):
+    """64 decode steps, 8 windows: every step, each running sequence holds at most
+    W / block_size + 1 window blocks while its full-attention table keeps growing."""
+    eng = make_engine(block_size=4, num_gpu_blocks=128, **HYBRID)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:2]):
+        eng.add_request(str(i), {"prompt_token_ids": p}, params)
+    bound, longest, steps = WINDOW // 4 + 1, 0, 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        for s in eng.cache.sequences.values():
+            if s.num_tokens > s.num_prompt_tokens:  # decoding (a prefill holds its chunk)
+                assert eng.cache.window.held(s) <= bound
+            longest = max(longest, len(s.block_table))
+        assert steps < 1000  # hang guard
+    assert longest * 4 >= len(PROMPTS[1]) + 63
+    assert eng.cache.window.pool.num_free_blocks == eng.cache.window.pool.num_blocks
+
+
+def test_hybrid_cache_recording_equals_kv_state_every_step(make_engine, tmp_path):
+    """The events name each block's group: the state rebuilt from a recording (through
+    the wire codec) equals the engine's kv_state() after every step, window group's pool
+    and tables included, through preemptions and forks."""
+    from engine.events import KVState
+    from engine.events.wire.recording import Recording
+
+    path = tmp_path / "hybrid.kvtrace"
+    eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0, record_path=str(path),
+                      **HYBRID)
+    expected = {eng.step_count: eng.kv_state()}
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), {"prompt_token_ids": p},
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                       n=2 if i == 0 else 1))
+    while eng.has_unfinished_requests():
+        eng.step()
+        expected[eng.step_count] = eng.kv_state()
+    assert eng.scheduler.num_preemptions > 0
+    assert any(s.get("group_tables") for snap in expected.values()
+               for s in snap["seqs"].values())
+    eng.close()
+    expected[eng.step_count] = eng.kv_state()
+    state, kinds = KVState(), set()
+    for batch in Recording(path):
+        state.apply(batch)
+        kinds |= {e["kind"] for e in batch["events"]}
+        if batch["step"] in expected:
+            assert state.canonical() == expected[batch["step"]], f"step {batch['step']}"
+    assert "release" in kinds and "gpu/1" in state.tiers
+
+
+def test_hybrid_cache_from_a_byte_budget_fits_it_and_keeps_the_reference(make_engine,
+                                                                          reference):
+    """No block count given: the byte budget is split between the two pools (one prefill
+    chunk for the window pool first); their pages fit it, and the tokens are unchanged."""
+    budget = 1 << 20
+    eng = make_engine(block_size=4, kv_cache_memory_bytes=budget, max_model_len=64,
+                      max_num_seqs=4, **HYBRID)
+    assert eng.cache.window is not None
+    pages = sum(t.numel() * t.element_size() for t in (*eng.runner.k_caches,
+                                                      *eng.runner.v_caches))
+    assert pages <= budget
+    assert eng.cache.window.pool.num_blocks < eng.cache.gpu.num_blocks
+    outs = generate(eng, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == reference

@@ -119,6 +119,19 @@ def _engine_batches() -> list[dict]:
     from tests.disk.fake_disk import scenario_steps
 
     steps += [(events, {}) for events in scenario_steps(sink)]  # the disk tier's kinds
+    # a hybrid cache's window group: group fields and release events
+    hybrid = KVCacheManager(16, 4, enable_prefix_caching=False, window=8,
+                            num_window_blocks=8, sink=sink)
+    hybrid.add_sequence("w", list(range(9)))
+    hybrid.allocate_slots("w", 9)
+    hybrid.start("w")
+    hybrid.fork("w", "w2")
+    for t in range(9):
+        hybrid.allocate_slots("w", 1)
+        hybrid.append_token_ids("w", [t])
+    hybrid.finish("w", "stop")
+    hybrid.flush_step_events()
+    steps.append((sink.drain(), {}))
     out = []
     for i, (events, stats) in enumerate(steps):
         out.append(C.make_batch("e", i + 1, i, 0.5, C.pack_events([dict(e) for e in events]),

@@ -71,11 +71,11 @@ def test_a_wrong_field_does_not_fit():
 def test_block_id_fields_are_the_fields_typed_as_block_ids():
     assert S.BLOCK_ID_FIELDS == ("blocks", "src", "dst")
     cow = msgspec.inspect.type_info(S.Cow)
-    assert [f.name for f in cow.fields] == ["tier", "seq", "logical", "src", "dst"]
+    assert [f.name for f in cow.fields] == ["tier", "seq", "logical", "src", "dst", "group"]
 
 
 def test_every_kind_has_a_type_and_a_meaning():
-    assert len(S.EVENT_KINDS) == 22 and S.EVENT_KINDS[0] == S.TIER_INIT
+    assert len(S.EVENT_KINDS) == 23 and S.EVENT_KINDS[0] == S.TIER_INIT
     for kind, cls in S.EVENT_TYPES.items():
         assert cls.__struct_config__.tag == kind
         assert S.meaning(cls), kind

@@ -270,3 +270,22 @@ def test_serve_refuses_a_bad_kv_events_config_before_loading(bad, capsys):
 
     assert main(["serve", "--kv-events-config", bad]) == 2
     assert "kv-events-config" in capsys.readouterr().err
+
+
+def test_prefix_cache_keeps_vllm_kv_cache_groups_apart():
+    """A hybrid model's vLLM stores the same hashes in its full-attention group (0) and
+    its sliding-window group (1); removing them from group 1 (out of the window) leaves
+    group 0's index whole."""
+    from engine.events.vllm import wire as W
+    from engine.events.vllm.prefix_cache import VllmPrefixCache
+
+    pc = VllmPrefixCache()
+    full = W.block_stored([11, 12], None, list(range(8)), 4, "GPU")
+    window = {**full, "group_idx": 1, "kv_cache_spec_kind": "sliding_window"}
+    pc.apply(1.0, [full, window])
+    assert pc.hashes("GPU") == pc.hashes("GPU/1") == {11, 12}
+    assert pc.duplicates == 0
+    pc.apply(2.0, [{W.TAG: W.BLOCK_REMOVED, "block_hashes": [11], "medium": "GPU",
+                    "group_idx": 1}])
+    assert pc.hashes("GPU") == {11, 12} and pc.hashes("GPU/1") == {12}
+    assert pc.unknown_removed == 0

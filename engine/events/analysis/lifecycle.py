@@ -246,7 +246,9 @@ class LifecycleIndex:
         self._chain_tail: dict[str, int | None] = {}
         self._forked: set[str] = set()
         for ev in batch.get("events") or ():
-            if isinstance(ev, dict):
+            # a KV cache group other than 0 (the hybrid cache's window group): its blocks
+            # are not the sequence's tokens or table, which group 0 tells
+            if isinstance(ev, dict) and not ev.get("group"):
                 fn = _HANDLERS.get(ev.get("kind"))
                 if fn is not None:
                     try:

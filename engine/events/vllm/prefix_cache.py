@@ -11,6 +11,11 @@ Meaning of each event (vLLM's):
                       ``parent_block_hash`` and each next one's is the previous hash
     BlockRemoved      the hashes leave ``medium``
     AllBlocksCleared  every medium is emptied
+Groups: a hybrid model's vLLM (KV cache groups: full attention, sliding window) stores
+and removes each group's blocks separately, naming it in ``group_idx``. Group 0 (or none
+named) is the medium itself; group g > 0 is its own index under ``"<medium>/<g>"``
+(``engine.events.schema.group_pool``, kvscope's name for a group's pool), so one group's
+removal never takes a hash out of another's.
 Copies: vLLM caches identical content computed by two requests at once in two blocks
 under one hash, and sends BlockStored for each and later BlockRemoved for each (seen in
 the committed vLLM 0.32 capture). So a hash is held while stores outnumber removals
@@ -24,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.events.schema import group_pool
 from engine.events.vllm import wire as W
 
 NOT_PUBLISHED = ("vLLM's KV events publish the prefix-cache index only: no block ids, "
@@ -48,6 +54,13 @@ class TimelinePoint:
     held: dict[str, int]  # hashes held per medium after the batch
 
 
+def _medium(ev: dict[str, Any]) -> str:
+    """The index an event addresses: its medium, and its KV cache group when not 0."""
+    group = ev.get("group_idx")
+    medium = str(ev.get("medium") or W.MEDIUM_GPU)
+    return group_pool(medium, group) if type(group) is int and group > 0 else medium
+
+
 class VllmPrefixCache:
     def __init__(self) -> None:
         self.media: dict[str, dict[Any, CachedBlock]] = {}
@@ -70,7 +83,7 @@ class VllmPrefixCache:
         for ev in events:
             kind = ev.get(W.TAG)
             if kind == W.BLOCK_STORED:
-                medium = self.media.setdefault(str(ev.get("medium") or W.MEDIUM_GPU), {})
+                medium = self.media.setdefault(_medium(ev), {})
                 hashes = ev["block_hashes"]
                 bs = int(ev.get("block_size") or 0) or None
                 self.block_size = bs or self.block_size
@@ -86,7 +99,7 @@ class VllmPrefixCache:
                     parent = h
                 stored += len(hashes)
             elif kind == W.BLOCK_REMOVED:
-                medium = self.media.setdefault(str(ev.get("medium") or W.MEDIUM_GPU), {})
+                medium = self.media.setdefault(_medium(ev), {})
                 for h in ev["block_hashes"]:
                     held = medium.get(h)
                     if held is None:

@@ -76,6 +76,8 @@ class VllmTranslator:
         self._dropped: set[int] = set()
         for ev in batch["events"]:
             kind = ev.get("kind")
+            if ev.get("group"):  # a KV cache group's own pool: it indexes no prefix
+                continue
             if kind == S.STORE:
                 self._store(ev, out)
             elif kind == S.EVICT:

@@ -1,0 +1,196 @@
+"""The hybrid cache's sliding-window group (engine.cache.window_group): blocks that fell out
+of every window are released, the bound holds, forks share, errors change nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.cache import KVCacheManager
+from engine.cache.errors import CacheError
+from engine.cache.window_group import RELEASED
+from engine.events import schema as S
+from tests.cache.conftest import Mirrored, kinds
+
+
+def _manager(window: int = 48, bs: int = 16, gpu: int = 64, win: int = 16) -> KVCacheManager:
+    return KVCacheManager(gpu, bs, enable_prefix_caching=False, window=window,
+                          num_window_blocks=win)
+
+
+def test_long_decode_keeps_window_blocks_bounded_and_full_group_grows():
+    m = _manager(window=48, bs=16, gpu=64, win=8)
+    m.add_sequence("a", list(range(40)))
+    assert m.allocate_slots("a", 40) is not None
+    m.start("a")
+    bound = -(-48 // 16) + 1
+    peak = 0
+    for t in range(600):
+        assert m.allocate_slots("a", 1) is not None
+        m.append_token_ids("a", [t % 50])
+        s = m.sequences["a"]
+        peak = max(peak, m.window.held(s))
+        assert m.window.held(s) <= bound
+        m.check_invariants()
+    s = m.sequences["a"]
+    assert len(s.block_table) == -(-640 // 16)  # the full-attention group keeps everything
+    assert peak == bound
+    assert s.window_table[:s.window_first] == [RELEASED] * s.window_first
+    # the kernels' table: released entries read block 0, the rest are held blocks
+    rt = m.window_table("a")
+    assert len(rt) == len(s.block_table) and rt[s.window_first:] == s.window_table[s.window_first:]
+
+
+def test_window_slots_cover_the_last_window_and_differ_from_group_0():
+    m = _manager(window=20, bs=4, gpu=32, win=16)
+    m.add_sequence("a", list(range(30)))
+    slots = m.allocate_slots("a", 30)
+    wslots = m.window_slots("a", 0, 30)
+    assert len(slots) == len(wslots) == 30
+    assert m.allocate_slots("a", 1) == [m.block_table("a")[-1] * 4 + 2]
+    # positions 11..30 are inside the window of the query at 30: their blocks are held
+    s = m.sequences["a"]
+    assert s.window_first <= 11 // 4
+    assert m.window_slots("a", 30, 31)[0] // 4 == s.window_table[-1]
+
+
+def test_window_pool_exhaustion_refuses_the_allocation_and_changes_nothing():
+    m = _manager(window=64, bs=16, gpu=64, win=3)
+    m.add_sequence("a", list(range(40)))
+    assert m.can_allocate("a", 40)
+    m.allocate_slots("a", 40)  # 3 window blocks
+    m.add_sequence("b", list(range(20)))
+    assert not m.can_allocate("b", 20)
+    assert m.allocate_slots("b", 20) is None
+    assert m.block_table("b") == [] and m.sequences["b"].window_table == []
+    m.finish("a", "stop")
+    assert m.window.pool.num_free_blocks == 3
+    assert m.allocate_slots("b", 20) is not None
+    m.check_invariants()
+
+
+def test_fork_shares_window_blocks_and_copies_the_partial_one_on_write():
+    x = Mirrored(32, 4, enable_prefix_caching=False, window=16, num_window_blocks=16)
+    m = x.m
+    m.add_sequence("p", list(range(10)))
+    m.allocate_slots("p", 10)
+    m.start("p")
+    m.fork("p", "c")
+    x.sync()
+    m.append_token_ids("c", [7])
+    m.allocate_slots("c", 1)  # into the shared partial block: copy-on-write in both groups
+    assert len(m.take_copy_orders()) == 1
+    w = m.take_window_copy_orders()
+    assert len(w) == 1 and w[0][0] == m.sequences["p"].window_table[-1]
+    x.sync()
+    assert x.state.seqs["c"].group_tables[1][-1] == w[0][1]
+    m.preempt("p")
+    m.finish("c", "stop")
+    x.sync()
+    assert m.window.pool.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_random_workload_keeps_the_invariants_and_the_event_mirror(seed):
+    """Random adds, prefills, decodes, forks, preemptions: after every operation the
+    invariants hold and the KVState rebuilt from the events (group 1's pool and tables
+    included) equals the manager's snapshot."""
+    rng = random.Random(seed)
+    x = Mirrored(80, 4, enable_prefix_caching=False, window=24, num_window_blocks=30)
+    m = x.m
+    live: list[str] = []
+    decoding: set[str] = set()  # last allocation was one token: the decode bound holds
+    for i in range(400):
+        op = rng.random()
+        if op < 0.2 or not live:
+            sid = f"s{i}"
+            m.add_sequence(sid, [rng.randrange(50) for _ in range(rng.randint(1, 30))])
+            n = len(m.sequences[sid].token_ids)
+            if m.allocate_slots(sid, n) is None:
+                m.finish(sid, "abort")
+            else:
+                m.start(sid)
+                live.append(sid)
+        elif op < 0.3:
+            sid = live.pop(rng.randrange(len(live)))
+            m.finish(sid, "stop")
+        elif op < 0.35 and len(live) < 8:
+            c = f"f{i}"
+            try:
+                m.fork(rng.choice(live), c)
+                live.append(c)
+            except CacheError:
+                pass
+        else:
+            sid = rng.choice(live)
+            if m.allocate_slots(sid, 1) is None:
+                m.preempt(sid)
+                m.free(sid)
+                m.finish(sid, "abort")
+                live.remove(sid)
+            else:
+                m.append_token_ids(sid, [rng.randrange(50)])
+                decoding.add(sid)
+        m.take_window_copy_orders()
+        x.sync()  # check_invariants, and mirror == snapshot
+        for sid in decoding & set(live):
+            s = m.sequences[sid]
+            assert m.window.held(s) <= -(-24 // 4) + 1
+
+
+@pytest.mark.parametrize("kw", [
+    {"enable_prefix_caching": True, "window": 8, "num_window_blocks": 4},
+    {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 0},
+    {"enable_prefix_caching": False, "window": 0, "num_window_blocks": 4},
+    {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},
+])
+def test_unsupported_window_groups_are_refused(kw):
+    with pytest.raises(CacheError):
+        KVCacheManager(16, 4, **kw)
+
+
+def test_hybrid_bench_fits_more_sequences_in_one_budget():
+    """`kvscope bench hybrid`, small: the windowed group's saving shows in bytes per
+    sequence and in sequences per budget; the pools stay within the budget."""
+    import argparse
+
+    from engine.bench.hybrid import measure
+
+    args = argparse.Namespace(context=2048, chunk=512, decode=16, budget_gib=0.125,
+                              block_size=16)
+    gemma = measure("gemma-3-1b", args)
+    assert gemma["window_blocks_held"] <= 512 // 16 + 1
+    assert gemma["bytes_ratio"] > 2 and gemma["hybrid_seqs"] >= 2 * gemma["keep_seqs"] > 0
+    assert gemma["hybrid_pools_bytes"] <= 0.125 * (1 << 30)
+    mistral = measure("mistral-7b", args)  # context < 2 W: little to release at 2k
+    assert mistral["hybrid_seqs"] >= mistral["keep_seqs"]
+
+
+def test_events_name_the_group_and_old_recordings_replay():
+    """Group 1 has its own tier_init; releases are ``release`` events; events without a
+    group (every recording before groups) mean group 0, as before."""
+    x = Mirrored(32, 4, enable_prefix_caching=False, window=8, num_window_blocks=8)
+    first = x.events
+    assert [e.get("group", 0) for e in first if e["kind"] == S.TIER_INIT] == [0, 1]
+    m = x.m
+    m.add_sequence("a", list(range(10)))
+    m.allocate_slots("a", 10)
+    m.start("a")
+    x.sync()
+    for t in range(12):
+        m.allocate_slots("a", 1)
+        m.append_token_ids("a", [t])
+    evs = x.sync()
+    assert S.RELEASE in kinds(evs)
+    assert all(e["group"] == 1 for e in evs if e["kind"] == S.RELEASE)
+    assert x.state.seqs["a"].group_tables[1] == m.sequences["a"].window_table[
+        m.sequences["a"].window_first:]
+    assert "gpu/1" in x.state.tiers and x.state.tiers["gpu/1"].num_blocks == 8
+    # a group-0-only stream (no group field anywhere) replays unchanged
+    y = Mirrored(16, 4)
+    y.m.add_sequence("b", [1, 2, 3])
+    y.m.allocate_slots("b", 3)
+    y.sync()
+    assert all("group" not in e for e in y.events)
+    assert "group_tables" not in y.state.canonical()["seqs"]["b"]

@@ -1,0 +1,48 @@
+"""The inspector shows a hybrid cache's window group (engine.cache.window_group): its own
+block map beside the gpu tier's, and a selected sequence's window blocks lit there."""
+
+from __future__ import annotations
+
+import os
+
+from engine.cache import KVCacheManager
+from engine.events import KVState
+from engine.events.sink import ListSink
+
+
+def _hybrid_state() -> KVState:
+    """Two sequences decoding past a window of 8 tokens: the window group has released
+    their early blocks while the full-attention tables keep every block."""
+    sink = ListSink()
+    m = KVCacheManager(48, 4, enable_prefix_caching=False, window=8, num_window_blocks=16,
+                       sink=sink)
+    for sid, n in (("a", 14), ("b", 9)):
+        m.add_sequence(sid, list(range(n)))
+        m.allocate_slots(sid, n)
+        m.start(sid)
+    for t in range(20):
+        for sid in ("a", "b"):
+            m.allocate_slots(sid, 1)
+            m.append_token_ids(sid, [t])
+    m.flush_step_events()
+    st = KVState()
+    st.apply({"v": 2, "step": 1, "events": sink.drain()})
+    assert st.canonical() == m.snapshot()
+    return st
+
+
+def test_block_map_draws_the_window_group_and_lights_a_sequence_there(window, qapp):
+    st = _hybrid_state()
+    window.model.set_state(st)
+    window.model.select_seq("a")
+    for _ in range(3):
+        qapp.processEvents()
+    panels = window.block_map.panels
+    assert set(panels) >= {"gpu", "gpu/1"}
+    assert "window group" in panels["gpu/1"].title.text
+    lit = window.model.highlighted_blocks("gpu/1")
+    assert lit == st.seqs["a"].group_tables[1] and 0 < len(lit) <= 8 // 4 + 1
+    assert window.model.highlighted_blocks("gpu") == st.seqs["a"].block_table
+    shot = os.environ.get("KVSCOPE_SCREENSHOT_DIR")
+    if shot:  # for a person to look at (never inside the repository)
+        window.grab().save(os.path.join(shot, "hybrid_groups.png"))
