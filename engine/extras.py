@@ -1,8 +1,8 @@
 """Which install extra a missing module belongs to, for the CLI's error message.
 
-``pip install kvscope`` is the torch-free half (events, recordings, the inspector, the
-load generator); ``kvscope[engine]`` adds torch and the model stack; ``kvscope[gpu]``
-adds triton."""
+``pip install kvscope`` is the light half (events, recordings, the vLLM plugin, the load
+generator: no Qt, no torch); ``kvscope[inspector]`` adds Qt; ``kvscope[engine]`` adds
+torch and the model stack; ``kvscope[gpu]`` adds triton."""
 
 from __future__ import annotations
 

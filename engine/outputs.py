@@ -41,6 +41,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cache_write_tokens: int = 0  # prompt tokens written into the prefix cache
     num_preemptions: int = 0
 
     @property
@@ -71,3 +72,4 @@ class RequestOutput:
     # Set when this request alone failed inside the engine (it is finished, its blocks
     # freed); other requests are unaffected.
     error: str | None = None
+    error_is_constraint: bool = False  # that failure was its output constraint's

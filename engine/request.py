@@ -31,6 +31,7 @@ class Sequence:
     output_text: str = ""
     # metrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_cache_write_tokens: int = 0  # prompt tokens it wrote into the prefix cache
     num_preemptions: int = 0
     max_computed_tokens: int = 0  # high-water mark of num_computed_tokens (recompute cost)
     first_scheduled_time: float | None = None
@@ -40,6 +41,10 @@ class Sequence:
     # False while the request still needs this prompt's logits (prompt logprobs): the
     # scheduler then does not look the prefix cache up for it.
     prefix_lookup: bool = True
+    # the disk tier (engine.scheduler._waits_for_disk): when it started waiting for its
+    # prefix's reads, and whether it is done with the disk (nothing to read, or waited)
+    disk_wait_since: float | None = None
+    disk_done: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -34,6 +34,7 @@ class RequestState:
     # params.prompt_logprobs: one entry per prompt token computed so far (the first is None)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # this request failed inside a step (only it)
+    error_is_constraint: bool = False  # ... because of its output constraint (its fault)
 
     @property
     def finished(self) -> bool:
@@ -66,7 +67,7 @@ class RequestState:
             finished=self.finished, metrics=self._metrics(),
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None
             else None,
-            error=self.error,
+            error=self.error, error_is_constraint=self.error_is_constraint,
         )
 
     def _metrics(self) -> RequestMetrics:
@@ -79,5 +80,6 @@ class RequestState:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_generation_tokens=sum(len(s.output_token_ids) for s in self.seqs),
             num_cached_tokens=self.seqs[0].num_cached_tokens,
+            num_cache_write_tokens=self.seqs[0].num_cache_write_tokens,
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
         )

@@ -33,6 +33,7 @@ from engine.sampling import (
     top_logprobs_batch,
 )
 from engine.scheduler import SampledToken
+from engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class Sampler:
                                           [drawn[r.seq.seq_id][0] for r in asked])
                 for r, top in zip(asked, tops, strict=True):
                     drawn[r.seq.seq_id] = (*drawn[r.seq.seq_id][:2], top)
+        except ConstraintError:  # a request's grammar: row by row fails that one alone
+            return {}
         except Exception:  # noqa: BLE001 - row by row isolates the culprit
             log.exception("batched sampling failed; sampling row by row")
             return {}

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache.slots import slot_mapping
-from engine.cache.transfers import Round
+from engine.cache.transfers import DiskBatch, Round
 from engine.config import EngineConfig
 from engine.events import causes as C
 from engine.events.analysis.lifecycle import classify_chunk
@@ -68,6 +68,8 @@ from engine.request import Sequence
 
 # Every this many waiting requests raise the prefill cap beside decodes by one more P.
 WAITING_PER_CAP = 2
+# The first this many waiting sequences get their disk reads started (disk tier).
+PREFETCH_AHEAD = 8
 
 
 def _prefill_cap(cap: int, waiting: int, budget: int) -> int:
@@ -147,7 +149,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     truncated: list[Sequence] = field(default_factory=list)  # could never fit: finished
     demotions: list[tuple[int, int]] = field(default_factory=list)
-    swap_rounds: list[Round] = field(default_factory=list)
+    swap_rounds: list[Round | DiskBatch] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -239,6 +241,8 @@ class Scheduler:
         admission before the scheduler would evict cached prefixes or leave it waiting."""
         if self._page_codes is not None:
             self.cache.demote_cold_blocks(self._admission_need())
+        if getattr(self.cache, "disk", None) is not None and self.config.enable_prefix_caching:
+            self._start_prefetches()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
@@ -343,6 +347,7 @@ class Scheduler:
             self._preempt(victim, out, cause)
             if victim is seq:
                 return None
+        seq.num_cache_write_tokens = self.cache.sequences[seq.seq_id].prompt_written
         return slots
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, cause: dict | None = None) -> None:
@@ -403,7 +408,10 @@ class Scheduler:
             need = self.max_model_len if contiguous else n
             if not self.cache.can_allocate(seq.seq_id, need, self.config.watermark):
                 break
-            if not contiguous and self.config.enable_prefix_caching and seq.prefix_lookup:
+            lookup = not contiguous and self.config.enable_prefix_caching and seq.prefix_lookup
+            if lookup and self._waits_for_disk(seq):
+                break  # its prefix is being read from disk: a bounded wait, in order
+            if lookup:
                 hit = self.cache.match_prefix(seq.seq_id)
                 seq.num_computed_tokens = hit
                 if not seq.ever_started:
@@ -414,6 +422,7 @@ class Scheduler:
                 self.cache.free(seq.seq_id)  # undo the shared prefix; stays waiting
                 seq.num_computed_tokens = 0
                 break
+            seq.num_cache_write_tokens = self.cache.sequences[seq.seq_id].prompt_written
             self.waiting.pop(0)
             seq.status = "running"
             self.running.append(seq)
@@ -430,6 +439,37 @@ class Scheduler:
             room -= n
             if chunk_cap and n < seq.num_tokens_to_compute:
                 break  # this prompt goes on next step; nothing starts after it
+
+    def _start_prefetches(self) -> None:
+        """Start the disk reads of the first waiting sequences' prefixes, so they arrive
+        while those wait (each sequence's are started once)."""
+        for seq in self.waiting[:PREFETCH_AHEAD]:
+            if seq.prefix_lookup:
+                self._waits_for_disk(seq)
+
+    def _waits_for_disk(self, seq: Sequence) -> bool:
+        """Whether ``seq`` should keep waiting for disk reads of its prefix: True while
+        reads are in flight and it has waited less than ``disk_prefetch_wait_s``; then it
+        gives up (counted) and recomputes what has not arrived."""
+        if seq.disk_done:
+            return False
+        if not self.cache.prefetch(seq.seq_id):
+            seq.disk_done = True
+            return False
+        now = time.monotonic()
+        if seq.disk_wait_since is None:
+            seq.disk_wait_since = now
+        if now - seq.disk_wait_since < self.config.disk_prefetch_wait_s:
+            return True
+        self.cache.give_up_prefetch(seq.seq_id)
+        seq.disk_done = True
+        return False
+
+    @property
+    def waiting_for_disk(self) -> bool:
+        """A waiting sequence's disk reads are in flight (an idle step may pause)."""
+        return any(s.disk_wait_since is not None and not s.disk_done
+                   for s in self.waiting[:PREFETCH_AHEAD])
 
     # ---------------------------------------------------- after the forward
     def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken],

@@ -81,15 +81,25 @@ def run(recording: str | None = None, connect: str | None = None,
 
 def _open_replay(app: Any, win: Any, recording: str | None, screenshot: str | None,
                  step: int | None) -> int | None:
+    from engine.events.wire.recording import RecordingWarning
+
     path = Path(recording) if recording else SAMPLE
     rec, notes = open_recording(path)
-    win.open_replay(rec, path.name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecordingWarning)  # rec.damage says it, once
+        win.open_replay(rec, path.name)  # reads every batch once (the timeline)
+    if rec.damage is not None:
+        if not win.replay.num_steps:
+            raise InspectError(rec.damage)
+        notes.append(rec.damage)
+        if screenshot is not None:
+            print(f"kvscope inspect: partial: {rec.damage}", file=sys.stderr)
     for note in notes:
         win.show_error(note)
     if step is not None:
-        if not rec.steps[0] <= step <= rec.steps[-1]:
-            raise InspectError(
-                f"step {step} is outside {path.name} (steps {rec.steps[0]}..{rec.steps[-1]})")
+        lo, hi = int(win.replay.steps[0]), int(win.replay.steps[-1])  # the readable ones
+        if not lo <= step <= hi:
+            raise InspectError(f"step {step} is outside {path.name} (steps {lo}..{hi})")
         win.replay.seek_step(step)
     elif screenshot is not None:
         win.replay.to_end()

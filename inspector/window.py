@@ -7,6 +7,7 @@ the status bar; nothing here raises into Qt's event loop.
 
 from __future__ import annotations
 
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,11 @@ class MainWindow(QMainWindow):
         self.banner.setObjectName("banner")
         self.banner.setWordWrap(True)
         self.banner.hide()
+        # which engine the stream comes from, when it is not kvscope's own (engine_line)
+        self.engine_banner = QLabel()
+        self.engine_banner.setObjectName("engine_banner")
+        self.engine_banner.setWordWrap(True)
+        self.engine_banner.hide()
         self.block_map = BlockMapView(self.model)
         self.timelines = TimelinesView(self.model)
         self.sequences = SequencesView(self.model)
@@ -71,6 +77,7 @@ class MainWindow(QMainWindow):
         self._central = QVBoxLayout(central)
         self._central.setContentsMargins(4, 4, 4, 4)
         self._central.addWidget(self.banner)
+        self._central.addWidget(self.engine_banner)
         self._central.addWidget(main, 1)
         self.setCentralWidget(central)
 
@@ -94,6 +101,7 @@ class MainWindow(QMainWindow):
         self.replay_bar = ReplayBar(self.replay)
         self._central.addWidget(self.replay_bar)
         self.setWindowTitle(f"kvscope inspector — {label}")
+        self.show_engine(getattr(recording, "header", None))
         self.set_status(source=f"<b>replay</b> {label}",
                         epoch=f"epoch {self.replay.epoch or '—'}",
                         rate=f"{self.replay.num_steps:,} steps")
@@ -110,10 +118,17 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"kvscope inspector — live {label}")
         live.status_changed.connect(lambda fields: self.set_status(**fields))
         live.problem.connect(lambda text: self.show_error(text) if text else self.clear_error())
+        live.engine_info.connect(self.show_engine)
         self.set_status(**live.status_fields())
         self.analysis.on_live()
 
     # ------------------------------------------------------------ reporting
+    def show_engine(self, header: Any) -> None:
+        """Say which engine is watched when it is not kvscope's own (e.g. vLLM)."""
+        text = engine_line(header)
+        self.engine_banner.setText(text)
+        self.engine_banner.setVisible(bool(text))
+
     def show_error(self, text: str) -> None:
         """A clear message in the banner and status bar; the window keeps working."""
         self.banner.setText(f"⚠  {text}")
@@ -192,3 +207,29 @@ class MainWindow(QMainWindow):
             fn()
         except OSError as e:
             self.show_error(str(e))
+
+
+def engine_line(header: Any) -> str:
+    """One line naming a foreign engine from a stream's or recording's header (its
+    ``engine`` map: name, version, geometry, what it cannot see), "" for kvscope's own
+    engine or a header without one. Untrusted input: only strings and ints are shown."""
+    engine = header.get("engine") if isinstance(header, dict) else None
+    if not isinstance(engine, dict) or engine.get("name") != "vllm":
+        return ""
+
+    def txt(v: Any) -> str:
+        return escape(str(v)) if isinstance(v, (str, int)) and not isinstance(v, bool) else "?"
+
+    model = header.get("model")
+    parts = [f"<b>watching vLLM {txt(engine.get('version'))}</b>"]
+    if isinstance(model, str):
+        parts.append(txt(model))
+    parts.append(f"{txt(engine.get('num_blocks'))} blocks x {txt(engine.get('block_size'))} "
+                 "tokens (block 0: vLLM's null block)")
+    rank = engine.get("data_parallel_rank")
+    if isinstance(rank, int) and rank:
+        parts.append(f"data-parallel rank {rank}")
+    unseen = engine.get("unseen")
+    if isinstance(unseen, list) and unseen:
+        parts.append("not seen: " + "; ".join(txt(u) for u in unseen[:4]))
+    return " · ".join(parts)

@@ -56,7 +56,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, max_seq_len: int | None = None,
                     num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Causal paged attention for prefill with cached context, chunked prefill and decode.
 
     q ``[T, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32 (tokens
@@ -67,12 +68,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sequence, sizes the decode splits (default: block_tables width * block_size, which needs
     no device sync; a wrong value only unbalances the splits), ``num_splits`` fixes the
     decode split count; ``out`` receives the result. ``k_scale``/``v_scale``: the scales of
-    quantized pages (module docstring).
+    quantized pages (module docstring). ``window`` W: sliding-window attention, query i
+    also sees only keys > seq_len - q_len + i - W.
     """
     return _impl(q.device).paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale, out=out,
                                            max_seq_len=max_seq_len, num_splits=num_splits,
-                                           k_scale=k_scale, v_scale=v_scale)
+                                           k_scale=k_scale, v_scale=v_scale, window=window)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

@@ -28,6 +28,12 @@ Differences, all for speed on CPU:
     dtype = K/V dtype, no padding slot in the step).
 
 A rejected step raises ValueError before layer 0 writes anything.
+
+Sliding-window layers (``forward(..., window=W)``) take the torch path with masks that also
+hide keys before the window (built once per step and window); a decode gathers only the
+pages from the one holding its window's first key (at most W / block_size + 1 of them,
+whatever the sequence's length). The native kernels read every key of a sequence, so they
+serve only full-attention layers.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class _DecodeGroup:
     page_hi: int
     visible: torch.Tensor  # [m, 1, 1, P * block_size] bool: key j < seq_len
     num_seqs: int
+    lens: torch.Tensor  # [m] int64: the group's sequence lengths
 
 
 @dataclass
@@ -146,13 +153,43 @@ class StepPlan:
             visible = (keys[None, :] < group_lens[:, None])[:, None, None, :]
             page_hi = page_lo + group_pages[-1].numel()
             groups.append(_DecodeGroup(first=lo, page_lo=page_lo, page_hi=page_hi,
-                                       visible=visible, num_seqs=seqs.numel()))
+                                       visible=visible, num_seqs=seqs.numel(),
+                                       lens=group_lens))
             page_lo = page_hi
         rows = self.native_rows[order]  # query rows of the decodes, in group order
         # a pure decode batch: the sorted outputs, put back in row order, are the result
         unsort = torch.argsort(rows) if self.decode_only else None
         # every group's pages, concatenated (clamped: the masks hide extras)
         return groups, torch.cat(group_pages), rows, unsort
+
+    def _window_masks(self, window: int
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """For a ``window``-token sliding window: each decode group's (pages, mask), the
+        pages from the first one holding a visible key, and each prefill's mask; built on
+        first use and kept for the step (every windowed layer shares them)."""
+        cache = self.__dict__.setdefault("_windows", {})
+        if window not in cache:
+            groups = self._torch_decode[0] if self.native_rows.numel() else []
+            order = torch.argsort(self.native_lens, stable=True)  # as _torch_decode's
+            bs, tables = self.block_size, self.native_tables
+            decode = []
+            for g in groups:
+                seqs = order[g.first:g.first + g.num_seqs]
+                lens = self.native_lens[seqs]
+                first = (lens - window).clamp(min=0) // bs  # page of the first visible key
+                num_pages = int(((lens + bs - 1) // bs - first).max())
+                # columns past a sequence's pages hold keys past its end: clamped, masked
+                cols = (first[:, None] + torch.arange(num_pages)).clamp(max=tables.shape[1] - 1)
+                pages = tables[seqs[:, None], cols].clamp(0, self.num_blocks - 1).flatten()
+                keys = first[:, None] * bs + torch.arange(num_pages * bs)
+                last = (lens - 1)[:, None]
+                mask = (keys <= last) & (keys > last - window)
+                decode.append((pages, mask[:, None, None, :]))
+            prefill = [reference.window_mask(torch.arange(p.end - p.start) + p.seq_len
+                                             - (p.end - p.start), p.seq_len, window)
+                       for p in self.prefills]
+            cache[window] = (decode, prefill)
+        return cache[window]
 
     def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -169,12 +206,16 @@ class StepPlan:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, *,
-                k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """One layer: ``reshape_and_cache(k, v, ...)`` then ``paged_attention(q, ...)``;
-        returns [T, Hq, D] in q's dtype."""
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
+        """One layer: ``reshape_and_cache(k, v, ...)`` then ``paged_attention(q, ...)``
+        (``window``: a sliding-window layer's W); returns [T, Hq, D] in q's dtype."""
         if not self.shapes_checked:
             self._check_shapes(q, k, v, k_cache, v_cache, k_scale, v_scale)
+        if window is not None:
+            self._write(k, v, k_cache, v_cache, k_scale, v_scale)
+            return self._attend(q, reference._Pages(k_cache, v_cache, k_scale, v_scale), scale,
+                                None, self._window_masks(window))
         if self._fused_decode(q, k, v, k_cache, v_cache, k_scale):
             # one native call writes the step's K/V rows and attends, reading q, k and v
             # where they lie (views into the fused qkv) and returning q's dtype
@@ -227,19 +268,25 @@ class StepPlan:
         pages.view(-1, *pages.shape[2:]).index_copy_(0, self.write_slots, rows)
 
     def _attend(self, q: torch.Tensor, kv: reference._Pages, scale: float,
-                given: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                given: tuple[torch.Tensor, torch.Tensor] | None,
+                windowed: tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """``windowed``: a sliding-window layer's (decode groups' (pages, mask), prefill
+        masks), which replace the plain causal ones; such a layer never takes the native
+        kernels."""
         head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
         out = None
         # prefills the native kernel reads in place write q's dtype straight into out
         if self.native_prefill is None:
             self.native_prefill = bool(self.prefills) and kv.k_scale is None and \
                 cpu_native.supports_prefill(q, kv.k_cache, kv.v_cache)
-        native_prefill = self.native_prefill
+        native_prefill = self.native_prefill and windowed is None
         if not self.decode_only:
             out = torch.empty(q.shape, dtype=q.dtype if native_prefill else COMPUTE_DTYPE,
                               device=q.device)
         has_decodes = self.native_rows.numel() > 0
-        if has_decodes and kv.k_scale is None and cpu_native.supports(kv.k_cache, kv.v_cache):
+        if has_decodes and windowed is None and kv.k_scale is None and \
+                cpu_native.supports(kv.k_cache, kv.v_cache):
             o = cpu_native.paged_decode(q if self.decode_only else
                                         q.index_select(0, self.native_rows), kv.k_cache,
                                         kv.v_cache, self.native_tables, self.native_lens, scale,
@@ -252,16 +299,18 @@ class StepPlan:
             groups, pages, rows, unsort = self._torch_decode
             queries = q.index_select(0, rows).to(COMPUTE_DTYPE).unsqueeze(2)
             outs = []
-            for g in groups:
+            for i, g in enumerate(groups):
                 shape = (g.num_seqs, -1, num_kv_heads, head_dim)
                 # one gather per group, right before its SDPA: a group's K/V (~1 MB fp32)
                 # is still in cache when SDPA reads it; one gather for all groups measured
                 # slower (kernels docs, docs/BENCHMARKS.md)
-                k, v = kv.gather(pages[g.page_lo:g.page_hi], COMPUTE_DTYPE)
+                group_pages, mask = (pages[g.page_lo:g.page_hi], g.visible) \
+                    if windowed is None else windowed[0][i]
+                k, v = kv.gather(group_pages, COMPUTE_DTYPE)
                 k = k.view(shape).transpose(1, 2)  # [m, Hkv, L, D]
                 v = v.view(shape).transpose(1, 2)
                 qg = queries[g.first:g.first + g.num_seqs]
-                outs.append(F.scaled_dot_product_attention(qg, k, v, attn_mask=g.visible,
+                outs.append(F.scaled_dot_product_attention(qg, k, v, attn_mask=mask,
                                                            scale=scale, enable_gqa=True))
             o = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
             if out is None:
@@ -272,8 +321,9 @@ class StepPlan:
             cpu_native.paged_prefill(q, kv.k_cache, kv.v_cache, self.native_prefill_tables,
                                      self.native_prefill_spans, scale, out)
             return out  # already q's dtype
-        for p in self.prefills:
-            if given is not None and p.visible is None:  # fresh: its keys are its own rows
+        for i, p in enumerate(self.prefills):
+            visible = p.visible if windowed is None else windowed[1][i]
+            if given is not None and visible is None:  # fresh: its keys are its own rows
                 k = given[0][p.start:p.end].to(COMPUTE_DTYPE)
                 v = given[1][p.start:p.end].to(COMPUTE_DTYPE)
             else:
@@ -282,11 +332,11 @@ class StepPlan:
             k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             v = v.transpose(0, 1).unsqueeze(0)
             qh = q[p.start:p.end].to(COMPUTE_DTYPE).transpose(0, 1).unsqueeze(0)
-            if p.visible is None:
+            if visible is None:
                 o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                                    enable_gqa=True)
             else:
-                o = F.scaled_dot_product_attention(qh, k, v, attn_mask=p.visible, scale=scale,
+                o = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale,
                                                    enable_gqa=True)
             out[p.start:p.end] = o[0].transpose(0, 1)
         return out.to(q.dtype)

@@ -62,7 +62,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, max_seq_len: int | None = None,
                     num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Causal attention of ``q [T, Hq, D]`` over each sequence's paged K/V.
 
     Sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (q_len >= 1), the last
@@ -71,18 +72,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Query head h reads KV head h // (Hq // Hkv). Softmax in fp32; returns q's dtype (written
     into ``out`` when given). ``max_seq_len`` and ``num_splits`` only tune the Triton
     backend; they are accepted here so both backends share one signature. Quantized pages
-    are dequantized (with ``k_scale``/``v_scale``) as they are gathered.
+    are dequantized (with ``k_scale``/``v_scale``) as they are gathered. ``window`` W
+    (sliding-window attention): query i also sees only the last W positions, keys
+    > context_len + i - W; pages wholly before that may hold anything (they are not read
+    for their values' sake: the mask hides them).
     """
     del max_seq_len, num_splits
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     validate.check_scales(k_cache, k_scale, v_scale)
     kv = _Pages(k_cache, v_cache, k_scale, v_scale)
-    return attend_pages(q, kv, block_tables, seq_lens, cu_seqlens_q, scale, out)
+    return attend_pages(q, kv, block_tables, seq_lens, cu_seqlens_q, scale, out, window)
 
 
 def attend_pages(q: torch.Tensor, kv, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, scale: float,
-                 out: torch.Tensor | None) -> torch.Tensor:
+                 out: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """``paged_attention`` over any page store ``kv`` with ``num_blocks``, ``block_size``,
     ``num_kv_heads``, ``compute_dtype(q)`` and ``gather(pages, dtype) -> K, V`` (``_Pages``
     here, ``kernels.mixed_pages.MixedPages`` for pools of several formats)."""
@@ -98,17 +104,17 @@ def attend_pages(q: torch.Tensor, kv, block_tables: torch.Tensor, seq_lens: torc
 
     is_decode = q_lens == 1
     if bool(is_decode.all()):  # pure decode batch: row b is token b
-        result.copy_(_decode(q, kv, block_tables, lens, scale))
+        result.copy_(_decode(q, kv, block_tables, lens, scale, window))
         return result
     decode_rows = is_decode.nonzero().flatten()
     if decode_rows.numel():
         tokens = cu[decode_rows]
         result[tokens] = _decode(q[tokens], kv, block_tables[decode_rows],
-                                 lens[decode_rows], scale).to(result.dtype)
+                                 lens[decode_rows], scale, window).to(result.dtype)
     for b in (~is_decode).nonzero().flatten().tolist():
         start, end = int(cu[b]), int(cu[b + 1])
         result[start:end] = _prefill_one(q[start:end], kv, block_tables[b],
-                                         int(lens[b]), scale).to(result.dtype)
+                                         int(lens[b]), scale, window).to(result.dtype)
     return result
 
 
@@ -160,8 +166,18 @@ class _Pages:
 _DECODE_GROUP = 8
 
 
+def window_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """[..., num_keys] bool: key j visible from a query at ``query_pos`` [...] (causal, and
+    within the last ``window`` positions when windowed)."""
+    keys = torch.arange(num_keys, device=query_pos.device)
+    visible = keys <= query_pos[..., None]
+    if window is not None:
+        visible &= keys > query_pos[..., None] - window
+    return visible
+
+
 def _decode(q: torch.Tensor, kv: _Pages, block_tables: torch.Tensor, lens: torch.Tensor,
-            scale: float) -> torch.Tensor:
+            scale: float, window: int | None = None) -> torch.Tensor:
     """One query per sequence: q [n, Hq, D]; one gather per cache per length group, then
     SDPA with a length mask (GQA via ``enable_gqa``: head h reads KV head h // G).
 
@@ -183,7 +199,7 @@ def _decode(q: torch.Tensor, kv: _Pages, block_tables: torch.Tensor, lens: torch
         k, v = kv.gather(pages.clamp(0, num_blocks - 1).flatten(), dtype)
         k = k.view(rows.numel(), -1, num_kv_heads, head_dim).transpose(1, 2)  # [m, Hkv, L, D]
         v = v.view(rows.numel(), -1, num_kv_heads, head_dim).transpose(1, 2)
-        visible = torch.arange(k.shape[2], device=q.device)[None, :] < group_lens[:, None]
+        visible = window_mask(group_lens - 1, k.shape[2], window)
         o = F.scaled_dot_product_attention(
             q[rows].to(dtype).unsqueeze(2), k, v, attn_mask=visible[:, None, None, :],
             scale=scale, enable_gqa=True)
@@ -192,7 +208,7 @@ def _decode(q: torch.Tensor, kv: _Pages, block_tables: torch.Tensor, lens: torch
 
 
 def _prefill_one(q: torch.Tensor, kv: _Pages, table: torch.Tensor, seq_len: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None = None) -> torch.Tensor:
     """One sequence's q_len > 1 queries [q_len, Hq, D] against its first seq_len keys.
 
     SDPA's fused kernel (it never holds the whole [Hq, q_len, seq_len] score matrix):
@@ -209,12 +225,12 @@ def _prefill_one(q: torch.Tensor, kv: _Pages, table: torch.Tensor, seq_len: int,
     v = v.flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
     qh = q.to(dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     context_len = seq_len - q_len
-    if context_len == 0:
+    if context_len == 0 and window is None:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                            enable_gqa=True)
-    else:  # query i sees keys < context_len + i + 1
-        keys = torch.arange(seq_len, device=q.device)[None, :]
-        visible = keys <= torch.arange(q_len, device=q.device)[:, None] + context_len
+    else:  # query i sees keys < context_len + i + 1 (and > context_len + i - window)
+        visible = window_mask(torch.arange(q_len, device=q.device) + context_len, seq_len,
+                              window)
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale,
                                            enable_gqa=True)
     return o[0].transpose(0, 1)

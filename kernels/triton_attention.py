@@ -110,16 +110,17 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
                  start_n, kv_end, num_blocks, block_size,
                  stride_kb, stride_ks, stride_kh, stride_kd,
                  stride_vb, stride_vs, stride_vh, stride_vd,
-                 visible_upto, scale_log2,
+                 visible_upto, visible_from, scale_log2,
                  k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
                  stride_vsb, stride_vss, stride_vsh, stride_vsp,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, CAUSAL: tl.constexpr, FORMAT: tl.constexpr,
                  k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT: tl.constexpr,
-                 KSUB: tl.constexpr):
+                 KSUB: tl.constexpr, WINDOWED: tl.constexpr):
     """One online-softmax step over key positions [start_n, start_n + BLOCK_N) < kv_end.
 
-    ``visible_upto`` [rows]: a row sees key positions <= it (only used when CAUSAL).
+    ``visible_upto`` [rows]: a row sees key positions <= it (only used when CAUSAL);
+    ``visible_from`` [rows]: and >= it (only used when WINDOWED: a sliding window).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -146,6 +147,8 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
     keep = in_range[None, :]
     if CAUSAL:
         keep = keep & (offs_n[None, :] <= visible_upto[:, None])
+    if WINDOWED:
+        keep = keep & (offs_n[None, :] >= visible_from[:, None])
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
@@ -162,7 +165,7 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    scale_log2, num_seqs, num_blocks, block_size,
+    scale_log2, num_seqs, num_blocks, block_size, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -174,6 +177,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_B: tl.constexpr, UPCAST: tl.constexpr, FORMAT: tl.constexpr,
     k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT: tl.constexpr, KSUB: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,22 +211,26 @@ def _prefill_kernel(
         q = q.to(k_ptr.dtype.element_ty)
 
     visible_upto = context_len + token  # inclusive
+    visible_from = visible_upto - window + 1  # inclusive (WINDOWED only)
     kv_end = context_len + tl.minimum(tile_q + BLOCK_Q, q_len)
+    kv_start = 0
+    if WINDOWED:  # the tile's first query sees nothing before its window: skip those tiles
+        kv_start = tl.maximum(context_len + tile_q - window + 1, 0) // BLOCK_N * BLOCK_N
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG_BIG
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt_b
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_ptr, v_ptr, table_row_ptr, stride_bt_i, kv_head,
             start_n, kv_end, num_blocks, block_size,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd,
-            visible_upto, scale_log2,
+            visible_upto, visible_from, scale_log2,
             k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
             stride_vsb, stride_vss, stride_vsh, stride_vsp,
             HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, True, FORMAT,
-            k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT, KSUB)
+            k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT, KSUB, WINDOWED)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_off = q_rows * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :].to(tl.int64) * stride_od,
@@ -232,7 +240,7 @@ def _prefill_kernel(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
-    scale_log2, num_blocks, block_size, split_len, num_splits,
+    scale_log2, num_blocks, block_size, split_len, num_splits, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -244,6 +252,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FORMAT: tl.constexpr,
     k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT: tl.constexpr, KSUB: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -252,6 +261,8 @@ def _decode_split_kernel(
     start = split * split_len
     # The last split runs to seq_len: an underestimated max_seq_len costs balance, never keys.
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))
+    if WINDOWED:  # keys before the window: a split wholly before it reads nothing (lse -inf)
+        start = tl.maximum(start, tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N)
 
     rows = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + rows
@@ -270,6 +281,7 @@ def _decode_split_kernel(
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + _NEG_BIG
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    visible_from = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - window)
     table_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt_b
     for start_n in range(start, end, BLOCK_N):
         # CAUSAL=False: a decode query sees its whole sequence; m_i stands in for the unused
@@ -279,11 +291,11 @@ def _decode_split_kernel(
             start_n, end, num_blocks, block_size,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd,
-            m_i, scale_log2,
+            m_i, visible_from, scale_log2,
             k_scale_ptr, v_scale_ptr, stride_ksb, stride_kss, stride_ksh, stride_ksp,
             stride_vsb, stride_vss, stride_vsh, stride_vsp,
             HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, False, FORMAT,
-            k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT, KSUB)
+            k_i8_ptr, k_i4_ptr, v_i8_ptr, v_i4_ptr, ELT, KSUB, WINDOWED)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SINGLE_SPLIT:
         o_off = b.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -327,8 +339,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, scale: float, *,
                     out: torch.Tensor | None = None, max_seq_len: int | None = None,
                     num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton paged attention; same contract as ``kernels.reference.paged_attention``."""
+                    v_scale: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """Triton paged attention; same contract as ``kernels.reference.paged_attention``
+    (``window``: sliding-window attention; the tiles wholly before a query's window are
+    skipped, not only masked)."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     validate.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     fmt = validate.check_scales(k_cache, k_scale, v_scale)
     if out is None:
@@ -358,6 +375,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         UPCAST=upcast,
         k_i8_ptr=k_cache, k_i4_ptr=k_cache, v_i8_ptr=v_cache, v_i4_ptr=v_cache, ELT=1, KSUB=1,
+        window=window or 0, WINDOWED=window is not None,
     )
     _launch(q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, common,
             max_seq_len, num_splits)
@@ -400,6 +418,7 @@ def paged_attention_mixed(q: torch.Tensor, layout, k_arena: torch.Tensor,
         UPCAST=upcast,
         k_i8_ptr=views_k["int8"], k_i4_ptr=views_k["int4"], v_i8_ptr=views_v["int8"],
         v_i4_ptr=views_v["int4"], ELT=layout.element_size, KSUB=layout.max_subs,
+        window=0, WINDOWED=False,
     )
     _launch(q, views_k["full"], views_v["full"], out, code_tables, seq_lens, cu_seqlens_q,
             common, max_seq_len, num_splits)

@@ -1,8 +1,24 @@
 """Shared test configuration. Area-specific fixtures live in tests/<area>/conftest.py."""
 
 import gc
+import os
 
 import pytest
+
+
+def _cuda_device_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, without importing torch (the torch-free test
+    areas stay torch-free): the driver's device nodes."""
+    return os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia")
+
+
+# Without a GPU the Triton kernels run under Triton's interpreter, which must be switched on
+# before anything imports triton (Triton decorates its own library at import time). Set here,
+# before any test module is imported, because much more than the kernel tests imports triton:
+# importing transformers' model code imports torch._dynamo, which imports triton. In every
+# pytest process (xdist workers too), so the kernel tests work in any order.
+if not _cuda_device_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ For each kv_cache_dtype (auto, fp8, int8, int4) on the default model:
 - ``--bf16-reference``: the same teacher-forced scores for bf16 pages (what "auto" is on a
   GPU) against the fp32 pages of the CPU run, as ``bf16_pages``: how far 16-bit pages
   alone already move these metrics (top-1 flips at near-ties in particular).
+- the same teacher-forced scores on a second text of another kind, code (``--code-text``,
+  default: the standard library's ``argparse.py``), as ``code_*`` keys per format.
 - greedy generation through LLMEngine on the engine's invariance prompts: tokens generated
   before the first divergence from auto, per prompt (``greedy_agree_tokens`` is the mean,
   out of ``--max-tokens``).
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
-DTYPES = ("auto", "fp8", "int8", "int4")
+DTYPES = ("auto", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
 # The prompts of tests/engine/test_invariance.py.
 PROMPTS = [
     "The capital of France is",
@@ -46,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quant", help="quantized KV pages: capacity and accuracy per dtype")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--text", default=DEFAULT_TEXT, help="English text for teacher forcing")
+    p.add_argument("--code-text", default=None,
+                   help="a second text, code (default: the standard library's argparse.py)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text to score")
     p.add_argument("--chunk", type=int, default=256, help="chunked-prefill size")
     p.add_argument("--block-size", type=int, default=16)
@@ -77,10 +81,15 @@ def run(args: argparse.Namespace) -> int:
     capacity = capacity_table(dtypes, cfg, args.block_size, args.budget_mib << 20)
     scored = dtypes + (["bf16"] if args.bf16_reference else [])
     accuracy = teacher_forced(model, cfg, ids, scored, args.chunk, args.block_size)
+    code_path = Path(args.code_text or _stdlib_source())
+    code_ids = tokenizer.encode(code_path.read_text())[: args.tokens]
+    code = teacher_forced(model, cfg, code_ids, dtypes, args.chunk, args.block_size)
+    result["code_text"], result["code_tokens"] = str(code_path), len(code_ids)
     greedy = greedy_agreement((model, tokenizer, cfg), dtypes, args.max_tokens,
                               args.block_size)
     for d in dtypes:
-        result[d] = {**capacity[d], **accuracy[d], **greedy[d]}
+        result[d] = {**capacity[d], **accuracy[d], **greedy[d],
+                     **{f"code_{k}": v for k, v in code[d].items()}}
     if args.bf16_reference:
         result["bf16_pages"] = accuracy["bf16"]
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -198,6 +207,13 @@ def greedy_agreement(loaded, dtypes: list[str], max_tokens: int,
         out[d] = {"greedy_agree_tokens": round(sum(per_prompt) / len(per_prompt), 2),
                   "greedy_agree_per_prompt": per_prompt, "greedy_max_tokens": max_tokens}
     return out
+
+
+def _stdlib_source() -> str:
+    """A Python file of the standard library: code, whose exact tokens matter."""
+    import argparse as stdlib_module
+
+    return stdlib_module.__file__
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

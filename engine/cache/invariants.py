@@ -41,6 +41,14 @@ def check_invariants(m: CacheView) -> None:
         _require(min(ref, default=0) >= 0, f"{name}: a negative ref count")
         cached_free = set(evictable)
         used = set(compress(range(n), ref))
+        disk = m.disk
+        if disk is not None and pool is disk.disk:  # blocks being read: out of the order
+            pinned = set(disk.inflight)
+            _require(all(map(entry.__getitem__, pinned)), "disk: a block read is not hashed")
+            _require(not pinned & cached_free, "disk: a block being read is evictable")
+            used |= pinned
+            _require(not disk.pending - set(pool.cached.values()),
+                     "disk: a pending write for a block not indexed")
         _require(len(cached_free) == len(evictable)
                  and all(0 <= b < n for b in (min(cached_free, default=0),
                                               max(cached_free, default=0))),

@@ -54,6 +54,11 @@ Rules:
   an evicted cached gpu block is copied to the host, and ``match_prefix`` continues past
   the gpu index into the host index, loading those blocks back (``host_hit``). A swapped
   sequence's table holds host block ids; it can only be finished or swapped in.
+- The "disk" tier exists when ``num_disk_blocks > 0`` (it needs the cpu tier and prefix
+  caching; engine.cache.disk_tier): hashed host blocks that the host evicts are written
+  to disk; ``prefetch(sid)`` starts reading a waiting sequence's prefix from disk into the
+  host (True while reads are in flight: the scheduler waits, a bounded time, then calls
+  ``give_up_prefetch``); the runner's outcomes come back through ``disk_results``.
 - Block copies between tiers are queued as swap orders with a sequential meaning; the
   runner executes ``take_swap_rounds()`` (batched, engine.cache.transfers) before the
   step's copy-on-write orders and forward pass.
@@ -81,6 +86,7 @@ from typing import Any
 from engine.cache import report
 from engine.cache.block_pool import BlockPool
 from engine.cache.demotion import DemotionPolicy, plan_demotion
+from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import CacheError
 from engine.cache.eviction import make_policy
 from engine.cache.hashing import root_hash
@@ -102,6 +108,7 @@ class KVCacheManager:
         block_size: int,
         *,
         num_cpu_blocks: int = 0,
+        num_disk_blocks: int = 0,
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
         kv_format: str = "auto",
@@ -114,6 +121,11 @@ class KVCacheManager:
             raise CacheError(f"the gpu pool needs at least one block, got {num_gpu_blocks!r}")
         if not is_int(num_cpu_blocks) or num_cpu_blocks < 0:
             raise CacheError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+        if not is_int(num_disk_blocks) or num_disk_blocks < 0:
+            raise CacheError(f"num_disk_blocks must be an int >= 0, got {num_disk_blocks!r}")
+        if num_disk_blocks and not (num_cpu_blocks and enable_prefix_caching):
+            raise CacheError("the disk tier needs a cpu tier (num_cpu_blocks > 0) and prefix "
+                             "caching: it stores the host's evicted prefix-cache blocks")
         if kv_format not in S.KV_FORMATS:
             raise CacheError(f"unknown kv_format {kv_format!r}; choose one of {S.KV_FORMATS}")
         self.block_size = block_size
@@ -121,7 +133,7 @@ class KVCacheManager:
         self.eviction_policy = eviction_policy
         self.sink: EventSink = sink if sink is not None else NullSink()
         self.pools: dict[str, BlockPool] = {}
-        sizes = {"gpu": num_gpu_blocks, "cpu": num_cpu_blocks}
+        sizes = {"gpu": num_gpu_blocks, "cpu": num_cpu_blocks, "disk": num_disk_blocks}
         self.demotion = demotion
         if demotion is not None:
             if num_cpu_blocks:
@@ -133,8 +145,8 @@ class KVCacheManager:
         for tier in S.TIERS:
             if sizes[tier] and tier not in self.pools:
                 self.pools[tier] = BlockPool(
-                    tier, sizes[tier], block_size, kv_format, make_policy(eviction_policy),
-                    self.sink,
+                    tier, sizes[tier], block_size, kv_format,
+                    make_policy("lru" if tier == "disk" else eviction_policy), self.sink,
                 )
         self.gpu = self.pools["gpu"]
         self._ref = self.gpu.ref  # the decode fast path reads it directly
@@ -142,6 +154,9 @@ class KVCacheManager:
         if "cpu" in self.pools:
             self.host = HostTier(self.gpu, self.pools["cpu"], self.sink,
                                  write_back=self.enable_prefix_caching)
+        self.disk: DiskTier | None = None
+        if "disk" in self.pools:
+            self.disk = DiskTier(self.gpu, self.host, self.pools["disk"], self.sink)
         self._seqs: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
         self._demotion_orders: list[tuple[int, int]] = []
@@ -360,6 +375,8 @@ class KVCacheManager:
             raise CacheError(f"unknown finish reason {reason!r}; one of {S.FINISH_REASONS}")
         num_tokens = seq.num_tokens  # its last step's tokens: no seq_tokens will say it
         self._free(seq)
+        if self.disk is not None:
+            self.disk.give_up(seq_id, timed_out=False)
         del self._seqs[seq_id]
         if self.sink.enabled:
             self.sink.emit(S.SEQ_FINISH, seq=seq_id, reason=reason, num_tokens=num_tokens,
@@ -488,6 +505,57 @@ class KVCacheManager:
                                    tokens=len(dst) * bs)
         return num_hit
 
+    def prefetch(self, seq_id: str) -> bool:
+        """Start reading from disk the blocks that continue the waiting sequence's cached
+        prefix (its first call does; engine.cache.disk_tier). True while its reads are in
+        flight: scheduled now, it would recompute them. False without a disk tier."""
+        seq = self._get(seq_id)
+        if self.disk is None or seq.block_table or seq.status == "swapped":
+            return False
+        return self.disk.prefetch(seq, self.block_size)
+
+    def give_up_prefetch(self, seq_id: str) -> None:
+        """The sequence waited long enough: it stops waiting for its reads (counted)."""
+        if self.disk is not None:
+            self.disk.give_up(seq_id)
+
+    def disk_results(self, saved: list[tuple[int, int, bool]],
+                     loaded: list[tuple[int, bool]], disabled: bool = False) -> None:
+        """The runner's disk outcomes since the last call: writes (disk block, hash,
+        written?), reads (disk block, intact?) in the order they were started, and
+        whether the store has failed for good (the tier then forgets its blocks)."""
+        if self.disk is None:
+            return
+        self._asking("", C.R_WRITE_BACK)
+        self.disk.host.reason = C.R_PREFETCH  # arrivals take host blocks
+        self.disk.saved(saved)
+        self.disk.arrived(loaded)
+        if disabled and self.disk.enabled:
+            self.disk.disable()
+
+    def persist_to_disk(self) -> int:
+        """A graceful stop: every cached gpu block is written back to the host, and every
+        host-cached block the disk lacks is written to disk (bounded by the disk's size);
+        returns the blocks queued for disk. The runner then performs the rounds and waits
+        for the writes, bounded by its drain time."""
+        if self.disk is None:
+            return 0
+        self._asking("", C.R_RESET)
+        n0 = self.disk.stored_blocks
+        gpu, host = self.gpu, self.host.host
+        while len(gpu.evictable):  # written back to the host, whose evictions go to disk
+            k = min(len(gpu.evictable), host.num_free_blocks)
+            if not k:
+                break
+            gpu.evict(k)
+        self.disk.save_all()
+        return self.disk.stored_blocks - n0
+
+    def adopt_disk(self, found: list[tuple[int, int, bool, tuple[int, ...]]]) -> int:
+        """Index the blocks a warm disk directory holds, (hash, parent hash, first?,
+        tokens), oldest first; returns how many fit (engine.cache.disk_tier.adopt)."""
+        return self.disk.adopt(found) if self.disk is not None else 0
+
     def evict_cached(self, max_blocks: int | None = None) -> int:
         """Evict up to ``max_blocks`` (default: all) cached free blocks now, in policy
         order; returns how many. (Allocation evicts lazily; this is a prefix-cache reset.)"""
@@ -513,7 +581,9 @@ class KVCacheManager:
         first_block = seq.block_table[0] if seq.block_table else None
         # zip(*[it] * bs) cuts the token span into bs-tuples at C speed.
         chunks = zip(*[iter(seq.token_ids[first * bs:full * bs])] * bs, strict=True)
-        for b, chunk in zip(seq.block_table[first:full], chunks, strict=True):
+        prompt_blocks = seq.num_prompt_tokens // bs
+        for i, (b, chunk) in enumerate(zip(seq.block_table[first:full], chunks, strict=True),
+                                       first):
             h = hash((ph, chunk))
             e = entry[b]
             if e is not None:  # indexed already (shared with a sequence that got there first)
@@ -529,10 +599,12 @@ class KVCacheManager:
                         pid = he[3]
                     else:
                         serial += 1
-                        entry[b] = (h, pid, chunk, serial)
+                        entry[b] = (h, pid, chunk, serial, ph)
                         pid = serial
                     cached[h] = b
                     stored.append(b)
+                    if i < prompt_blocks:
+                        seq.prompt_written += bs
                     if detail:
                         parents.append(None if b == first_block else ph)
                 else:  # the same content under another block stays the indexed one

@@ -26,7 +26,7 @@ class CacheSeq:
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "num_tokens", "block_table", "status",
         "started", "priority", "cache_salt", "root_hash", "root_id", "chain_hash", "chain_id",
-        "num_stored", "reported_tokens", "tier",
+        "num_stored", "reported_tokens", "tier", "prompt_written",
     )
 
     def __init__(
@@ -49,6 +49,9 @@ class CacheSeq:
         self.num_stored = 0
         self.reported_tokens = 0  # num_tokens as the event stream last stated it
         self.tier = "gpu"
+        # prompt tokens this sequence wrote into the prefix cache (new entries, in whole
+        # blocks; kept across preemptions): the API's cache_write_tokens
+        self.prompt_written = 0
 
     def drop_table(self) -> None:
         self.block_table = []

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.cache.block_pool import BlockPool
+    from engine.cache.disk_tier import DiskTier
     from engine.cache.host_tier import HostTier
     from engine.cache.sequence import CacheSeq
 
@@ -22,6 +23,7 @@ class CacheView(Protocol):
     pools: dict[str, BlockPool]
     gpu: BlockPool
     host: HostTier | None
+    disk: DiskTier | None
     num_query_tokens: int
     num_hit_tokens: int
     num_cow_copies: int

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any
 
 from engine.server.tool_parsers import PARSERS as TOOL_PARSERS  # json only: no server stack
@@ -88,7 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    type=int, default=None, help="KV blocks (default: from memory)")
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8 | int4")
+    e.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto | fp8 | int8 | int4 | kivi4 | k8v4 | kivi2")
     e.add_argument("--kv-demotion", default="",
                    help="demote cold pages in place under memory pressure: int8 | int4 | "
                         "int8,int4 (default off; needs --kv-cache-dtype auto)")
@@ -98,6 +100,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=True)
     e.add_argument("--eviction-policy", default="lru", help="lru | lfu | priority")
     e.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap tier")
+    e.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                   help="a third KV tier on local disk below --swap-space (files kept "
+                        "across restarts; default off)")
+    e.add_argument("--disk-cache-size", type=parse_size, default=0, metavar="SIZE",
+                   help="bytes the disk tier may use, e.g. 20GiB, 500MB")
     e.add_argument("--preemption-mode", default="recompute", help="recompute | swap")
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -124,7 +131,21 @@ ENGINE_FLAGS = ("model", "load_format", "device", "dtype", "seed", "block_size",
                 "enable_prefix_caching", "eviction_policy", "swap_space", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_layout",
                 "tensor_parallel_size", "kv_demotion", "kv_hot_window",
-                "max_prefill_tokens_with_decodes", "enforce_eager")
+                "max_prefill_tokens_with_decodes", "enforce_eager", "disk_cache_dir",
+                "disk_cache_size")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "20GiB", "500MB", "1.5 GiB" or a plain number."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (a number and one of B, KB, MB, GB, KiB, MiB, GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def model_of(args: argparse.Namespace) -> str:

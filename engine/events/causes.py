@@ -34,7 +34,10 @@ R_SWAP_OUT = "swap_out"  # host blocks for a preempted sequence's table
 R_HOST_HIT = "host_hit"  # gpu blocks to load a host-cached prefix into
 R_WRITE_BACK = "write_back"  # host blocks for evicted gpu blocks (write-back cache)
 R_RESET = "reset"  # an explicit prefix-cache reset (evict_cached), not an allocation
-REASONS = (R_ALLOCATE, R_FORK, R_SWAP_IN, R_SWAP_OUT, R_HOST_HIT, R_WRITE_BACK, R_RESET)
+R_PREFETCH = "prefetch"  # host blocks for disk reads that arrived (engine.cache.disk_tier)
+R_DISK_FAILED = "disk_failed"  # a disk block whose write or read failed leaves the index
+REASONS = (R_ALLOCATE, R_FORK, R_SWAP_IN, R_SWAP_OUT, R_HOST_HIT, R_WRITE_BACK, R_RESET,
+           R_PREFETCH, R_DISK_FAILED)
 
 # how each decision picks its victim (the text the inspector shows)
 PREEMPT_RULE = "lowest priority, latest arrival (not yet scheduled this step)"

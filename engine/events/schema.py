@@ -12,7 +12,8 @@ types, which are optional, and what it means. ``python -m engine.events`` prints
 a table. Block ids are ints, per tier, ``0 <= id < num_blocks``; bulk changes carry id
 lists (``BlockIds``: protocol 1 writes msgpack arrays of ints, protocol 2 the same ids
 packed as little-endian int32 bytes, in the fields ``BLOCK_ID_FIELDS``). Sequence ids are
-strings; ``tier`` is "gpu" or "cpu".
+strings; ``tier`` is "gpu", "cpu" or "disk" (the disk tier: its block ids are slots of
+its file index, engine.cache.disk_tier).
 
 Readers ignore fields they do not know and count (then ignore) kinds they do not know,
 so adding a field or a kind never breaks a reader. An optional field may be absent;
@@ -43,11 +44,11 @@ PROTOCOL_VERSION = 2
 # packed, hashes packed int64). Readers take both; version-1 recordings replay as before.
 READABLE_VERSIONS = (1, 2)
 
-TIERS = ("gpu", "cpu")
+TIERS = ("gpu", "cpu", "disk")
 SEQ_STATUSES = ("waiting", "running", "swapped")
 FINISH_REASONS = ("stop", "length", "abort")
 PREEMPT_MODES = ("recompute", "swap")
-KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4")
+KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
 
 # Event kinds. Names are the wire strings (each ``Event`` subclass below is tagged with one).
 TIER_INIT = "tier_init"
@@ -69,6 +70,9 @@ SWAP_IN = "swap_in"
 OFFLOAD = "offload"
 HOST_HIT = "host_hit"
 QUANTIZE = "quantize"
+DISK_STORE = "disk_store"
+PREFETCH = "prefetch"
+DISK_LOAD = "disk_load"
 
 # Per-block state codes, as the inspector's uint8 block map uses them. Derived from a
 # block's ref count and whether it holds a prefix-cache hash (see KVState.block_codes).
@@ -274,10 +278,44 @@ class Quantize(Event, tag=QUANTIZE):
     format: str
 
 
+class DiskStore(Event, tag=DISK_STORE):
+    """Host blocks ``src``, just evicted from the host (``evict``, tier cpu, comes first),
+    are written to disk blocks ``dst``, cached there under ``hashes``. (Leaving the disk
+    is ``evict`` with tier "disk"; a daemon that starts over a warm directory reports the
+    files it serves as ``store`` on tier "disk".)"""
+
+    src: BlockIds
+    dst: BlockIds
+    hashes: list[int]
+
+
+class Prefetch(Event, tag=PREFETCH):
+    """A waiting sequence's prefix continues in disk blocks ``src``: their reads start
+    (they stay cached on disk and cannot be evicted until they arrive)."""
+
+    seq: str
+    src: BlockIds
+
+
+class DiskLoad(Event, tag=DISK_LOAD):
+    """Reads of a prefetch arrived: disk blocks ``src`` are now also host blocks ``dst``,
+    cached there under their hashes (a later ``host_hit`` takes them to the gpu). Blocks
+    of the prefetch that are not in ``src`` did not arrive intact (missed reads, then
+    ``evict`` on tier disk) or were no longer needed.
+
+    Absent missed: 0."""
+
+    seq: str
+    src: BlockIds
+    dst: BlockIds
+    missed: Opt[int] = UNSET  # reads that found no intact file
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__struct_config__.tag: cls for cls in (
         TierInit, SeqAdd, SeqStart, Alloc, Hit, Store, Evict, Free, Fork, Cow, SeqTokens,
-        SeqPreempt, SeqResume, SeqFinish, SwapOut, SwapIn, Offload, HostHit, Quantize)
+        SeqPreempt, SeqResume, SeqFinish, SwapOut, SwapIn, Offload, HostHit, Quantize,
+        DiskStore, Prefetch, DiskLoad)
 }
 EVENT_KINDS = tuple(EVENT_TYPES)
 AnyEvent = Union[tuple(EVENT_TYPES.values())]  # noqa: UP007 (a tagged union, by "kind")

@@ -48,6 +48,10 @@ from engine.events.schema import ProtocolError
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 ORPHAN = -2  # owner column: held, but not by the sequence that took it (see docstring)
 NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages are huge)
+# The largest tier a mirror builds (26 bytes of columns a block: ~110 MiB here). A real
+# cache is far smaller (a 1M-block pool is huge); a 30-byte tier_init from a hostile file
+# or publisher must not make the reader allocate gigabytes.
+MAX_TIER_BLOCKS = 1 << 22
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
 # little-endian int32 x k, for unpacking the short id lists of most events
@@ -426,8 +430,10 @@ class KVState:
             st.time = float(snap.get("time", 0.0))
             st.stats = dict(snap.get("stats") or {})
             for name, t in snap["tiers"].items():
-                tier = TierState(name, int(t["num_blocks"]), int(t["block_size"]),
-                                 str(t["format"]))
+                n = int(t["num_blocks"])
+                if not 0 <= n <= MAX_TIER_BLOCKS:
+                    raise ProtocolError(f"snapshot tier {name}: bad size {n} blocks")
+                tier = TierState(name, n, int(t["block_size"]), str(t["format"]))
                 n = tier.num_blocks
                 ref = t["ref"]
                 ref = (np.frombuffer(ref, dtype="<i4") if isinstance(ref, bytes)
@@ -856,8 +862,9 @@ class KVState:
         if name not in S.TIERS:
             raise ProtocolError(f"unknown tier {name!r}")
         n, bs = int(ev["num_blocks"]), int(ev["block_size"])
-        if n < 0 or bs < 1 or n >= 1 << 31:
-            raise ProtocolError(f"tier {name}: bad size {n} blocks x {bs} tokens")
+        if n < 0 or bs < 1 or n > MAX_TIER_BLOCKS or bs >= 1 << 31:
+            raise ProtocolError(f"tier {name}: bad size {n} blocks x {bs} tokens (a mirror "
+                                f"holds at most {MAX_TIER_BLOCKS} blocks a tier)")
         self._save_item(self.tiers, name)
         self.tiers[name] = TierState(name, n, bs, str(ev.get("format", "auto")))
 
@@ -1056,6 +1063,40 @@ class KVState:
         s.block_table.extend(dst)
         s.hit_tokens += int(ev.get("tokens", 0))
 
+    def _disk_store(self, ev: dict[str, Any]) -> None:
+        host, disk = self._tier("cpu"), self._tier("disk")
+        src, dst = unpack_ids(ev["src"]), unpack_ids(ev["dst"])
+        hashes = [int(h) for h in ev["hashes"]]
+        host.check_ids(src)
+        disk.check_ids(dst)
+        if not len(src) == len(dst) == len(hashes):
+            raise ProtocolError("disk_store: src, dst and hashes differ in length")
+        self._free_blocks(disk, dst, "disk_store")
+        self._set_hashes(disk, dst, hashes)
+
+    def _cached_on_disk(self, ev: dict[str, Any], what: str) -> tuple[TierState, list[int]]:
+        disk, src = self._tier("disk"), unpack_ids(ev["src"])
+        disk.check_ids(src)
+        hashed = disk.hashed_c.py
+        for b in src:
+            if not hashed[b]:
+                raise ProtocolError(f"{what}: disk block {b} is not cached")
+        return disk, src
+
+    def _prefetch_ev(self, ev: dict[str, Any]) -> None:
+        self._seq(ev["seq"])
+        self._cached_on_disk(ev, "prefetch")  # nothing changes until they arrive
+
+    def _disk_load(self, ev: dict[str, Any]) -> None:
+        # the sequence may have finished meanwhile: what arrives still becomes host cache
+        disk, src = self._cached_on_disk(ev, "disk_load")
+        host, dst = self._tier("cpu"), unpack_ids(ev["dst"])
+        host.check_ids(dst)
+        if len(src) != len(dst):
+            raise ProtocolError("disk_load: src and dst differ in length")
+        self._free_blocks(host, dst, "disk_load")
+        self._set_hashes(host, dst, [disk.hash_value(b) for b in src])
+
     def _quantize(self, ev: dict[str, Any]) -> None:
         """Demotion: the blocks' page format changes in place (refs, hashes and block
         tables are unchanged). Only blocks holding K/V (in use or cached) can change; a
@@ -1136,4 +1177,7 @@ _HANDLERS = {
     S.OFFLOAD: KVState._offload,
     S.HOST_HIT: KVState._host_hit,
     S.QUANTIZE: KVState._quantize,
+    S.DISK_STORE: KVState._disk_store,
+    S.PREFETCH: KVState._prefetch_ev,
+    S.DISK_LOAD: KVState._disk_load,
 }

@@ -21,8 +21,9 @@ class ContiguousKVCache:
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.max_len = max_len
         self.num_layers = config.num_layers
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attn_scale
         self.num_tokens = 0
+        self.windows = config.layer_windows
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,8 @@ class ContiguousKVCache:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {self.max_len}")
         self.k[layer_idx][start:end] = k
         self.v[layer_idx][start:end] = v
-        out = contiguous_attention(q, self.k[layer_idx], self.v[layer_idx], start, self.scale)
+        out = contiguous_attention(q, self.k[layer_idx], self.v[layer_idx], start, self.scale,
+                                   window=self.windows[layer_idx])
         if layer_idx == self.num_layers - 1:
             self.num_tokens = end
         return out

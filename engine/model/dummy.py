@@ -52,6 +52,33 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         "max_position_embeddings": 8192, "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    # Qwen/Qwen3-0.6B's config.json (q/k norms; head_dim 128 is not hidden / heads).
+    "qwen3-0.6b": {
+        "model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 3072, "vocab_size": 151936, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    # microsoft/Phi-4-mini-instruct's shapes: fused qkv/gate_up, 3/4 of each head rotated.
+    # Its LongRoPE factor lists (48 numbers each) are left out: plain RoPE, since dummy
+    # weights make only the shapes matter.
+    "phi-4-mini": {
+        "model_type": "phi3", "num_hidden_layers": 32, "hidden_size": 3072,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+        "vocab_size": 200064, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "sliding_window": 262144,
+        "max_position_embeddings": 131072, "bos_token_id": 199999, "eos_token_id": 199999,
+    },
+    # google/gemma-3-1b-it's config.json: five sliding-window layers (W = 512) per global one.
+    "gemma-3-1b": {
+        "model_type": "gemma3_text", "num_hidden_layers": 26, "hidden_size": 1152,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "intermediate_size": 6912, "vocab_size": 262144, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window": 512, "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "max_position_embeddings": 32768, "bos_token_id": 2, "eos_token_id": [1, 106],
+    },
     # A few-MB model of the same family for CPU smoke runs (scripts/gpu_check.py --smoke).
     "tiny": {
         "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
@@ -109,8 +136,9 @@ def dummy_tensors(config: ModelConfig, device: torch.device | str, dtype: torch.
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, shape in expected_shapes(config).items():
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):  # Gemma stores w of its (1 + w) norms: zeros
+            fill = torch.zeros if config.architecture == "gemma3_text" else torch.ones
+            yield name, fill(shape, device=device, dtype=dtype)
         elif name.endswith(".bias"):
             yield name, torch.zeros(shape, device=device, dtype=dtype)
         else:
@@ -122,11 +150,11 @@ def load_dummy(model: str, device: torch.device | str, dtype: torch.dtype, seed:
                hf_config: dict[str, Any] | None = None):
     """(LlamaModel with random weights, None, ModelConfig): no file is read but an optional
     config.json."""
-    from engine.model.llama import LlamaModel
+    from engine.model.architectures import model_class
 
     config = dummy_config(model, hf_config)
-    return (LlamaModel.from_tensors(config, dummy_tensors(config, device, dtype, seed),
-                                    dummy_name(model), device), None, config)
+    return (model_class(config).from_tensors(config, dummy_tensors(config, device, dtype, seed),
+                                             dummy_name(model), device), None, config)
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:

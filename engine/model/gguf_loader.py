@@ -15,7 +15,7 @@ from engine.model.errors import ModelLoadError
 
 # GGUF architectures that carry the Llama layout. llama.cpp permutes Q/K rows only for the
 # ones it converts through its LlamaModel (llama, mistral); Qwen2 keeps HF's row order.
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = {"llama", "mistral"}
 
 _LAYER_NAMES = {
@@ -28,6 +28,8 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -101,6 +103,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     eot = _field(reader, "tokenizer.ggml.eot_token_id", path, None)
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    window = get("attention.sliding_window", None)  # llama.cpp writes it where it applies
     return ModelConfig(
         architecture=_GGUF_ARCHS[arch],
         num_layers=int(get("block_count")),
@@ -118,6 +121,8 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        sliding_window=None if window is None else int(window),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 

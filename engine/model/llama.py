@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionBackend
-from engine.model.config import ModelConfig
+from engine.model.config import FUSED_CHECKPOINTS, ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.linear import Linear, make_linear
 from engine.model.rope import RotaryEmbedding
@@ -32,6 +32,10 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]
     down: torch.Tensor | None  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3: config.qk_norm)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    pre_ff_norm: torch.Tensor | None = None  # [hidden] (Gemma 3: norms around the MLP)
+    post_ff_norm: torch.Tensor | None = None  # [hidden]
 
 
 @dataclass
@@ -75,7 +79,8 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF-named tensor the forward needs, with its shape."""
+    """Every HF-named tensor the forward needs, with its shape (q/k/v and gate/up as the
+    checkpoint holds them: fused for FUSED_CHECKPOINTS)."""
     h, i = config.hidden_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
@@ -88,14 +93,26 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
             p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if config.architecture in FUSED_CHECKPOINTS:
+            shapes |= {p + "self_attn.qkv_proj.weight": (config.q_size + 2 * config.kv_size, h),
+                       p + "mlp.gate_up_proj.weight": (2 * i, h)}
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (config.q_size, h),
+                p + "self_attn.k_proj.weight": (config.kv_size, h),
+                p + "self_attn.v_proj.weight": (config.kv_size, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+            }
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
+                       p + "self_attn.k_norm.weight": (config.head_dim,)}
+        if config.architecture == "gemma3_text":
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
+                       p + "post_feedforward_layernorm.weight": (h,)}
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (config.q_size,),
@@ -120,7 +137,7 @@ class LlamaModel:
         # weight memory doubles. ``dense_layers``/``lm_head`` unpack them on demand.
         self.layers = [dataclasses.replace(w, qkv=None, o_proj=None, gate_up=None, down=None)
                        for w in layers]
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+        self.rope = RotaryEmbedding(config.rope_dim, config.rope_theta, config.rope_scaling,
                                     embed.device)
 
     @property
@@ -167,13 +184,16 @@ class LlamaModel:
         layers = []
         for n in range(config.num_layers):
             p = f"model.layers.{n}."
-            qkv = torch.cat([found.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            fused = config.architecture in FUSED_CHECKPOINTS
+            qkv = found.pop(p + "self_attn.qkv_proj.weight") if fused else \
+                torch.cat([found.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             bias = None
             if config.attention_bias:
                 bias = torch.cat([found.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
                 bias = bias.to(device)
-            gate_up = torch.cat([found.pop(p + "mlp.gate_proj.weight"),
-                                 found.pop(p + "mlp.up_proj.weight")])
+            gate_up = found.pop(p + "mlp.gate_up_proj.weight") if fused else \
+                torch.cat([found.pop(p + "mlp.gate_proj.weight"),
+                           found.pop(p + "mlp.up_proj.weight")])
             layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv.to(device), qkv_bias=bias,
@@ -181,6 +201,12 @@ class LlamaModel:
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=gate_up.to(device),
                 down=take(p + "mlp.down_proj.weight"),
+                q_norm=take(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                k_norm=take(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+                pre_ff_norm=take(p + "pre_feedforward_layernorm.weight")
+                if config.architecture == "gemma3_text" else None,
+                post_ff_norm=take(p + "post_feedforward_layernorm.weight")
+                if config.architecture == "gemma3_text" else None,
             ))
         embed = take("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
@@ -203,8 +229,10 @@ class LlamaModel:
         x = (cpu_fused.rms_norm if native else rms_norm)(hidden, self.layers[0].input_norm, eps)
         for idx, (layer, lin) in enumerate(zip(self.layers, self.linears, strict=True)):
             qkv = lin.qkv(x)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer, num_tokens)
             # q and k are adjacent columns of qkv: rotate them in one pass (heads broadcast)
-            if native:
+            if native and cfg.rope_dim == cfg.head_dim:
                 cpu_fused.rope_(qkv, cos, sin, qk_heads, cfg.head_dim)  # in place
                 qk = qkv[:, :qk_size].view(num_tokens, qk_heads, cfg.head_dim)
             else:
@@ -222,6 +250,15 @@ class LlamaModel:
         return x
 
     __call__ = forward
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, num_tokens: int) -> None:
+        """Qwen3: RMSNorm over each head of q and of k, in place in ``qkv``, before RoPE."""
+        cfg = self.config
+        q = qkv[:, :cfg.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(num_tokens, cfg.num_kv_heads,
+                                                             cfg.head_dim)
+        q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+        k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
     # The two places a tensor-parallel shard differs (engine.model.parallel.ShardedLlama):
     # a vocab-parallel embedding, and summing row-parallel partial outputs over the ranks.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.architectures import model_class
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.llama import LlamaModel
@@ -76,7 +77,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
         from engine.model.hf_loader import hf_config, hf_tensors
 
         config = hf_config(path)
-        model = LlamaModel.from_tensors(config, hf_tensors(path, dtype), str(path), device)
+        model = model_class(config).from_tensors(config, hf_tensors(path, dtype), str(path),
+                                                 device)
         tokenizer = None
         if (path / "tokenizer.json").is_file():
             tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
@@ -92,8 +94,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(reader, path), str(path))
-    model = LlamaModel.from_tensors(config, gguf_tensors(reader, path, config, dtype), str(path),
-                                    device)
+    model = model_class(config).from_tensors(config, gguf_tensors(reader, path, config, dtype),
+                                             str(path), device)
     return model, tokenizer, config
 
 

@@ -81,7 +81,9 @@ def shard_weights(model: LlamaModel, world: int, rank: int) -> dict:
             o_proj=lw.o_proj[:, rank * qh * hd:(rank + 1) * qh * hd].contiguous(),
             post_norm=lw.post_norm.clone(),
             gate_up=torch.cat([gate[sl], up[sl]]).contiguous(),
-            down=lw.down[:, sl].contiguous()))
+            down=lw.down[:, sl].contiguous(),
+            q_norm=None if lw.q_norm is None else lw.q_norm.clone(),  # per head: unsharded
+            k_norm=None if lw.k_norm is None else lw.k_norm.clone()))
     embed = _vocab_slice(model.embed, world, rank).contiguous()
     tied = model.tied_lm_head
     lm_head = embed if tied else _vocab_slice(model.lm_head, world, rank).contiguous()

@@ -3,6 +3,7 @@ the model's chat template. Token ids match transformers' tokenizer for the same 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for, at most: the longest vocabulary entry in
+        UTF-8 (a byte-level or byte-fallback spelling only overstates it)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8")) for t in vocab), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -127,6 +127,7 @@ class _Layer(torch.nn.Module):
     def __init__(self, w, lin) -> None:  # noqa: ANN001
         super().__init__()
         self.input_norm, self.post_norm = _param(w.input_norm), _param(w.post_norm)
+        self.q_norm, self.k_norm = _param(w.q_norm), _param(w.k_norm)
         self.qkv, self.o_proj = _traced_linear(lin.qkv), _traced_linear(lin.o_proj)
         self.gate_up, self.down = _traced_linear(lin.gate_up), _traced_linear(lin.down)
 
@@ -145,6 +146,7 @@ class _TracedModel(torch.nn.Module):
 
     _embed = LlamaModel._embed
     _reduce = LlamaModel._reduce
+    _qk_norm = LlamaModel._qk_norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return LlamaModel.forward.__wrapped__(self, input_ids, positions, _OpaqueAttention())

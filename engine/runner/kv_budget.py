@@ -4,6 +4,7 @@ The gpu pool: ``num_gpu_blocks`` when given; else a byte budget (``kv_cache_memo
 on CUDA, what a profiled forward leaves of ``gpu_memory_utilization``; on CPU,
 ``DEFAULT_CPU_KV_BYTES``) divided by the bytes of one block (scales included), or of one
 frame over a mixed-precision arena (``--kv-demotion``). The cpu tier: ``swap_space`` GiB.
+The disk tier: ``disk_cache_size`` bytes of block files (a header and the token ids each).
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def num_cpu_blocks(config: EngineConfig, fmt: PageFormat) -> int:
         raise ValueError(f"preemption_mode='swap' needs swap_space > 0 GiB holding at "
                          f"least one block of {fmt.bytes_per_block} bytes")
     return blocks
+
+
+def num_disk_blocks(config: EngineConfig, fmt: PageFormat) -> int:
+    """Blocks of the disk tier (0: off): block files that fit ``disk_cache_size``."""
+    if config.disk_cache_dir is None:
+        return 0
+    from engine.runner.disk_store import file_bytes
+
+    blocks = config.disk_cache_size // file_bytes(config.block_size, fmt.bytes_per_block)
+    if blocks < 1:
+        raise ValueError(f"disk_cache_size {config.disk_cache_size} bytes holds no block "
+                         f"file of {file_bytes(config.block_size, fmt.bytes_per_block)} bytes")
+    return int(blocks)
 
 
 @torch.inference_mode()

@@ -52,8 +52,11 @@ class PagedAttention:
     reaches it (the first prefill) unless given with ``set_fp8_scales``; fixed afterwards,
     since codes already written depend on them."""
 
-    def __init__(self, pages: KVPages, scale: float) -> None:
+    def __init__(self, pages: KVPages, scale: float,
+                 windows: tuple[int | None, ...] | None = None) -> None:
         self.pages, self.scale = pages, scale
+        # each layer's sliding window (None: full attention)
+        self.windows = windows or (None,) * len(pages.k_caches)
         self.k_caches, self.v_caches = pages.k_caches, pages.v_caches
         no_scales = [None] * len(pages.k_caches)
         self.k_scales = pages.k_scales or no_scales
@@ -87,13 +90,15 @@ class PagedAttention:
         plan = self._step_plan(b, q.device)
         if plan is not None:
             out = plan.forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
-                               self.scale, k_scale=k_scale, v_scale=v_scale)
+                               self.scale, k_scale=k_scale, v_scale=v_scale,
+                               window=self.windows[layer])
             return out if rot is None else out @ rot.T
         kernels.reshape_and_cache(k, v, self.k_caches[layer], self.v_caches[layer],
                                   b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         out = kernels.paged_attention(q, self.k_caches[layer], self.v_caches[layer],
                                       b.block_tables, b.seq_lens, b.cu_seqlens_q, self.scale,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale,
+                                      window=self.windows[layer])
         return out if rot is None else out @ rot.T
 
     def _step_plan(self, b: StepBatch, device: torch.device) -> StepPlan | None:
@@ -148,22 +153,39 @@ class ModelRunner:
             keep_freed_memory()
         # kv_dtype: the model dtype, which "auto" pages use; others: engine.runner.page_format
         # (a mixed arena replaces these pages: one block of each stays as a placeholder)
-        self.kv = page_format(kv_cache_dtype, kv_dtype, model_config, block_size).allocate(
-            num_blocks if mixed is None else 1, device)
+        fmt = page_format(kv_cache_dtype, kv_dtype, model_config, block_size)
+        # block-quantized formats (engine.runner.block_kv) replace these pages, as a mixed
+        # arena does: one placeholder block of 16-bit pages stays
+        self.block_kv = None
+        if fmt.is_block:
+            from engine.runner.block_kv import BlockKV, BlockPagedAttention
+            from kernels.block_quant import block_format
+
+            self.block_kv = BlockKV(block_format(kv_cache_dtype), model_config.num_layers,
+                                    num_blocks, block_size, model_config.num_kv_heads,
+                                    model_config.head_dim, kv_dtype, device)
+            fmt = page_format("auto", kv_dtype, model_config, block_size)
+        self.kv = fmt.allocate(num_blocks if mixed is None and self.block_kv is None else 1,
+                               device)
         self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
-        self.attn = PagedAttention(self.kv, model_config.head_dim ** -0.5)
+        self.attn = PagedAttention(self.kv, model_config.attn_scale,
+                                   model_config.layer_windows)
+        if self.block_kv is not None:
+            self.attn = BlockPagedAttention(self.block_kv, model_config.attn_scale,
+                                            model_config.head_dim)
         # mixed-precision arena (engine.runner.mixed_kv), ``mixed`` = its layout
         self.mixed_kv = None
         if mixed is not None:
             from engine.runner.mixed_kv import MixedKV, MixedPagedAttention
 
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
-            self.attn = MixedPagedAttention(self.mixed_kv, model_config.head_dim ** -0.5)
+            self.attn = MixedPagedAttention(self.mixed_kv, model_config.attn_scale)
         # CUDA: pure decode steps replay captured graphs unless enforce_eager is True
         # (engine.runner.cuda_graphs); not over the mixed arena, whose kernels were never
         # captured on a device.
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and enforce_eager is not True and mixed is None and \
+                self.block_kv is None and \
                 type(model) is LlamaModel:
             self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
                                              max_num_seqs)
@@ -278,7 +300,9 @@ class ModelRunner:
     def copy_blocks(self, orders: list[tuple[int, int]]) -> None:
         """Execute copy-on-write orders (src -> dst) before the step that needs them (mixed
         arena: page codes of full-precision pages)."""
-        if orders and self.mixed_kv is not None:
+        if orders and self.block_kv is not None:
+            self.block_kv.copy(orders)
+        elif orders and self.mixed_kv is not None:
             frames = self.mixed_kv.frames_of(np.asarray(orders, dtype=np.int64))
             self.mixed_kv.copy(frames.tolist())
         elif orders:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import quant
+from kernels import block_quant, quant
 
 # Names the cache manager's tier_init events report (engine.events.schema.KV_FORMATS).
 _FLOAT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -33,12 +33,24 @@ class PageFormat:
     head_dim: int
 
     def __post_init__(self) -> None:
-        quant.packed_dim(self.kv_cache_dtype, self.head_dim)  # unknown name / odd int4 dim
+        if self.is_block:  # kernels.block_quant: keys per channel, a residual window
+            fmt = block_quant.block_format(self.kv_cache_dtype)
+            fmt.packed_dim(fmt.key_bits, self.head_dim)
+            fmt.packed_dim(fmt.value_bits, self.head_dim)
+        else:
+            quant.packed_dim(self.kv_cache_dtype, self.head_dim)  # unknown name / odd dim
         if self.model_dtype not in _FLOAT_NAMES:
             raise ValueError(f"model dtype {self.model_dtype} has no KV page format")
 
     @property
+    def is_block(self) -> bool:
+        """A block-quantized format (engine.runner.block_kv owns its pages)."""
+        return self.kv_cache_dtype in block_quant.FORMATS
+
+    @property
     def cache_dtype(self) -> torch.dtype:
+        if self.is_block:
+            return torch.uint8
         return quant.cache_dtype(self.kv_cache_dtype, self.model_dtype)
 
     @property
@@ -57,16 +69,20 @@ class PageFormat:
         return quant.scale_params(self.kv_cache_dtype)
 
     @property
-    def bytes_per_token_head(self) -> int:
-        """One token's K (or V) vector of one KV head, codes plus its scales."""
+    def bytes_per_token_head(self) -> float:
+        """One token's K (or V) vector of one KV head, codes plus its scales (block
+        formats: K and V averaged, per-block scales amortised over the block)."""
+        if self.is_block:
+            return block_quant.block_format(self.kv_cache_dtype).bytes_per_token_head(
+                self.head_dim, self.block_size)
         data = self.packed_dim * _element_size(self.cache_dtype)
         return data + self.scale_params * _element_size(quant.SCALE_DTYPE)
 
     @property
     def bytes_per_block(self) -> int:
         """One block across all layers, K and V, scales included."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * \
-            self.bytes_per_token_head
+        return int(2 * self.num_layers * self.block_size * self.num_kv_heads *
+                   self.bytes_per_token_head)
 
     def rotation(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The [head_dim, head_dim] Hadamard matrix H whose basis quantized pages store K and
@@ -74,7 +90,8 @@ class PageFormat:
         pages, or a head_dim that is not a power of two. Why: SmolLM2's keys have a few
         outlier channels (|k| ~16 against a median ~1) that set every per-token scale;
         rotation spreads them, halving int8's attention error (docs/BENCHMARKS.md)."""
-        if self.kv_cache_dtype == "auto" or self.head_dim & (self.head_dim - 1):
+        if self.kv_cache_dtype == "auto" or self.is_block or \
+                self.head_dim & (self.head_dim - 1):
             return None
         return quant.hadamard(self.head_dim, self.model_dtype, device)
 
@@ -132,6 +149,11 @@ def page_format(kv_cache_dtype: str, model_dtype: torch.dtype, model_config,
 
 def check_supported(kv_cache_dtype: str, device: torch.device) -> None:
     """Raise ValueError at start-up when ``device`` cannot run the format's kernels."""
+    if kv_cache_dtype in block_quant.FORMATS:
+        if device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} (block-quantized pages) "
+                             f"runs on CPU only so far; on {device.type} use int8 or int4")
+        return
     if kv_cache_dtype not in quant.FORMATS:
         raise ValueError(f"kv_cache_dtype must be one of {quant.FORMATS}, "
                          f"got {kv_cache_dtype!r}")

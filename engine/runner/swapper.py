@@ -15,6 +15,11 @@ after them, so the step's forward, which needs the swapped-in blocks (and may ov
 the swapped-out ones), is ordered after the copies without blocking the host thread
 (host-to-device copies stay asynchronous; a device-to-host copy returns when its data has
 landed). On CPU everything is synchronous and the stream logic is skipped.
+
+With a disk tier, ``disk`` (engine.runner.disk_io.DiskIO) performs the rounds' disk ops
+(``DiskBatch``) in their place: a SAVE reads a host block after the rounds before it
+(device-to-host copies have landed when they return), a FILL writes one before the rounds
+after it read it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 import torch
 
 import kernels
-from engine.cache.transfers import Round
+from engine.cache.transfers import DiskBatch, Round
 
 
 class Swapper:
@@ -41,6 +46,7 @@ class Swapper:
         self.num_cpu_blocks = num_cpu_blocks
         self.bytes_per_block = sum(t[0].numel() * t.element_size() for t in device_tensors)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.disk = None  # engine.runner.disk_io.DiskIO, when the disk tier is on
         # counters: the step stats' swap figures
         self.blocks_out = 0
         self.blocks_in = 0
@@ -52,7 +58,7 @@ class Swapper:
         return self.num_cpu_blocks * self.bytes_per_block
 
     @torch.inference_mode()
-    def execute(self, rounds: list[Round]) -> None:
+    def execute(self, rounds: list[Round | DiskBatch]) -> None:
         """Perform the rounds in order; the next forward on the compute stream sees them."""
         if not rounds:
             return
@@ -69,8 +75,14 @@ class Swapper:
             self._run(rounds)
         self.time_s += time.perf_counter() - t0
 
-    def _run(self, rounds: list[Round]) -> None:
-        for outs, ins in rounds:
+    def _run(self, rounds: list[Round | DiskBatch]) -> None:
+        for r in rounds:
+            if isinstance(r, DiskBatch):
+                if self.cuda:  # the copies queued so far have landed in host memory
+                    torch.cuda.current_stream(self.stream.device).synchronize()
+                self.disk.perform(r)
+                continue
+            outs, ins = r
             if outs:
                 mapping = torch.tensor(outs, dtype=torch.int64)
                 for dev, host in zip(self.device_tensors, self.host_tensors, strict=True):

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
 
+from engine import structured
 from engine.sampling import SamplingParams
 from engine.server.chat_prompt import ChatPrompt
 from engine.server.errors import APIError, bad_request, unavailable
@@ -78,6 +81,45 @@ def tokenizer(state: ServerState, param: str) -> Any:
     return state.tokenizer
 
 
+# How much the tokenizer's normalizer may shrink a text before it splits it (accents
+# stripped, ...): a prompt is refused unread only past this margin, when its bytes prove
+# it is "obviously" too long.
+SHRINK_ALLOWANCE = 4
+
+
+def check_prompt_bytes(state: ServerState, text: str, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose length alone proves it exceeds the
+    context: ``n`` bytes hold at least ``n / (max_token_bytes * SHRINK_ALLOWANCE)``
+    tokens. The same 400 (context_length_exceeded) the token count would give."""
+    limit = state.max_model_len * state.tokenizer.max_token_bytes * SHRINK_ALLOWANCE
+    if len(text) <= limit // 4:  # a str's UTF-8 is at most 4 bytes a character
+        return
+    nbytes = len(text.encode("utf-8", "surrogatepass"))
+    if nbytes > limit:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} "
+                       f"tokens; the prompt's {nbytes} bytes hold more than that.",
+                       param=param, code="context_length_exceeded")
+
+
+async def off_loop(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a worker thread: the CPU-bound parts of admission (parsing a large
+    body, rendering a chat template, tokenizing) never pause the event loop, so every
+    running stream keeps its pace while a heavy request is admitted."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def chat_tokens(state: ServerState, req: ChatPrompt) -> tuple[str, list[int]]:
+    """The conversation's prompt text and token ids (off the event loop); an obviously
+    oversized one is refused before tokenizing."""
+
+    def run() -> tuple[str, list[int]]:
+        text = chat_prompt(state, req)
+        check_prompt_bytes(state, text, "messages")
+        return text, state.tokenizer.encode(text, add_special_tokens=False)
+
+    return await off_loop(run)
+
+
 def chat_prompt(state: ServerState, req: ChatPrompt) -> str:
     """The conversation as the prompt text, through the model's chat template."""
     try:
@@ -88,15 +130,37 @@ def chat_prompt(state: ServerState, req: ChatPrompt) -> str:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
 
+# Grammars compile on one thread of their own: a costly one (llguidance cannot be stopped
+# once it runs) occupies one core, never all of them, and never the event loop.
+_GRAMMAR_COMPILER = ThreadPoolExecutor(1, thread_name_prefix="kvscope-grammar")
+COMPILE_POLL_S = 0.05
+
+
 async def compile_constraint(state: ServerState, params: SamplingParams, field: str) -> None:
     """Compile the request's output constraint, if any, against the model's tokenizer:
-    once per request (every completion of it starts from this compiled grammar), off the
-    event loop (a large schema takes a while); one that does not compile is a 400 naming
-    ``field``."""
+    once (every completion of it starts from this compiled grammar; the same grammar
+    again is found compiled), off the event loop; one that does not compile, is too
+    large or takes over ``structured.MAX_COMPILE_S`` is a 400 naming ``field`` that never
+    quotes it."""
     constraint = params.structured_outputs
     if constraint is None:
         return
+    started: list[float] = []  # when the compiler thread took it up (queueing is free)
+
+    def run() -> Any:
+        started.append(time.monotonic())
+        return constraint.compile(state.tokenizer)
+
+    job = asyncio.get_running_loop().run_in_executor(_GRAMMAR_COMPILER, run)
     try:
-        await asyncio.to_thread(constraint.compile, state.tokenizer)
-    except ValueError as e:
+        while not job.done():
+            await asyncio.wait({job}, timeout=COMPILE_POLL_S)
+            # the limit counts from when the compiler took it up, not the queueing
+            if not job.done() and started and \
+                    time.monotonic() - started[0] > structured.MAX_COMPILE_S:
+                # left to finish (and be remembered): its outcome is nobody's to log
+                job.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise bad_request(structured.too_slow(), field)
+        job.result()
+    except ValueError as e:  # ConstraintError: a short message of its own
         raise bad_request(str(e), field) from None

@@ -21,14 +21,16 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from engine.outputs import RequestOutput
 
-AbortReason = Literal["client", "shutdown", "error"]
+# "constraint": the request's own output constraint failed inside the engine (its fault)
+AbortReason = Literal["client", "shutdown", "error", "constraint"]
 
 
 @dataclass(frozen=True)
 class Aborted:
     """Terminal delivery of a request that did not finish: ``reason`` is "client"
-    (the caller aborted it), "shutdown" (drain timeout) or "error" (it failed inside the
-    engine, alone or with the whole engine)."""
+    (the caller aborted it), "shutdown" (drain timeout), "error" (it failed inside the
+    engine, alone or with the whole engine) or "constraint" (its structured-output
+    constraint failed during generation: the request's fault, a 400)."""
 
     request_id: str
     reason: AbortReason

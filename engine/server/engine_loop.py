@@ -195,8 +195,9 @@ class EngineLoop:
                 del self._inflight[out.request_id]
                 self.num_inflight = len(self._inflight)
                 if out.error is not None:  # it alone failed inside the step
-                    self._on_abort("error")
-                    self._outbox.append((deliver, Aborted(out.request_id, "error",
+                    reason = "constraint" if out.error_is_constraint else "error"
+                    self._on_abort(reason)
+                    self._outbox.append((deliver, Aborted(out.request_id, reason,
                                                           f"request failed: {out.error}")))
                     continue
                 self._on_finish(out)

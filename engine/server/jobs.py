@@ -36,6 +36,7 @@ class Job:
     n: int
     done: set[str] = field(default_factory=set)
     last: dict[str, RequestOutput] = field(default_factory=dict)
+    constraint_field: str | None = None  # the request field holding its output constraint
 
     @property
     def finished(self) -> bool:
@@ -81,6 +82,8 @@ def take(job: Job, item: Delivery) -> RequestOutput:
         job.done.add(item.request_id)
         if item.reason == "shutdown":
             raise unavailable("the server shut down before this request finished")
+        if item.reason == "constraint":  # its grammar failed while generating: its fault
+            raise bad_request(item.message, job.constraint_field)
         raise APIError(500, item.message or f"request aborted ({item.reason})",
                        type="server_error")
     job.last[item.request_id] = item

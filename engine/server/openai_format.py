@@ -22,12 +22,16 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
 
 
 class TokenText:
-    """Token id -> its text, for logprobs (special tokens shown, as OpenAI does)."""
+    """Token id -> its text, for logprobs (special tokens shown, as OpenAI does). Without a
+    tokenizer (a dummy model) a token is named ``token_id:N``, as vLLM's
+    ``--return-tokens-as-token-ids`` names it."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 

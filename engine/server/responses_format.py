@@ -36,10 +36,14 @@ def new_id(prefix: str) -> str:
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    """Chat's usage (``openai_format.usage``) under the Responses API's names."""
+    """Chat's usage (``openai_format.usage``) under the Responses API's names, with the
+    prompt tokens each request wrote into the prefix cache (``cache_write_tokens``: new
+    cache entries, whole blocks; a prompt found cached writes none)."""
     u = fmt.usage(outs)
+    written = sum(o.metrics.num_cache_write_tokens for o in outs if o.metrics is not None)
     return {"input_tokens": u["prompt_tokens"],
-            "input_tokens_details": u["prompt_tokens_details"],
+            "input_tokens_details": {**u["prompt_tokens_details"],
+                                     "cache_write_tokens": written},
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"]}

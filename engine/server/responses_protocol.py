@@ -315,6 +315,11 @@ class ResponsesRequest(Strict):
         }
 
 
+def responses_field(chat_field: str) -> str:
+    """The Responses API's name of a field of the chat request it translates to."""
+    return _CHAT_TO_RESPONSES.get(chat_field, chat_field)
+
+
 @contextmanager
 def responses_names() -> Iterator[None]:
     """A 400 about the translated chat request names the Responses field instead."""

@@ -55,6 +55,7 @@ def _keep_joined_state(update: dict[str, Any], state: Any) -> None:
 class LiveSource(QObject):
     status_changed = Signal(dict)  # the fields of status_fields()
     problem = Signal(str)  # "" when all is well
+    engine_info = Signal(object)  # the publisher's header (engine, model) when it changes
 
     def __init__(self, endpoint: str, model: InspectorModel,
                  snapshot_endpoint: str | None = None) -> None:
@@ -74,6 +75,7 @@ class LiveSource(QObject):
         self.has_state = False
         self._started_at = 0.0
         self._last_problem = ""
+        self.info: dict[str, Any] = {}  # the publisher's header, from its last snapshot
         self._timer = QTimer(self)
         self._timer.setInterval(TICK_MS)
         self._timer.timeout.connect(self.tick)
@@ -117,6 +119,10 @@ class LiveSource(QObject):
                         self.model.lifecycle = LifecycleIndex()
                     if "joined_state" in u:  # sequences already there when we (re)joined
                         self.model.lifecycle.adopt(u["joined_state"])
+                    info = u.get("info")
+                    if isinstance(info, dict) and info != self.info:
+                        self.info = info
+                        self.engine_info.emit(info)
                     continue
                 batches.append(u)
                 if tl.n and tl.col("step")[-1] >= u["step"]:

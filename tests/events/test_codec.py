@@ -116,6 +116,9 @@ def _engine_batches() -> list[dict]:
         steps.append((sink.drain(), stats))
         stats = gen.step(sink)
         steps.append((sink.drain(), stats))
+    from tests.disk.fake_disk import scenario_steps
+
+    steps += [(events, {}) for events in scenario_steps(sink)]  # the disk tier's kinds
     out = []
     for i, (events, stats) in enumerate(steps):
         out.append(C.make_batch("e", i + 1, i, 0.5, C.pack_events([dict(e) for e in events]),

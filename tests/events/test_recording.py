@@ -122,9 +122,16 @@ def test_corrupt_frame_is_reported_with_the_file_name(recorded, tmp_path):
     bad = tmp_path / "flipped.kvtrace"
     bad.write_bytes(bytes(data))
     with Recording(bad) as rec:  # the index is intact ...
+        with pytest.warns(RecordingWarning, match="flipped.kvtrace.*the replay ends after"):
+            got = [b["step"] for b in rec]  # ... the replay stops at the damaged frame
+        assert got == list(range(len(got))) and len(got) < len(rec.steps)
+        assert rec.damage is not None and "\n" not in rec.damage
+        assert f"ends after step {got[-1]}" in rec.damage if got else "before" in rec.damage
+        assert rec.state_at(got[-1] if got else 0) is not None
+        lost = got[-1] + 2  # inside the damaged frame, after the keyframe before it
+        assert max(k for k in rec.keyframe_steps if k <= lost) < lost
         with pytest.raises(RecordingError, match="flipped.kvtrace"):
-            for _ in rec:  # ... reading the damaged frame fails clearly
-                pass
+            rec.state_at(lost)  # needs the damaged frame: an error, never a wrong state
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,7 @@ def test_block_id_fields_are_the_fields_typed_as_block_ids():
 
 
 def test_every_kind_has_a_type_and_a_meaning():
-    assert len(S.EVENT_KINDS) == 19 and S.EVENT_KINDS[0] == S.TIER_INIT
+    assert len(S.EVENT_KINDS) == 22 and S.EVENT_KINDS[0] == S.TIER_INIT
     for kind, cls in S.EVENT_TYPES.items():
         assert cls.__struct_config__.tag == kind
         assert S.meaning(cls), kind

@@ -70,7 +70,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def _hf_dir(tmp: Path) -> Path:
-    """An HF copy of the embedded GGUF (NOTES.md recipe), or KVSCOPE_VLLM_MODEL_DIR."""
+    """An HF copy of the embedded GGUF (dequantized by transformers), or KVSCOPE_VLLM_MODEL_DIR."""
     if os.environ.get("KVSCOPE_VLLM_MODEL_DIR"):
         return Path(os.environ["KVSCOPE_VLLM_MODEL_DIR"])
     out = tmp / "hf"

@@ -1,16 +1,12 @@
 """Kernel tests run the Triton kernels on CUDA when there is a GPU, else under the Triton
 interpreter on CPU.
 
-How the interpreter gets switched on, and why it does not leak: Triton decides between the
-compiled and the interpreted kernel when ``@triton.jit`` decorates it, i.e. when
-``kernels.triton_attention`` / ``kernels.triton_cache`` are first imported. No test module
-imports them at collection time (everything goes through the ``kernels`` dispatch), so this
-package-scoped fixture sets ``TRITON_INTERPRET=1``, imports them, and restores the
-environment when the last kernel test is done. Other test areas only ever reach the torch
-reference on CPU, which never imports Triton's kernels; but torch.compile imports triton
-itself, and Triton decorates its own library when imported, so a process that compiled
-before the kernel tests cannot interpret them: the fixture says so instead of failing each
-test with Triton's "Cannot call @triton.jit'd outside of the scope of a kernel".
+Triton decides between the compiled and the interpreted kernel when ``@triton.jit``
+decorates it, and decorates its own library (``tl.zeros``, ...) when ``triton`` is first
+imported: the interpreter must be on before anything imports triton, and much does
+(transformers' model code imports torch._dynamo, which imports triton). tests/conftest.py
+sets ``TRITON_INTERPRET=1`` for the whole pytest process on a machine without a GPU; this
+fixture checks that it held and imports the kernels.
 """
 
 from __future__ import annotations
@@ -29,27 +25,16 @@ def triton_interpreter_on_cpu():
     if HAS_CUDA:
         yield
         return
-    if "kernels.triton_attention" in sys.modules and not getattr(
-            sys.modules["kernels.triton_attention"], "_INTERPRET", False):
-        pytest.fail("kernels' Triton modules were imported before TRITON_INTERPRET=1 was set; "
-                    "their kernels cannot run on CPU in this process")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("no GPU and TRITON_INTERPRET is not 1: tests/conftest.py sets it for the "
+                    "pytest process; the Triton kernel tests cannot run on CPU without it")
     if "triton" in sys.modules and type(sys.modules["triton"].language.zeros).__name__ == \
             "JITFunction":
-        # Triton decorates its own library (tl.zeros, ...) at `import triton`: imported
-        # without the interpreter, those functions cannot run inside an interpreted kernel.
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (torch.compile "
-                    "imports it: an earlier test area compiled something); the Triton kernel "
-                    "tests cannot run in this process. Run tests/kernels first or on its own "
-                    "(make test's order runs it before tests/model).")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: the Triton kernel "
+                    "tests cannot run in this process")
     import kernels.triton_backend  # noqa: F401  (decorate the kernels as interpreted)
 
     yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
 
 
 @pytest.fixture

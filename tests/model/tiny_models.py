@@ -13,16 +13,33 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 def tiny_hf_model(kind: str, seed: int = 0, **overrides):
-    """A random transformers model of `kind` ("llama", "qwen2", "mistral") in float32, eval."""
+    """A random transformers model of `kind` ("llama", "qwen2", "mistral", "qwen3", "phi3")
+    in float32, eval."""
     import transformers
 
     torch.manual_seed(seed)
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "mistral": transformers.MistralConfig}[kind]
-    extra = {"sliding_window": None} if kind == "mistral" else {}
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[kind]
+    extra = {"sliding_window": None} if kind in ("mistral", "phi3") else {}
+    if kind == "phi3":  # its defaults name token 32000, past the tiny vocabulary
+        extra |= {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}
+    if kind == "gemma3_text":  # five windowed layers, then a global one (and one more)
+        extra = {"num_hidden_layers": 7, "head_dim": 16, "sliding_window": 16,
+                 "query_pre_attn_scalar": 24, "pad_token_id": 0, "bos_token_id": 2,
+                 "eos_token_id": 1,
+                 "rope_parameters": {
+                     "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                        "rope_theta": 1000000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    if kind == "qwen3":
+        extra = {"head_dim": 24}  # not hidden / heads, as in the real Qwen3 configs
     config = config_cls(**(TINY | extra | overrides))
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "mistral": transformers.MistralForCausalLM}[kind]
     model = model_cls(config).to(torch.float32).eval()
     # Random init leaves norms at 1 and biases at 0: perturb them so they are really tested.
     with torch.no_grad():
@@ -65,6 +82,10 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -87,6 +108,11 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
             array = array.astype(np.float16)
         writer.add_tensor(name, np.ascontiguousarray(array))
 
+    permuted = arch in ("llama", "mistral")  # llama.cpp permutes Q/K only for these
+
+    def qk(w: np.ndarray, n: int) -> np.ndarray:
+        return _llamacpp_permute(w, n) if permuted else w
+
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
     if not tie:
@@ -96,9 +122,11 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        add(f"blk.{i}.attn_q.weight", _llamacpp_permute(sd[p + "self_attn.q_proj.weight"], heads))
-        add(f"blk.{i}.attn_k.weight",
-            _llamacpp_permute(sd[p + "self_attn.k_proj.weight"], kv_heads))
+        add(f"blk.{i}.attn_q.weight", qk(sd[p + "self_attn.q_proj.weight"], heads))
+        add(f"blk.{i}.attn_k.weight", qk(sd[p + "self_attn.k_proj.weight"], kv_heads))
+        if p + "self_attn.q_norm.weight" in sd:  # Qwen3
+            add(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+            add(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
         add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
         add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
         add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])

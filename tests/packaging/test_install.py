@@ -1,11 +1,13 @@
-"""The wheel, installed in a fresh venv with no torch: it carries the sample recording and
-the workloads (importlib.resources), `kvscope inspect` renders the sample offscreen,
-`kvscope load --list` works, and engine commands name the extra they need.
+"""The wheel, installed in a fresh venv with no torch: the base install is light enough
+for vLLM's environment (no Qt, no torch) and registers the vLLM plugin's entry point;
+`kvscope inspect` there names the extra it needs; with `[inspector]` added it carries the
+sample recording and the workloads (importlib.resources), `kvscope inspect` renders the
+sample offscreen, `kvscope load --list` works, and engine commands name the extra they
+need.
 
 Offline and bounded: the wheel is built from a copy of the working tree without build
 isolation (the dev venv's setuptools); the venv installs from the local package index
-and pip's cache. `pip install .` and `pip install ".[inspector]"` install the same
-requirements (the inspector is in the base install), so one venv checks both."""
+and pip's cache. One venv checks both: the base install first, then the extra."""
 
 from __future__ import annotations
 
@@ -49,12 +51,23 @@ def test_wheel_installs_without_torch_and_renders(tmp_path):
 
     venv = tmp_path / "venv"
     assert _run([sys.executable, "-m", "venv", str(venv)], tmp_path).returncode == 0
-    r = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"),
-              f"{wheel}[inspector]"], tmp_path, timeout=400)
-    assert r.returncode == 0, r.stderr[-2000:]
     py, kvscope = str(venv / "bin" / "python"), str(venv / "bin" / "kvscope")
     out = tmp_path / "elsewhere"  # outside the checkout: assets come from the wheel
     out.mkdir()
+    r = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"),
+              str(wheel)], tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run([py, "-c", "import importlib.util as u, importlib.metadata as m; "
+              "print([u.find_spec(n) for n in ('torch', 'PySide6', 'pyqtgraph')]); "
+              "print([e.value for e in m.entry_points(group='vllm.general_plugins')])"], out)
+    assert r.stdout.split("\n")[:2] == ["[None, None, None]",
+                                         "['engine.events.vllm.plugin:register']"], r.stdout
+    r = _run([kvscope, "inspect", "--screenshot", str(out / "none.png")], out,
+             QT_QPA_PLATFORM="offscreen")
+    assert r.returncode == 2 and "pip install 'kvscope[inspector]'" in r.stderr, r.stderr
+    r = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"),
+              f"{wheel}[inspector]"], tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
     r = _run([py, "-c", "import importlib.util as u; print(u.find_spec('torch'))"], out)
     assert r.stdout.strip() == "None", "the inspector install pulled torch"
     r = _run([kvscope, "load", "--list"], out)

@@ -208,6 +208,7 @@ class CharTokenizer:
     (as a tool-aware chat template does), so a test can see what the model was shown."""
 
     eos_token_ids: list[int] = []
+    max_token_bytes = 4  # one character, in UTF-8
 
     def apply_chat_template(self, conv: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None) -> str:

@@ -17,6 +17,10 @@ def test_dummy_model_serves_token_ids_and_refuses_text():
         assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 4,
                                      "total_tokens": 8,
                                      "prompt_tokens_details": {"cached_tokens": 0}}
+        r = http.post("/v1/completions", json={**ok, "logprobs": 2})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == 4 and all(t.startswith("token_id:") for t in lp["tokens"])
         r = http.post("/v1/completions", json={**ok, "prompt": "hello"})
         assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "prompt"

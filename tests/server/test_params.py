@@ -72,6 +72,8 @@ def test_a_structured_request_compiles_its_grammar_once(served: InProcess, monke
     starts from a copy of it)."""
     import llguidance
 
+    from engine import structured
+
     built = []
     real = llguidance.LLMatcher
 
@@ -84,6 +86,8 @@ def test_a_structured_request_compiles_its_grammar_once(served: InProcess, monke
             return getattr(real, name)
 
     monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    # an empty grammar cache: an earlier test may have compiled this same choice
+    monkeypatch.setattr(structured, "_COMPILED", structured._CompiledGrammars())
     r = served.http.post("/v1/completions", json={
         "prompt": ["Is the sky blue? Answer:", "Is fire cold? Answer:"], "n": 2,
         "max_tokens": 4, "temperature": 1.0, "seed": 3,

@@ -58,9 +58,10 @@ MSG_ERROR = "error"
 MSG_TYPES = (MSG_BATCH, MSG_HEARTBEAT, MSG_SNAPSHOT, MSG_GET_SNAPSHOT, MSG_REPLAY,
              MSG_REPLAY_END, MSG_ERROR)
 
-# A snapshot of a 1M-block cache is ~10 MiB of msgpack; 256 MiB leaves room and still
-# stops a hostile peer from making us allocate gigabytes.
-DEFAULT_MAX_BYTES = 256 << 20
+# A snapshot of a 1M-block cache is ~10 MiB of msgpack (a mirror holds at most 4M blocks
+# a tier, state.MAX_TIER_BLOCKS); 64 MiB leaves room and keeps what one hostile message
+# can make a reader allocate (msgpack to Python objects) in the hundreds of MiB.
+DEFAULT_MAX_BYTES = 64 << 20
 
 _SEQ = struct.Struct(">Q")
 
@@ -172,7 +173,7 @@ def check_envelope(msg: Any) -> dict[str, Any]:
         raise ProtocolError(f"protocol version {v!r}, this reader speaks "
                             f"{'/'.join(map(str, READABLE_VERSIONS))}")
     mtype = msg.get("type")
-    fields = _REQUIRED.get(mtype)  # type: ignore[arg-type]
+    fields = _REQUIRED.get(mtype) if isinstance(mtype, str) else None
     if fields is None:
         raise ProtocolError(f"unknown message type {mtype!r}")
     for name, types in fields.items():
@@ -257,7 +258,7 @@ class Codec:
             raise self._fail("size", f"message of {len(data)} bytes exceeds limit {self.max_bytes}")
         try:
             batch = self._batch_decoder.decode(data)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, ValueError):  # a bad utf-8 key: UnicodeDecodeError
             return self.decode_checked(data)
         return msgspec.to_builtins(batch, builtin_types=(bytes,))
 

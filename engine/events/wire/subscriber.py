@@ -34,7 +34,7 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -57,7 +57,8 @@ class Subscriber:
     def __init__(self, endpoint: str, snapshot_endpoint: str | None = None, *,
                  on_apply: Callable[[Update, KVState], None] | None = None,
                  stale_after_s: float = 3.0, request_timeout_s: float = 2.0,
-                 max_bytes: int = C.DEFAULT_MAX_BYTES, max_buffered: int = 100_000) -> None:
+                 max_bytes: int = C.DEFAULT_MAX_BYTES, max_buffered: int = 100_000,
+                 max_buffered_bytes: int = 4 * C.DEFAULT_MAX_BYTES) -> None:
         self.endpoint = endpoint
         self.snapshot_endpoint = snapshot_endpoint or snapshot_endpoint_for(endpoint)
         self.state = KVState()
@@ -67,6 +68,9 @@ class Subscriber:
         self.stale_after_s = stale_after_s
         self.request_timeout_s = request_timeout_s
         self.max_buffered = max_buffered
+        self.max_buffered_bytes = max_buffered_bytes
+        self._buffered_bytes = 0  # encoded size of what _buffer holds (a hostile peer's
+        # batches may each be max_bytes: the count alone does not bound the memory)
         # counters (read them as properties/attributes)
         self.epoch: str | None = None
         self.last_seq = 0
@@ -85,7 +89,7 @@ class Subscriber:
         self._synced = False  # a snapshot has been installed for self.epoch
         self._pending_req: tuple[str, int, float] | None = None  # (type, id, sent at)
         self._ids = itertools.count(1)
-        self._buffer: dict[int, dict[str, Any]] = {}  # seq -> batch, waiting to be applied
+        self._buffer: dict[int, tuple[dict[str, Any], int]] = {}  # seq -> (batch, bytes)
         self._last_heard = 0.0
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
         self._thread: threading.Thread | None = None
@@ -137,11 +141,13 @@ class Subscriber:
         poller.register(self._dealer, zmq.POLLIN)
         ready = dict(poller.poll(int(timeout * 1000)))
         # Replies first: a snapshot must be installed before buffered batches drain.
+        # One message at a time (received, decoded, handled, dropped): at most one
+        # max_bytes message is held beyond what the buffer keeps.
         if ready.get(self._dealer) or self._dealer.poll(0):
-            for frames in _drain(self._dealer, 10_000):
+            for frames in _received(self._dealer, 10_000):
                 self._on_reply(frames, updates)
         if ready.get(self._sub) or self._sub.poll(0):
-            for frames in _drain(self._sub, 10_000):
+            for frames in _received(self._sub, 10_000):
                 self._on_pub(frames, updates)
         self._check_request_timeout()
         return updates
@@ -188,25 +194,39 @@ class Subscriber:
         if self._synced and msg["epoch"] != self.epoch:
             self.restarts += 1  # a new publisher: everything we hold is from the old one
             self._synced = False
-            self._buffer.clear()
+            self._clear_buffer()
             self._request_snapshot()
         if msg["type"] == C.MSG_HEARTBEAT:
             if self._synced and seq > self.last_seq and self._pending_req is None:
                 self.gaps += 1  # batches went missing and nothing newer came to show it
                 self._request_replay()
             return
-        self._buffer_batch(msg)
+        self._buffer_batch(msg, len(frames[-1]))
         self._drain_buffer(updates)
 
-    def _buffer_batch(self, msg: dict[str, Any]) -> None:
+    def _buffer_batch(self, msg: dict[str, Any], size: int) -> None:
         if self._synced and msg["seq"] <= self.last_seq:
             return
-        if len(self._buffer) >= self.max_buffered:
+        if (len(self._buffer) >= self.max_buffered
+                or self._buffered_bytes + size > self.max_buffered_bytes):
             # Too far behind to catch up by replay: start over from a snapshot.
-            self._buffer.clear()
+            self._clear_buffer()
             self._synced = False
             self._request_snapshot()
-        self._buffer[msg["seq"]] = msg
+        old = self._buffer.get(msg["seq"])
+        self._buffered_bytes += size - (old[1] if old is not None else 0)
+        self._buffer[msg["seq"]] = (msg, size)
+
+    def _unbuffer(self, seq: int) -> dict[str, Any] | None:
+        item = self._buffer.pop(seq, None)
+        if item is None:
+            return None
+        self._buffered_bytes -= item[1]
+        return item[0]
+
+    def _clear_buffer(self) -> None:
+        self._buffer.clear()
+        self._buffered_bytes = 0
 
     def _drain_buffer(self, updates: list[Update]) -> None:
         """Apply buffered batches that continue last_seq; on a gap ask for a replay."""
@@ -214,11 +234,11 @@ class Subscriber:
             return
         while self._buffer:
             nxt = self.last_seq + 1
-            batch = self._buffer.pop(nxt, None)
+            batch = self._unbuffer(nxt)
             if batch is None:
                 stale = [s for s in self._buffer if s <= self.last_seq]
                 for s in stale:
-                    del self._buffer[s]
+                    self._unbuffer(s)
                 if self._buffer and self._pending_req is None:
                     self.gaps += 1
                     self._request_replay()
@@ -267,7 +287,7 @@ class Subscriber:
         mtype = msg["type"]
         if mtype == C.MSG_BATCH:  # a replayed batch
             if self._synced and msg["epoch"] == self.epoch:
-                self._buffer_batch(msg)
+                self._buffer_batch(msg, len(frames[-1]))
             return
         pending = self._pending_req
         if pending is None or msg.get("id") != pending[1]:
@@ -303,8 +323,8 @@ class Subscriber:
             self._note_drops(state.stats)
             if self.on_apply is not None:
                 self.on_apply(update, self.state)
-        for s in [s for s, b in self._buffer.items() if b["epoch"] != self.epoch]:
-            del self._buffer[s]
+        for s in [s for s, (b, _) in self._buffer.items() if b["epoch"] != self.epoch]:
+            self._unbuffer(s)
         updates.append(update)
         self._drain_buffer(updates)
 
@@ -331,11 +351,10 @@ class Subscriber:
             self._request_snapshot()
 
 
-def _drain(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
-    out = []
+def _received(sock: zmq.Socket, limit: int) -> Iterator[list[bytes]]:
+    """Up to ``limit`` waiting messages, received one at a time as the caller asks."""
     for _ in range(limit):
         try:
-            out.append(sock.recv_multipart(zmq.NOBLOCK))
+            yield sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
-            break
-    return out
+            return

@@ -16,9 +16,10 @@ from engine.server import openai_format as fmt
 from engine.server import sse, tools
 from engine.server.admission import (
     admit,
-    chat_prompt,
+    chat_tokens,
     check_model,
     compile_constraint,
+    off_loop,
     read_body,
     server_state,
 )
@@ -37,8 +38,8 @@ router = APIRouter()
 async def chat(request: Request) -> Response:
     state = server_state(request)
     admit(state, request)
-    req: ChatCompletionRequest = parse(ChatCompletionRequest,
-                                       await read_body(state, request))
+    req: ChatCompletionRequest = await off_loop(parse, ChatCompletionRequest,
+                                                await read_body(state, request))
     check_model(state, req.model)
     job = await submit_chat(state, req)
     if req.stream:
@@ -58,11 +59,12 @@ async def submit_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
                           "tool_choice 'required', a named function or 'none'", "tool_choice")
     limits = state.limits
     limits.check_n(req.n)
-    text = chat_prompt(state, req)
-    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    text, ids = await chat_tokens(state, req)
     params = req.to_sampling_params(len(ids), limits)
     await compile_constraint(state, params, req.structured_field)
-    return await submit(state, "chatcmpl", [(text, ids)], [params])
+    job = await submit(state, "chatcmpl", [(text, ids)], [params])
+    job.constraint_field = req.structured_field
+    return job
 
 
 def auto_parser(state: ServerState, req: ChatCompletionRequest) -> Any:

@@ -16,7 +16,9 @@ from engine.server import sse
 from engine.server.admission import (
     admit,
     check_model,
+    check_prompt_bytes,
     compile_constraint,
+    off_loop,
     read_body,
     server_state,
 )
@@ -34,15 +36,17 @@ router = APIRouter()
 async def completions(request: Request) -> Response:
     state = server_state(request)
     admit(state, request)
-    req: CompletionRequest = parse(CompletionRequest, await read_body(state, request))
+    req: CompletionRequest = await off_loop(parse, CompletionRequest,
+                                            await read_body(state, request))
     check_model(state, req.model)
     prompts = req.prompts()
     limits = state.limits
     limits.check_n(req.n * len(prompts))
-    tokenized = [_tokenize(state, p) for p in prompts]
+    tokenized = await off_loop(lambda: [_tokenize(state, p) for p in prompts])
     params = [req.to_sampling_params(len(ids), limits) for _, ids in tokenized]
     await compile_constraint(state, params[0], req.structured_field)  # one for the batch
     job = await submit(state, "cmpl", tokenized, params)
+    job.constraint_field = req.structured_field
     if req.stream:
         return sse.response(_stream(state, job, req), state, job)
     outs = await collect(state, request, job)
@@ -51,11 +55,12 @@ async def completions(request: Request) -> Response:
 
 def _tokenize(state: ServerState, prompt: str | list[int]) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of one prompt; a batch is checked whole before any of
-    it reaches the engine."""
+    it reaches the engine. Runs off the event loop (``off_loop``)."""
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise bad_request("this model has no tokenizer (a dummy model): 'prompt' must be "
                               "token ids", "prompt")
+        check_prompt_bytes(state, prompt, "prompt")
         ids = state.tokenizer.encode(prompt)
         if not ids:
             raise bad_request("'prompt' is empty", "prompt")

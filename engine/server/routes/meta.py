@@ -6,7 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.server.admission import authorize, server_state
+from engine.server.admission import authorize, check_model, server_state
+from engine.server.state import ServerState
 
 router = APIRouter()
 
@@ -32,7 +33,19 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> JSONResponse:
     state = server_state(request)
     authorize(state, request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.settings.served_model_name, "object": "model",
-        "created": state.created, "owned_by": "kvscope",
-        "max_model_len": state.max_model_len}]})
+    return JSONResponse({"object": "list", "data": [_model(state)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> JSONResponse:
+    """One model (the openai client's ``models.retrieve``): the served one, else 404."""
+    state = server_state(request)
+    authorize(state, request)
+    check_model(state, model_id)
+    return JSONResponse(_model(state))
+
+
+def _model(state: ServerState) -> dict:
+    return {"id": state.settings.served_model_name, "object": "model",
+            "created": state.created, "owned_by": "kvscope",
+            "max_model_len": state.max_model_len}

@@ -14,12 +14,16 @@ from engine.outputs import RequestOutput
 from engine.server import openai_format as fmt
 from engine.server import responses_format as rfmt
 from engine.server import sse
-from engine.server.admission import admit, check_model, read_body, server_state
+from engine.server.admission import admit, check_model, off_loop, read_body, server_state
 from engine.server.errors import APIError
 from engine.server.jobs import Job, abort_rest, collect, deltas
 from engine.server.openapi import request_body
 from engine.server.protocol import ChatCompletionRequest
-from engine.server.responses_protocol import ResponsesRequest, responses_names
+from engine.server.responses_protocol import (
+    ResponsesRequest,
+    responses_field,
+    responses_names,
+)
 from engine.server.routes.chat import auto_parser, submit_chat
 from engine.server.state import ServerState
 from engine.server.strict import parse
@@ -31,11 +35,13 @@ router = APIRouter()
 async def responses(request: Request) -> Response:
     state = server_state(request)
     admit(state, request)
-    rreq: ResponsesRequest = parse(ResponsesRequest, await read_body(state, request))
+    rreq: ResponsesRequest = await off_loop(parse, ResponsesRequest,
+                                            await read_body(state, request))
     check_model(state, rreq.model)
     with responses_names():
         req = rreq.chat_request()
         job = await submit_chat(state, req)
+    job.constraint_field = responses_field(req.structured_field)  # a 400 while generating
     shape = rfmt.ResponseShape(rreq.echo(), state.settings.served_model_name)
     if req.stream:
         return sse.response(_events(state, job, req, shape), state, job)

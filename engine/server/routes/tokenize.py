@@ -12,6 +12,7 @@ from engine.server.admission import (
     authorize,
     chat_prompt,
     check_model,
+    off_loop,
     read_body,
     server_state,
     tokenizer,
@@ -34,19 +35,22 @@ async def tokenize(request: Request) -> JSONResponse:
     state = server_state(request)
     authorize(state, request)
     body = await read_body(state, request)
-    req = parse(TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest,
-                body)
-    check_model(state, req.model)
-    if isinstance(req, TokenizeChatRequest):
-        text = chat_prompt(state, req)
-    else:
-        text = req.prompt
-        tokenizer(state, "prompt")
-    ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-    return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
-                         "tokens": ids,
-                         "token_strs": state.tokenizer.convert_ids_to_tokens(ids)
-                         if req.return_token_strs else None})
+
+    def run() -> dict:  # off the event loop: parsing, rendering, tokenizing
+        req = parse(TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest,
+                    body)
+        check_model(state, req.model)
+        if isinstance(req, TokenizeChatRequest):
+            text = chat_prompt(state, req)
+        else:
+            text = req.prompt
+            tokenizer(state, "prompt")
+        ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                "token_strs": state.tokenizer.convert_ids_to_tokens(ids)
+                if req.return_token_strs else None}
+
+    return JSONResponse(await off_loop(run))
 
 
 @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))

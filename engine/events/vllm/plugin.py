@@ -1,0 +1,282 @@
+"""kvscope inside vLLM: a ``vllm.general_plugins`` entry point that publishes and/or
+records a running vLLM's whole page table in kvscope's own protocol.
+
+    KVSCOPE_EVENTS=tcp://127.0.0.1:5557 vllm serve ...   # publish (kvscope inspect --connect)
+    KVSCOPE_RECORD=run.kvtrace vllm serve ...            # record (kvscope inspect run.kvtrace)
+
+Inert unless one of the two is set: ``register`` then returns before importing anything
+of vLLM, patches nothing and starts no thread. When set, it checks vLLM's version
+(``SUPPORTED``) and the symbols it wraps; on any mismatch it logs one warning and stays
+inert, so it never breaks vLLM.
+
+What it wraps (methods of vLLM's classes, never the classes themselves, so names other
+modules imported keep working): ``Scheduler.update_from_output`` (the end of an engine-
+core step: the page table is read there, ``engine.events.vllm.pagetable``, and one batch
+closes), ``Scheduler.finish_requests`` (aborts between steps close a batch too),
+``Scheduler._preempt_request`` (the preemption's cause) and
+``BlockPool.reset_prefix_cache`` (evictions caused by a reset), and
+``Scheduler.shutdown`` when there is one (the stream closes: the recording's index is
+written). vLLM loads general
+plugins in every process (front end, engine core, workers); only the engine core has a
+scheduler, so only it opens the stream, at its first step. A data-parallel vLLM (one
+engine core per rank) gets one stream per rank: rank r publishes on the port + r and
+records to ``<name>.rank<r><suffix>``.
+
+A failure inside the plugin at a step is logged once and turns the plugin off for the
+rest of the run (the stream is closed); vLLM goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.events import causes as C
+from engine.events.vllm.pagetable import PageTableDiffer, read_page_table
+
+log = logging.getLogger("kvscope.vllm")
+
+ENV_EVENTS = "KVSCOPE_EVENTS"  # endpoint to publish on (what `kvscope serve --events` takes)
+ENV_RECORD = "KVSCOPE_RECORD"  # recording path (.kvtrace)
+# vLLM versions whose symbols this plugin was checked against (major.minor prefixes)
+SUPPORTED = ("0.32.",)
+PLUGIN_NAME = "kvscope"
+# Things vLLM cannot tell a scheduler-side observer; the inspector names them.
+UNSEEN = ("KV moved by offloading connectors on the workers",
+          "blocks of pools other than the scheduler's main BlockPool")
+
+
+class Config:
+    """The plugin's configuration, from the environment."""
+
+    def __init__(self, environ: dict[str, str] | os._Environ = os.environ) -> None:
+        self.endpoint = environ.get(ENV_EVENTS) or None
+        self.record = environ.get(ENV_RECORD) or None
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None or self.record is not None
+
+    def for_rank(self, rank: int) -> Config:
+        """Rank r of a data-parallel vLLM: its own port and recording."""
+        out = Config({})
+        out.endpoint, out.record = self.endpoint, self.record
+        if rank and out.endpoint:
+            head, _, port = out.endpoint.rpartition(":")
+            if port.isdigit():
+                out.endpoint = f"{head}:{int(port) + rank}"
+        if rank and out.record:
+            p = Path(out.record)
+            out.record = str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+        return out
+
+
+_state: dict[str, Any] = {"patched": False}
+
+
+def register() -> None:
+    """vLLM's entry point (``vllm.general_plugins``). Never raises."""
+    cfg = Config()
+    if not cfg.enabled or _state["patched"]:
+        return
+    try:
+        import vllm
+        version = getattr(vllm, "__version__", "?")
+        if not version.startswith(SUPPORTED):
+            log.warning("kvscope: vLLM %s is not a supported version (%s); the kvscope "
+                        "plugin stays off", version, ", ".join(s + "x" for s in SUPPORTED))
+            return
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.request import RequestStatus
+    except Exception as e:  # noqa: BLE001 - a plugin must never break vLLM
+        log.warning("kvscope: cannot read vLLM (%s); the kvscope plugin stays off", e)
+        return
+    missing = [f"{where}.{name}" for where, cls, name in (
+        ("Scheduler", Scheduler, "update_from_output"),
+        ("Scheduler", Scheduler, "finish_requests"),
+        ("Scheduler", Scheduler, "_preempt_request"),
+        ("BlockPool", BlockPool, "reset_prefix_cache"))
+        if not callable(getattr(cls, name, None))]
+    if missing or not hasattr(RequestStatus, "RUNNING"):
+        log.warning("kvscope: vLLM %s lacks %s; the kvscope plugin stays off", version,
+                    ", ".join(missing) or "RequestStatus.RUNNING")
+        return
+    _patch(Scheduler, BlockPool, RequestStatus.RUNNING, cfg, version)
+    _state["patched"] = True
+
+
+def _patch(scheduler_cls: Any, pool_cls: Any, running: Any, cfg: Config,
+           version: str) -> None:
+    update = scheduler_cls.update_from_output
+    finish = scheduler_cls.finish_requests
+    preempt = scheduler_cls._preempt_request
+    reset = pool_cls.reset_prefix_cache
+
+    def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
+        out = update(self, scheduler_output, *args, **kw)
+        _producer(self, cfg, running, version).end_step(
+            self, getattr(scheduler_output, "total_num_scheduled_tokens", None))
+        return out
+
+    def finish_requests(self: Any, *args: Any, **kw: Any) -> Any:
+        out = finish(self, *args, **kw)
+        p = getattr(self, "_kvscope", None)
+        if p is not None:  # only once the engine has stepped (the stream exists)
+            p.end_step(self, 0)
+        return out
+
+    def _preempt_request(self: Any, request: Any, *args: Any, **kw: Any) -> Any:
+        p = getattr(self, "_kvscope", None)
+        if p is not None and p.on:
+            p.note_preemption(self, request)
+        return preempt(self, request, *args, **kw)
+
+    def reset_prefix_cache(self: Any, *args: Any, **kw: Any) -> Any:
+        ok = reset(self, *args, **kw)
+        for p in list(_producers):
+            if ok and p.pool is self:
+                p.differ.reset_pending = True
+        return ok
+
+    shutdown = getattr(scheduler_cls, "shutdown", None)
+    if callable(shutdown):
+        def scheduler_shutdown(self: Any, *args: Any, **kw: Any) -> Any:
+            p = getattr(self, "_kvscope", None)
+            if p is not None:
+                p.close()  # the recording's index is written; subscribers see it end
+            return shutdown(self, *args, **kw)
+
+        scheduler_cls.shutdown = scheduler_shutdown
+    scheduler_cls.update_from_output = update_from_output
+    scheduler_cls.finish_requests = finish_requests
+    scheduler_cls._preempt_request = _preempt_request
+    pool_cls.reset_prefix_cache = reset_prefix_cache
+
+
+_producers: list[Producer] = []
+
+
+def _producer(scheduler: Any, cfg: Config, running: Any, version: str) -> Producer:
+    p = getattr(scheduler, "_kvscope", None)
+    if p is None:
+        p = Producer(scheduler, cfg, running, version)
+        scheduler._kvscope = p
+        _producers.append(p)
+    return p
+
+
+class Producer:
+    """One engine core's stream: reads the page table at each step boundary, emits the
+    difference as one batch (engine-core thread), answers snapshots from its mirror."""
+
+    def __init__(self, scheduler: Any, cfg: Config, running: Any, version: str) -> None:
+        from engine.events.wire.stream import EventStream
+
+        self.on = False
+        self.running = running
+        self.differ = PageTableDiffer()
+        self.lock = threading.Lock()  # held while the mirror changes (snapshots read it)
+        self.step_no = 0
+        self.warned_unexplained = False
+        self.stream = None
+        try:
+            self.pool = scheduler.kv_cache_manager.block_pool
+            vcfg = getattr(scheduler, "vllm_config", None)
+            rank = int(getattr(getattr(vcfg, "parallel_config", None),
+                               "data_parallel_rank", 0) or 0)
+            cfg = cfg.for_rank(rank)
+            self.stream = EventStream(cfg.endpoint, cfg.record,
+                                      header=_header(scheduler, version, rank),
+                                      snapshot_fn=self._snapshot, engine_lock=self.lock)
+            self.on = True
+            atexit.register(self.close)  # a vLLM that exits without shutting down
+            log.info("kvscope: publishing vLLM's page table%s%s",
+                     f" on {self.stream.endpoint}" if cfg.endpoint else "",
+                     f", recording to {cfg.record}" if cfg.record else "")
+        except Exception:  # noqa: BLE001
+            log.exception("kvscope: could not start; the kvscope plugin stays off")
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.differ.canonical()
+
+    def note_preemption(self, scheduler: Any, request: Any) -> None:
+        """Before vLLM frees the victim's blocks: who needed them, what was free."""
+        try:
+            needed_by = sys._getframe(2).f_locals.get("request")  # schedule()'s loop request
+            cause = {C.POLICY: _policy(scheduler), C.REASON: C.R_ALLOCATE,
+                     C.FREE_BLOCKS: self.pool.get_num_free_blocks()}
+            rid = getattr(needed_by, "request_id", None)
+            if isinstance(rid, str):  # may be the victim itself (the last one running)
+                cause[C.NEEDED_BY] = rid
+            self.differ.preempt_causes[request.request_id] = cause
+        except Exception:  # noqa: BLE001 - a cause is optional
+            pass
+
+    def end_step(self, scheduler: Any, scheduled_tokens: int | None) -> None:
+        if not self.on:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self.lock:
+                pt = read_page_table(scheduler, self.running)
+                if pt.unexplained and not self.warned_unexplained:
+                    self.warned_unexplained = True
+                    log.warning("kvscope: %d block references of vLLM are held outside any "
+                                "request table vLLM exposes; shown as %s", pt.unexplained,
+                                "vllm:reserved")
+                self.differ.step(pt, self.stream.sink)
+                self.step_no += 1
+                self.stream.end_step(self.step_no, self._stats(scheduler, scheduled_tokens,
+                                                               time.perf_counter() - t0))
+        except Exception:  # noqa: BLE001 - never break vLLM
+            self.on = False
+            log.exception("kvscope: the page-table reader failed; the kvscope plugin is "
+                          "off for the rest of this run")
+            self.close()
+
+    def _stats(self, scheduler: Any, scheduled_tokens: int | None,
+               cost_s: float) -> dict[str, Any]:
+        d = self.differ
+        return {
+            "running": len(scheduler.running), "waiting": len(scheduler.waiting),
+            "scheduled_tokens": scheduled_tokens, "preemptions": d.preemptions,
+            "evictions": d.evictions, "hit_tokens": d.hit_tokens,
+            "tiers": {"gpu": d.block_counts()},
+        }
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+
+def _policy(scheduler: Any) -> str:
+    name = str(getattr(getattr(scheduler, "policy", None), "name", "fcfs")).lower()
+    return ("lowest priority, latest arrival" if name == "priority"
+            else "latest running request (FCFS)")
+
+
+def _header(scheduler: Any, version: str, rank: int) -> dict[str, Any]:
+    """The stream's header: names vLLM, its version, the model and the KV geometry."""
+    vcfg = getattr(scheduler, "vllm_config", None)
+    model = getattr(getattr(vcfg, "model_config", None), "model", None)
+    kvm = scheduler.kv_cache_manager
+    groups = [{"block_size": m.kv_cache_spec.block_size,
+               "spec": type(m.kv_cache_spec).__name__}
+              for m in kvm.coordinator.single_type_managers]
+    return {
+        "engine": {"name": "vllm", "version": version, "data_parallel_rank": rank,
+                   "num_blocks": kvm.block_pool.num_gpu_blocks,
+                   "block_size": groups[0]["block_size"] if groups else None,
+                   "kv_cache_groups": groups, "null_block": 0,
+                   "prefix_caching": bool(kvm.block_pool.enable_caching),
+                   "unseen": list(UNSEEN)},
+        "model": str(model) if model is not None else None,
+        "producer": "kvscope vLLM plugin (engine.events.vllm.plugin)",
+    }

@@ -1,0 +1,272 @@
+"""DiskIO: the disk tier's tensor side: host blocks to files and back, off the engine thread.
+
+The engine thread only ever enqueues. ``save`` copies one host block's bytes (every
+per-block tensor's row, a memcpy) and queues the job (at most ``queue_blocks`` saves
+wait); a writer thread writes the file (engine.runner.disk_store). When the queue is
+full the block is dropped and counted (``dropped``): a slow disk costs cache hits,
+never engine time. ``load`` queues a read; a reader thread reads and verifies the file
+into a staging buffer, and ``install`` copies verified bytes into a host block on the
+engine thread (op FILL).
+``perform`` runs one ``DiskBatch`` of the cache manager's ops in order (SAVE, LOAD, FILL,
+DROP; deletes share the writer's queue, so a file is never deleted before an earlier
+write of it). Every job's outcome comes back through ``results``, keyed by the manager's
+disk block,
+so the cache manager learns which disk entries really exist and which reads arrived: it
+never serves a block whose file was not written, nor schedules a sequence against a block
+whose read has not arrived.
+
+``drain(deadline_s)`` waits for the writer to finish queued saves, at most until the
+deadline (the SIGTERM drain); what is left is dropped (the manager's index then forgets
+those blocks; nothing on disk is wrong).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskOp
+from engine.runner.disk_store import DiskStore, fingerprint
+
+
+@dataclass(slots=True)
+class SaveJob:
+    slot: int
+    hash: int
+    parent: int
+    first: bool
+    tokens: tuple[int, ...]
+    pieces: list[memoryview]
+
+
+@dataclass(slots=True)
+class DropJob:
+    hash: int
+
+
+@dataclass(slots=True)
+class LoadJob:
+    slot: int
+    hash: int
+    parent: int
+    tokens: tuple[int, ...]
+    data: memoryview | None = None  # the verified payload, or None: a miss
+    seconds: float = 0.0
+
+
+@dataclass
+class DiskIOStats:
+    saved: int = 0  # files written
+    dropped: int = 0  # saves dropped: the queue was full (or the store disabled)
+    failed: int = 0  # saves or reads that failed
+    loaded: int = 0  # blocks read and verified
+    load_misses: int = 0  # reads that found no intact file
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_s: float = 0.0
+    read_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+_STOP = object()
+
+
+def open_disk(directory: str, model: str, fmt_name: str, block_size: int,
+              host_tensors: list[torch.Tensor]) -> DiskIO:
+    """The disk tier over ``directory`` for blocks shaped like ``host_tensors``' rows (the
+    host tier's tensors, which its reads and writes go through)."""
+    specs = [(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for t in host_tensors]
+    payload = sum(t[0].numel() * t.element_size() for t in host_tensors)
+    store = DiskStore(directory, fingerprint(model, fmt_name, block_size, specs), block_size,
+                      payload)
+    return DiskIO(store, host_tensors)
+
+
+class DiskIO:
+    def __init__(self, store: DiskStore, host_tensors: list[torch.Tensor],
+                 queue_blocks: int = 256) -> None:
+        self.store = store
+        self.host_tensors = host_tensors
+        # bytes views of the host tensors: row y of tensor i is views[i][y]
+        self._views = [t.view(torch.uint8).reshape(t.shape[0], -1) for t in host_tensors]
+        self.payload_bytes = sum(v.shape[1] for v in self._views)
+        if self.payload_bytes != store.payload_bytes:
+            raise ValueError("the store's payload size does not match the host tensors")
+        self.stats = DiskIOStats()
+        self.queue_blocks = queue_blocks
+        # set while the engine stops: saves wait (until then) for room instead of dropping
+        self.persist_until: float | None = None
+        self._closing = False
+        self._saves: queue.Queue = queue.Queue()  # saves (bounded by count) and drops
+        self._loads: queue.Queue = queue.Queue()
+        self._done: deque[tuple[int, int, bool]] = deque()  # (slot, hash, written?)
+        self._loaded: deque[LoadJob] = deque()
+        self._staged: dict[int, LoadJob] = {}  # arrived reads by slot, until FILLed
+        self._idle = threading.Condition()
+        self._pending_saves = 0
+        self._threads = [threading.Thread(target=self._writer, name="kv-disk-writer",
+                                          daemon=True),
+                         threading.Thread(target=self._reader, name="kv-disk-reader",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------- engine thread
+    def perform(self, batch: list[DiskOp]) -> None:
+        """The cache manager's disk ops, in order (engine.cache.transfers)."""
+        for op in batch:
+            if op.kind == SAVE:
+                self.save(op.host, op.slot, op.hash, op.parent, op.first, op.tokens)
+            elif op.kind == FILL:
+                job = self._staged.pop(op.slot, None)
+                if job is None or job.hash != op.hash or job.data is None:
+                    raise RuntimeError(f"disk block {op.slot} filled without its read")
+                self.install(job, op.host)
+            elif op.kind == LOAD:
+                self.load(op.slot, op.hash, op.parent, op.tokens)
+            elif op.kind == DROP:
+                self._saves.put(DropJob(op.hash))
+            else:
+                raise ValueError(f"unknown disk op {op.kind!r}")
+
+    def save(self, host_block: int, slot: int, h: int, parent: int, first: bool,
+             tokens: tuple[int, ...]) -> bool:
+        """Queue host block ``host_block``'s bytes for writing as block ``h`` (the
+        manager's disk block ``slot``); False (dropped, counted) when ``queue_blocks``
+        saves are queued already or the store is disabled."""
+        with self._idle:
+            while self._pending_saves >= self.queue_blocks and not self.store.disabled \
+                    and self.persist_until is not None:
+                left = self.persist_until - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            if self.store.disabled or self._pending_saves >= self.queue_blocks:
+                self.stats.dropped += 1
+                self._done.append((slot, h, False))
+                return False
+            self._pending_saves += 1
+        pieces = [memoryview(v[host_block].numpy().copy()) for v in self._views]
+        self._saves.put(SaveJob(slot, h, parent, first, tokens, pieces))
+        return True
+
+    def load(self, slot: int, h: int, parent: int, tokens: tuple[int, ...]) -> None:
+        """Queue a read of block ``h``; its outcome comes back from ``take_loaded``."""
+        self._loads.put(LoadJob(slot, h, parent, tokens))
+
+    def results(self) -> tuple[list[tuple[int, int, bool]], list[tuple[int, bool]], bool]:
+        """What the cache manager's ``disk_results`` takes: finished saves, arrived reads
+        (kept staged for this step's FILL ops; staged reads not filled by the next call
+        are let go) and whether the store is disabled."""
+        loaded = self.take_loaded()
+        self._staged = {j.slot: j for j in loaded if j.data is not None}
+        return self.take_done(), [(j.slot, j.data is not None) for j in loaded], \
+            self.store.disabled
+
+    def take_done(self) -> list[tuple[int, int, bool]]:
+        """(slot, hash, written?) of every save finished (or dropped) since the last
+        call."""
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def take_loaded(self) -> list[LoadJob]:
+        """Every read finished since the last call (``data`` None: a miss)."""
+        out = []
+        while self._loaded:
+            out.append(self._loaded.popleft())
+        return out
+
+    def install(self, job: LoadJob, host_block: int) -> None:
+        """Copy a verified read into host block ``host_block``."""
+        data = job.data
+        off = 0
+        for v in self._views:
+            n = v.shape[1]
+            v[host_block].copy_(torch.frombuffer(data[off:off + n], dtype=torch.uint8))
+            off += n
+
+    def read_now(self, h: int, parent: int, tokens: tuple[int, ...],
+                 host_block: int) -> bool:
+        """Read block ``h`` into ``host_block`` on this thread (tests, benchmarks)."""
+        job = LoadJob(-1, h, parent, tokens)
+        self._read(job)
+        if job.data is None:
+            return False
+        self.install(job, host_block)
+        return True
+
+    def drain(self, deadline_s: float) -> int:
+        """Wait until every queued save is written or ``deadline_s`` (monotonic) passes;
+        returns how many saves are still pending."""
+        with self._idle:
+            while self._pending_saves:
+                left = deadline_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            return self._pending_saves
+
+    def close(self) -> None:
+        """Stop the threads; saves still queued are abandoned (never half-written: a file
+        appears only by its final rename)."""
+        self._closing = True
+        self._saves.put(_STOP)
+        self._loads.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    # ------------------------------------------------------------- workers
+    def _writer(self) -> None:
+        while True:
+            job = self._saves.get()
+            if job is _STOP:
+                return
+            if isinstance(job, DropJob):
+                self.store.remove(job.hash)
+                continue
+            if self._closing:
+                with self._idle:
+                    self.stats.dropped += 1
+                    self._pending_saves -= 1
+                continue
+            t0 = time.perf_counter()
+            ok = self.store.write(job.hash, job.parent, job.first, job.tokens, job.pieces)
+            dt = time.perf_counter() - t0
+            st = self.stats
+            if ok:
+                st.saved += 1
+                st.bytes_written += self.store.file_bytes
+            else:
+                st.failed += 1
+            st.write_s += dt
+            with self._idle:
+                self._done.append((job.slot, job.hash, ok))
+                self._pending_saves -= 1
+                self._idle.notify_all()
+
+    def _reader(self) -> None:
+        while True:
+            job = self._loads.get()
+            if job is _STOP:
+                return
+            self._read(job)
+            self._loaded.append(job)
+
+    def _read(self, job: LoadJob) -> None:
+        t0 = time.perf_counter()
+        job.data = self.store.read(job.hash, job.parent, job.tokens)
+        job.seconds = time.perf_counter() - t0
+        st = self.stats
+        st.read_s += job.seconds
+        if job.data is None:
+            st.load_misses += 1
+        else:
+            st.loaded += 1
+            st.bytes_read += len(job.data)

@@ -1,0 +1,151 @@
+"""The disk tier's file format: what is written reads back; anything torn, truncated,
+flipped, foreign or colliding is a miss, never bytes handed on; faults disable the store
+with one warning."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import pytest
+
+from engine.runner import disk_store as D
+
+BS = 4
+FP = D.fingerprint("tiny-llama", "fp32", BS, [((BS, 2, 8), "float32")] * 4)
+PAYLOAD = BS * 2 * 8 * 4 * 4
+
+
+def store(root, fp=FP) -> D.DiskStore:
+    return D.DiskStore(root, fp, BS, PAYLOAD)
+
+
+def payload(seed: int) -> list[bytes]:
+    return [bytes((seed + i + j) % 256 for j in range(PAYLOAD // 4)) for i in range(4)]
+
+
+def test_roundtrip_and_scan(tmp_path):
+    s = store(tmp_path / "kv")
+    assert stat.S_IMODE(os.stat(tmp_path / "kv").st_mode) == 0o700
+    assert s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    assert s.write(-5, 11, False, (5, 6, 7, 8), payload(1))
+    assert bytes(s.read(11, 7, (1, 2, 3, 4))) == b"".join(payload(0))
+    assert bytes(s.read(-5, 11, (5, 6, 7, 8))) == b"".join(payload(1))
+    # a fresh store over the same directory (a restart) finds both, oldest first
+    os.utime(tmp_path / "kv" / D.file_name(11), ns=(1, 1))
+    os.utime(tmp_path / "kv" / D.file_name(-5), ns=(2, 2))
+    entries = store(tmp_path / "kv").scan(verify=True)
+    assert [(e.hash, e.parent, e.first, e.tokens) for e in entries] == [
+        (11, 7, True, (1, 2, 3, 4)), (-5, 11, False, (5, 6, 7, 8))]
+    assert not any(n.startswith(D.TMP_PREFIX) for n in os.listdir(tmp_path / "kv"))
+
+
+def test_colliding_hash_with_other_tokens_or_parent_is_a_miss(tmp_path):
+    s = store(tmp_path)
+    s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    assert s.read(11, 7, (1, 2, 3, 5)) is None
+    assert s.read(11, 8, (1, 2, 3, 4)) is None
+    assert s.read(12, 7, (1, 2, 3, 4)) is None  # no such file
+    assert s.read(11, 7, (1, 2, 3, 4)) is not None  # and the file is still served
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "flip_tokens",
+                                    "truncate", "extend", "empty"])
+def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
+    s = store(tmp_path)
+    s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    path = tmp_path / D.file_name(11)
+    data = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        data[-3] ^= 0x10
+    elif damage == "flip_header":
+        data[30] ^= 0x01  # inside the parent hash
+    elif damage == "flip_tokens":
+        data[D.HEADER.size + 1] ^= 0x80
+    elif damage == "truncate":
+        data = data[:-1]
+    elif damage == "extend":
+        data += b"\0"
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert store(tmp_path).scan(verify=True) == []
+    assert not path.exists()  # the directory is ours: removed
+    s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    path.write_bytes(bytes(data))
+    if damage.startswith("flip") and damage != "flip_header":
+        assert len(store(tmp_path).scan()) == 1  # the quick scan reads heads only
+    assert s.read(11, 7, (1, 2, 3, 4)) is None
+    assert s.read_bad == 1 and not path.exists()
+
+
+def test_name_must_match_header_hash(tmp_path):
+    s = store(tmp_path)
+    s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    os.rename(tmp_path / D.file_name(11), tmp_path / D.file_name(12))
+    assert s.scan() == []
+    assert s.read(12, 7, (1, 2, 3, 4)) is None
+
+
+def test_foreign_fingerprint_removed_in_our_dir_kept_elsewhere(tmp_path):
+    other = D.fingerprint("another-model", "fp32", BS, [((BS, 2, 8), "float32")] * 4)
+    assert other != FP
+    store(tmp_path / "ours", other).write(11, 7, True, (1, 2, 3, 4), payload(0))
+    (tmp_path / "ours" / "notes.txt").write_text("stray")
+    (tmp_path / "ours" / f"{D.TMP_PREFIX}99-{D.file_name(3)}").write_bytes(b"torn")
+    s = store(tmp_path / "ours")
+    assert s.read(11, 7, (1, 2, 3, 4)) is None
+    assert s.scan() == []
+    assert sorted(os.listdir(tmp_path / "ours")) == [D.MARKER]
+    # a directory that is not ours (no marker, not empty): foreign files are left alone
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "data.bin").write_bytes(b"x")
+    store(theirs, other).write(11, 7, True, (1, 2, 3, 4), payload(0))
+    s = store(theirs)
+    assert not s.ours and s.scan() == []
+    assert sorted(os.listdir(theirs)) == sorted(["data.bin", D.file_name(11)])
+
+
+def test_fingerprint_covers_every_part():
+    base = ("m", "fp32", 4, [((4, 2, 8), "float32")])
+    fps = {D.fingerprint(*base),
+           D.fingerprint("m2", *base[1:]),
+           D.fingerprint("m", "bf16", 4, base[3]),
+           D.fingerprint("m", "fp32", 8, base[3]),
+           D.fingerprint("m", "fp32", 4, [((4, 2, 16), "float32")]),
+           D.fingerprint("m", "fp32", 4, [((4, 2, 8), "bfloat16")]),
+           D.fingerprint("m", "fp32", 4, base[3] * 2)}
+    assert len(fps) == 7
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS, errno.EIO])
+def test_write_fault_disables_with_one_warning(tmp_path, monkeypatch, caplog, err):
+    s = store(tmp_path)
+    s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    real_write = os.write
+
+    def failing(fd, data):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "write", failing)
+    with caplog.at_level(logging.WARNING, logger=D.__name__):
+        assert not s.write(12, 11, False, (5, 6, 7, 8), payload(1))
+        assert not s.write(13, 12, False, (5, 6, 7, 8), payload(1))
+    monkeypatch.setattr(os, "write", real_write)
+    assert s.disabled and os.strerror(err) in s.error
+    assert len([r for r in caplog.records if "disabled" in r.message]) == 1
+    assert s.read(11, 7, (1, 2, 3, 4)) is None  # disabled: every read is a miss
+    assert sorted(os.listdir(tmp_path)) == [D.MARKER, D.file_name(11)]  # no temp left
+
+
+def test_unwritable_directory_disables_at_open(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger=D.__name__):
+        s = store(blocker / "kv")
+    assert s.disabled
+    assert not s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    assert s.scan() == [] and s.read(11, 7, (1, 2, 3, 4)) is None

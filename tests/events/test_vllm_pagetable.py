@@ -1,0 +1,242 @@
+"""The vLLM plugin's page-table differ (engine.events.vllm.pagetable), without vLLM: a small
+model of vLLM's scheduler-side structures (BlockPool blocks with ref_cnt and hash keys,
+single-type managers' req_to_blocks, request statuses, deferred frees) is driven by random
+operations, several per step; after every step the state rebuilt from the differ's events
+by ``KVState.apply`` equals the page table read from the model. The same property is
+checked against the real vLLM in test_vllm_plugin.py."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace as NS
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.events import schema as S
+from engine.events.sink import ListSink
+from engine.events.state import KVState
+from engine.events.vllm.pagetable import (
+    RESERVED,
+    PageTableDiffer,
+    canonical_of,
+    hash_int,
+    read_page_table,
+)
+
+# vLLM's RequestStatus members, as distinct objects with a name
+RUNNING, WAITING, PREEMPTED, STOPPED = (
+    NS(name=n) for n in ("RUNNING", "WAITING", "PREEMPTED", "FINISHED_STOPPED"))
+
+
+class Block:
+    def __init__(self, i: int) -> None:
+        self.block_id, self.ref_cnt, self._block_hash, self.is_null = i, 0, None, False
+
+
+class Request:
+    def __init__(self, rid: str, prompt: int) -> None:
+        self.request_id, self.num_prompt_tokens, self.num_computed_tokens = rid, prompt, 0
+        self.status = WAITING
+        self.num_output_tokens = 0
+
+    def is_finished(self) -> bool:
+        return self.status is STOPPED
+
+
+class FakeVllm:
+    """Just enough of vLLM's v1 scheduler state, changed the way vLLM changes it."""
+
+    def __init__(self, n: int, groups: int, rng: random.Random) -> None:
+        self.rng = rng
+        self.blocks = [Block(i) for i in range(n)]
+        self.blocks[0].is_null = True
+        pool = NS(blocks=self.blocks, null_block=self.blocks[0])
+        self.managers = [NS(req_to_blocks={}, kv_cache_spec=NS(block_size=16))
+                         for _ in range(groups)]
+        self.scheduler = NS(kv_cache_manager=NS(block_pool=pool, coordinator=NS(
+            single_type_managers=self.managers)), requests={}, deferred_frees=[])
+        self.cache: dict[bytes, Block] = {}
+        self.next = 0
+
+    # vLLM's BlockPool, in miniature
+    def free_list(self) -> list[Block]:
+        return [b for b in self.blocks[1:] if b.ref_cnt == 0]
+
+    def take(self) -> Block | None:
+        free = self.free_list()
+        if not free:
+            return None
+        b = min(free, key=lambda b: b._block_hash is not None)  # uncached first
+        if b._block_hash is not None:
+            del self.cache[b._block_hash]
+            b._block_hash = None
+        b.ref_cnt = 1
+        return b
+
+    def release(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            if not b.is_null:
+                b.ref_cnt -= 1
+
+    def op(self) -> None:
+        rng, sch = self.rng, self.scheduler
+        live = [r for r in sch.requests.values() if not r.is_finished()]
+        kind = rng.choice(["add", "add", "run", "run", "grow", "grow", "grow", "preempt",
+                           "finish", "finish", "defer", "drain", "reset", "null"])
+        if kind == "add" or not live:
+            rid = f"r{self.next}"
+            self.next += 1
+            sch.requests[rid] = Request(rid, rng.randint(1, 64))
+            return
+        r = rng.choice(live)
+        tables = [m.req_to_blocks for m in self.managers]
+        if kind == "run" and r.status is not RUNNING:
+            for t in tables:  # hits on a shared prefix, then fresh blocks
+                for k in range(rng.randint(0, 3)):
+                    key = b"p%d" % k + b"\0\0\0\0"
+                    hit = self.cache.get(key)
+                    if hit is None:
+                        break
+                    hit.ref_cnt += 1
+                    t.setdefault(r.request_id, []).append(hit)
+            r.status = RUNNING
+        elif kind == "grow" and r.status is RUNNING:
+            for t in tables:
+                b = self.take()
+                if b is None:
+                    return
+                t.setdefault(r.request_id, []).append(b)
+                if rng.random() < 0.6:  # full: it enters the prefix cache
+                    key = (b"p%d" % rng.randint(0, 5) if rng.random() < 0.5
+                           else rng.randbytes(8)) + b"\0\0\0\0"
+                    if key not in self.cache:
+                        b._block_hash = key
+                        self.cache[key] = b
+            r.num_computed_tokens += rng.randint(1, 16)
+        elif kind == "preempt" and r.status is RUNNING:
+            for t in tables:
+                self.release(t.pop(r.request_id, []))
+            r.status, r.num_computed_tokens = PREEMPTED, 0
+        elif kind == "finish":
+            r.status = STOPPED
+            r.num_output_tokens = 3
+            for t in tables:
+                self.release(t.pop(r.request_id, []))
+            del sch.requests[r.request_id]
+        elif kind == "defer" and r.status is RUNNING:  # freed after the step runs
+            r.status = STOPPED
+            for t in tables:
+                sch.deferred_frees.append((0, t.pop(r.request_id, [])))
+            del sch.requests[r.request_id]
+        elif kind == "drain" and sch.deferred_frees:
+            self.release(sch.deferred_frees.pop(0)[1])
+        elif kind == "reset" and all(b.ref_cnt == 0 for b in self.blocks[1:]):
+            for b in self.blocks:
+                b._block_hash = None
+            self.cache.clear()
+        elif kind == "null" and r.status is RUNNING and len(self.managers) > 1:
+            # a sliding-window group drops its oldest block for the null block
+            t = tables[-1].get(r.request_id)
+            if t and not t[0].is_null:
+                self.release([t[0]])
+                t[0] = self.blocks[0]
+
+
+def run(seed: int, steps: int, n: int = 24, groups: int = 1) -> tuple[KVState, dict]:
+    rng = random.Random(seed)
+    vllm = FakeVllm(n, groups, rng)
+    differ, sink, state = PageTableDiffer(), ListSink(), KVState()
+    counts: dict[str, int] = {}
+    for step in range(steps):
+        for _ in range(rng.randint(0, 6)):
+            vllm.op()
+        pt = read_page_table(vllm.scheduler, RUNNING)
+        assert pt.unexplained == 0
+        expected = canonical_of(pt)
+        differ.step(pt, sink)
+        events = sink.drain()
+        for ev in events:
+            counts[ev["kind"]] = counts.get(ev["kind"], 0) + 1
+        state.apply({"v": S.PROTOCOL_VERSION, "step": step, "events": events})
+        assert state.canonical() == expected, f"step {step}"
+        assert differ.canonical() == expected
+        assert differ.unrepresentable == 0
+        codes = state.block_codes("gpu").tolist()
+        used = sum(c >= S.BLOCK_USED for c in codes)
+        assert differ.block_counts() == {
+            "total": n, "used": used, "cached": codes.count(S.BLOCK_CACHED),
+            "free": codes.count(S.BLOCK_FREE)}
+    return state, counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), groups=st.sampled_from([1, 2]))
+def test_rebuilt_state_equals_the_page_table_every_step(seed: int, groups: int) -> None:
+    run(seed, 60, groups=groups)
+
+
+def test_a_long_run_covers_every_kind_it_translates() -> None:
+    counts: dict[str, int] = {}
+    for seed in range(4):
+        for k, v in run(seed, 300)[1].items():
+            counts[k] = counts.get(k, 0) + v
+    for kind in (S.TIER_INIT, S.SEQ_ADD, S.SEQ_START, S.SEQ_RESUME, S.ALLOC, S.HIT, S.STORE,
+                 S.EVICT, S.FREE, S.SEQ_PREEMPT, S.SEQ_FINISH, S.SEQ_TOKENS):
+        assert counts.get(kind), kind
+
+
+def test_reserved_holds_the_null_block_and_deferred_frees() -> None:
+    vllm = FakeVllm(8, 1, random.Random(0))
+    r = Request("a", 10)
+    vllm.scheduler.requests["a"] = r
+    r.status = RUNNING
+    blocks = [vllm.take(), vllm.take()]
+    vllm.managers[0].req_to_blocks["a"] = blocks
+    differ, sink = PageTableDiffer(), ListSink()
+    differ.step(read_page_table(vllm.scheduler, RUNNING), sink)
+    sink.drain()
+    r.status = STOPPED  # finished; a connector still reads its blocks
+    vllm.scheduler.deferred_frees.append((1, vllm.managers[0].req_to_blocks.pop("a")))
+    del vllm.scheduler.requests["a"]
+    pt = read_page_table(vllm.scheduler, RUNNING)
+    assert sorted(pt.seqs[RESERVED].table) == [0, 1, 2] and "a" not in pt.seqs
+    differ.step(pt, sink)
+    kinds = [e["kind"] for e in sink.drain()]
+    assert kinds[:2] == [S.FREE, S.SEQ_FINISH] and S.ALLOC in kinds
+
+
+def test_refs_no_table_explains_go_to_reserved_and_are_counted() -> None:
+    vllm = FakeVllm(8, 1, random.Random(0))
+    b = vllm.take()  # held by something vLLM does not expose to the scheduler's tables
+    pt = read_page_table(vllm.scheduler, RUNNING)
+    assert pt.unexplained == 1 and pt.seqs[RESERVED].table == [0, b.block_id]
+
+
+@pytest.mark.parametrize("raw, want", [
+    (bytes(24) + b"\0\0\0\1", 0),
+    (b"\xff" * 32 + b"\0\0\0\0", -1),
+    (bytes(24) + (1 << 63).to_bytes(8, "big") + b"\0\0\0\0", -(1 << 63)),
+    (bytes(24) + (5).to_bytes(8, "big") + b"\0\0\0\2", 5),
+])
+def test_hash_is_vllms_int_form_as_signed_int64(raw: bytes, want: int) -> None:
+    assert hash_int(raw) == want
+
+
+def test_a_held_block_losing_its_hash_is_counted_not_sent() -> None:
+    vllm = FakeVllm(8, 1, random.Random(0))
+    r = Request("a", 10)
+    vllm.scheduler.requests["a"] = r
+    r.status = RUNNING
+    b = vllm.take()
+    b._block_hash = b"h" * 8 + b"\0\0\0\0"
+    vllm.managers[0].req_to_blocks["a"] = [b]
+    differ, sink, state = PageTableDiffer(), ListSink(), KVState()
+    differ.step(read_page_table(vllm.scheduler, RUNNING), sink)
+    state.apply({"v": 2, "step": 0, "events": sink.drain()})
+    b._block_hash = None  # vLLM's connector evict_blocks on a held block
+    differ.step(read_page_table(vllm.scheduler, RUNNING), sink)
+    state.apply({"v": 2, "step": 1, "events": sink.drain()})  # still a valid stream
+    assert differ.unrepresentable == 1
+    assert state.canonical() == differ.canonical()

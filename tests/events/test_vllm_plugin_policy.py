@@ -1,0 +1,133 @@
+"""The vLLM plugin's version policy and configuration, with stand-in vLLM modules (the
+real vLLM is in test_vllm_plugin.py): unconfigured it touches nothing, not even vLLM's
+import; on an unsupported version or a missing symbol it warns once and patches nothing;
+on a supported one it wraps the four methods (never the classes); a failure of its
+reader turns it off and vLLM's call still returns."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from engine.events.vllm import plugin
+
+
+class Scheduler:
+    def update_from_output(self, out):
+        return "vllm's result"
+
+    def finish_requests(self, ids):
+        return "finished"
+
+    def _preempt_request(self, request, ts):
+        return None
+
+
+class BlockPool:
+    def reset_prefix_cache(self):
+        return True
+
+
+def _fake_vllm(monkeypatch, version: str, scheduler_cls: type = Scheduler) -> None:
+    mods = {
+        "vllm": types.SimpleNamespace(__version__=version),
+        "vllm.v1": types.ModuleType("vllm.v1"),
+        "vllm.v1.core": types.ModuleType("vllm.v1.core"),
+        "vllm.v1.core.block_pool": types.SimpleNamespace(BlockPool=BlockPool),
+        "vllm.v1.core.sched": types.ModuleType("vllm.v1.core.sched"),
+        "vllm.v1.core.sched.scheduler": types.SimpleNamespace(Scheduler=scheduler_cls),
+        "vllm.v1.request": types.SimpleNamespace(
+            RequestStatus=types.SimpleNamespace(RUNNING="RUNNING")),
+    }
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setattr(plugin, "_state", {"patched": False})
+    for name in ("update_from_output", "finish_requests", "_preempt_request"):
+        monkeypatch.setattr(Scheduler, name, Scheduler.__dict__[name])
+    monkeypatch.setattr(BlockPool, "reset_prefix_cache", BlockPool.__dict__["reset_prefix_cache"])
+    for var in (plugin.ENV_EVENTS, plugin.ENV_RECORD):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _originals() -> tuple:
+    return (Scheduler.update_from_output, Scheduler.finish_requests,
+            Scheduler._preempt_request, BlockPool.reset_prefix_cache)
+
+
+def test_unconfigured_it_does_not_even_import_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing it would raise
+    before = _originals()
+    plugin.register()
+    assert _originals() == before and not plugin._state["patched"]
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.3.2"])
+def test_an_unsupported_version_warns_and_leaves_vllm_untouched(monkeypatch, caplog,
+                                                                version):
+    monkeypatch.setenv(plugin.ENV_RECORD, "run.kvtrace")
+    _fake_vllm(monkeypatch, version)
+    before = _originals()
+    with caplog.at_level(logging.WARNING, logger="kvscope.vllm"):
+        plugin.register()
+    assert _originals() == before
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert f"vLLM {version} is not a supported version" in caplog.text
+    assert Scheduler().update_from_output(None) == "vllm's result"
+
+
+def test_a_missing_symbol_warns_and_leaves_vllm_untouched(monkeypatch, caplog):
+    class Renamed:  # a vLLM whose scheduler no longer has _preempt_request
+        def update_from_output(self, out):
+            return "vllm's result"
+
+        def finish_requests(self, ids):
+            return None
+
+    monkeypatch.setenv(plugin.ENV_EVENTS, "tcp://127.0.0.1:0")
+    _fake_vllm(monkeypatch, "0.32.0", Renamed)
+    before = Renamed.update_from_output
+    with caplog.at_level(logging.WARNING, logger="kvscope.vllm"):
+        plugin.register()
+    assert Renamed.update_from_output is before
+    assert "lacks Scheduler._preempt_request" in caplog.text
+
+
+def test_a_supported_version_wraps_the_methods_not_the_classes(monkeypatch):
+    monkeypatch.setenv(plugin.ENV_RECORD, "run.kvtrace")
+    _fake_vllm(monkeypatch, "0.32.0")
+    cls = sys.modules["vllm.v1.core.sched.scheduler"].Scheduler
+    before = _originals()
+    plugin.register()
+    assert sys.modules["vllm.v1.core.sched.scheduler"].Scheduler is cls
+    assert all(a is not b for a, b in zip(_originals(), before, strict=True))
+    plugin.register()  # a second load (another process's import) patches nothing twice
+    assert plugin._state["patched"]
+
+
+def test_a_failing_reader_turns_the_plugin_off_and_vllm_goes_on(monkeypatch, caplog,
+                                                               tmp_path):
+    monkeypatch.setenv(plugin.ENV_RECORD, str(tmp_path / "run.kvtrace"))
+    _fake_vllm(monkeypatch, "0.32.0")
+    plugin.register()
+    s = Scheduler()  # no kv_cache_manager: the reader cannot read it
+    with caplog.at_level(logging.WARNING, logger="kvscope.vllm"):
+        assert s.update_from_output(None) == "vllm's result"
+        assert s.update_from_output(None) == "vllm's result"
+    assert not s._kvscope.on
+    assert "kvscope" in caplog.text
+
+
+def test_data_parallel_ranks_get_their_own_port_and_recording():
+    cfg = plugin.Config({plugin.ENV_EVENTS: "tcp://127.0.0.1:5557",
+                         plugin.ENV_RECORD: "/tmp/x/run.kvtrace"})
+    assert cfg.for_rank(0).endpoint == "tcp://127.0.0.1:5557"
+    r2 = cfg.for_rank(2)
+    assert r2.endpoint == "tcp://127.0.0.1:5559" and r2.record == "/tmp/x/run.rank2.kvtrace"
+    assert not plugin.Config({}).enabled

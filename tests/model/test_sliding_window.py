@@ -1,0 +1,79 @@
+"""Mistral's sliding window, honoured: past the window a windowed layer sees only the last W
+positions, in the contiguous reference forward and in the engine's paged CPU path, exactly
+as transformers computes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.config import config_from_hf
+from engine.model.loader import load_model
+from tests.model.tiny_models import hf_logits, our_logits, save_hf, tiny_hf_model
+
+WINDOW = 48
+PROMPT = [(7 * i + 3) % 272 for i in range(97)]  # two windows and a token
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    hf = tiny_hf_model("mistral", seed=5, sliding_window=WINDOW)
+    return hf, save_hf(hf, tmp_path_factory.mktemp("mistral-w48"))
+
+
+def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    hf.generation_config.eos_token_id = None  # as ignore_eos
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                          max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_config_reads_the_window(windowed):
+    _, path = windowed
+    _, _, config = load_model(path)
+    assert config.sliding_window == WINDOW and config.layer_windows == (WINDOW, WINDOW)
+    base = {"model_type": "mistral", "num_hidden_layers": 1, "hidden_size": 8,
+            "num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 8}
+    assert not config_from_hf(base | {"sliding_window": None}, "x").windowed
+
+
+def test_past_the_window_logits_match_transformers(windowed):
+    hf, path = windowed
+    model, _, _ = load_model(path)
+    torch.testing.assert_close(our_logits(model, PROMPT), hf_logits(hf, PROMPT), atol=2e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"block_size": 8},
+    # a prefill in chunks (context + window masks) and prefix-cache hits on a second request
+    {"block_size": 16, "max_num_batched_tokens": 32, "enable_prefix_caching": True},
+])
+def test_engine_greedy_past_the_window_matches_transformers_generate(windowed, engine_args):
+    hf, path = windowed
+    llm = LLM(str(path), device="cpu", dtype="float32", **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = hf_greedy(hf, PROMPT, 32)
+    for _ in range(2):
+        out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == expected
+
+
+@pytest.mark.parametrize("engine_args", [{"kv_demotion": "int8"},
+                                         {"kv_cache_dtype": "kivi4"}])
+def test_windowed_model_refuses_the_page_formats_that_take_no_window(windowed, engine_args):
+    _, path = windowed
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        LLM(str(path), device="cpu", dtype="float32", **engine_args)
+
+
+def test_qwen2_windowed_layers_are_refused():
+    from engine.model.errors import ModelLoadError
+
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 1, "hidden_size": 8,
+           "num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 8,
+           "use_sliding_window": True, "sliding_window": 16}
+    with pytest.raises(ModelLoadError, match="qwen2 with use_sliding_window"):
+        config_from_hf(cfg, "x")

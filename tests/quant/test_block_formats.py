@@ -1,0 +1,214 @@
+"""Block-quantized pages (kernels.block_quant, engine.runner.block_kv): codes and scales bit
+for bit against a scalar numpy reference, the half-step error bound, the residual window's
+life cycle, and attention over the pages against dense attention over what they hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.runner.block_kv import BlockKV, BlockPagedAttention
+from engine.runner.model_runner import StepBatch
+from kernels import block_quant as bq
+
+FORMATS = list(bq.FORMATS.values())
+BS, HKV, D = 8, 2, 16
+
+
+def _keys(n: int, seed: int = 0) -> torch.Tensor:
+    """Blocks [n, BS, HKV, D] with an outlier channel and a channel offset, as real keys."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, BS, HKV, D, generator=g)
+    x[..., 3] *= 18.0
+    x[..., 5] += 9.0
+    return x
+
+
+def _ref_group(values: np.ndarray, bits: int) -> tuple[list[int], np.float16, np.float16]:
+    """One group's (codes, scale, zero), scalar numpy float32 arithmetic, as documented."""
+    levels = (1 << bits) - 1
+    lo, hi = np.float32(values.min()), np.float32(values.max())
+    zero = np.float16(np.clip(lo - abs(lo) * np.float32(2.0 ** -10), -65504, 65504))
+    scale = np.float32(hi - np.float32(zero)) * np.float32((1 + 2.0 ** -10) / levels)
+    scale = np.float16(np.clip(scale, np.float32(2.0 ** -14), np.float32(65504)))
+    codes = [int(np.clip(np.floor((np.float32(v) - np.float32(zero)) / np.float32(scale) +
+                                  np.float32(0.5)), 0, levels)) for v in values]
+    return codes, scale, zero
+
+
+def _ref_pack(codes: list[int], bits: int) -> list[int]:
+    per = 8 // bits
+    return [sum(codes[j * per + i] << (bits * i) for i in range(per))
+            for j in range(len(codes) // per)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_key_codes_and_scales_match_the_scalar_reference_bit_for_bit(fmt):
+    x = _keys(2)
+    codes, scales = bq.quantize_keys(x, fmt)
+    xn = x.numpy()
+    for n in range(2):
+        for h in range(HKV):
+            if fmt.keys_per_channel:
+                per_channel = [_ref_group(xn[n, :, h, c], fmt.key_bits) for c in range(D)]
+                for c, (_, s, z) in enumerate(per_channel):
+                    assert scales[n, h, c, 0].numpy() == s and scales[n, h, c, 1].numpy() == z
+                for t in range(BS):
+                    row = [per_channel[c][0][t] for c in range(D)]
+                    assert codes[n, t, h].tolist() == _ref_pack(row, fmt.key_bits)
+            else:
+                for t in range(BS):
+                    c, s, z = _ref_group(xn[n, t, h], fmt.key_bits)
+                    assert codes[n, t, h].tolist() == _ref_pack(c, fmt.key_bits)
+                    assert scales[n, t, h].tolist() == [float(s), float(z)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_value_codes_and_scales_match_the_scalar_reference_bit_for_bit(fmt):
+    x = _keys(1, seed=1)
+    codes, scales = bq.quantize_values(x, fmt)
+    for t in range(BS):
+        for h in range(HKV):
+            c, s, z = _ref_group(x[0, t, h].numpy(), fmt.value_bits)
+            assert codes[0, t, h].tolist() == _ref_pack(c, fmt.value_bits)
+            assert scales[0, t, h].tolist() == [float(s), float(z)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_every_element_is_within_half_a_step(fmt):
+    x = _keys(3, seed=2)
+    codes, scales = bq.quantize_keys(x, fmt)
+    err = (bq.dequantize_keys(codes, scales, fmt) - x).abs()
+    assert bool((err <= bq.key_step(scales, fmt) / 2 * (1 + 1e-5)).all())
+    codes, scales = bq.quantize_values(x, fmt)
+    err = (bq.dequantize_values(codes, scales, fmt) - x).abs()
+    assert bool((err <= scales[..., 0:1].float() / 2 * (1 + 1e-5)).all())
+
+
+def test_per_channel_keys_follow_an_outlier_channel_better_than_per_token():
+    x = _keys(4, seed=3)
+    per_channel, per_token = bq.FORMATS["kivi4"], bq.BlockFormat("t", 4, 4, False, False)
+    errs = []
+    for fmt in (per_channel, per_token):
+        codes, scales = bq.quantize_keys(x, fmt)
+        errs.append(float((bq.dequantize_keys(codes, scales, fmt) - x).pow(2).mean()))
+    assert errs[0] < errs[1] / 2, errs
+
+
+def test_capacities_count_codes_and_amortised_scales():
+    # head 64, block 16: 4-bit codes 32 B; per-channel (scale, zero) fp16 over 16 tokens
+    # 64 * 4 / 16 = 16 B a token; per-token pairs 4 B
+    assert bq.FORMATS["kivi4"].bytes_per_token_head(64, 16) == (32 + 16 + 32 + 4) / 2
+    assert bq.FORMATS["k8v4"].bytes_per_token_head(64, 16) == (64 + 4 + 32 + 4) / 2
+    assert bq.FORMATS["kivi2"].bytes_per_token_head(64, 16) == (16 + 16 + 16 + 4) / 2
+    with pytest.raises(ValueError, match="multiple"):
+        bq.FORMATS["kivi2"].packed_dim(2, 6)
+    with pytest.raises(ValueError, match="unknown"):
+        bq.block_format("int3")
+
+
+def _step(slots: list[int], table: list[list[int]], seq_lens: list[int],
+          q_lens: list[int]) -> StepBatch:
+    cu = np.cumsum([0, *q_lens]).tolist()
+    return StepBatch(input_ids=torch.zeros(len(slots), dtype=torch.int64),
+                     positions=torch.zeros(len(slots), dtype=torch.int64),
+                     slot_mapping=torch.tensor(slots), block_tables=torch.tensor(table,
+                                                                                  dtype=torch.int32),
+                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                     cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+                     sample_index=torch.zeros(0, dtype=torch.int64))
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last q rows over k/v [L, HKV, D], GQA, plain float64."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, 1)
+    v = v.double().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    ctx = k.shape[0] - q.shape[0]
+    mask = torch.arange(k.shape[0])[None, :] > torch.arange(q.shape[0])[:, None] + ctx
+    s.masked_fill_(mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def _held(x: torch.Tensor, length: int, fmt: bq.BlockFormat, keys: bool) -> torch.Tensor:
+    """What the pages hold for tokens x[:length]: complete blocks through their codes,
+    the rest exact."""
+    full = length // BS * BS
+    out = x[:length].clone()
+    if full:
+        blocks = x[:full].view(-1, BS, HKV, D)
+        if keys:
+            out[:full] = bq.dequantize_keys(*bq.quantize_keys(blocks, fmt), fmt).flatten(0, 1)
+        else:
+            out[:full] = bq.dequantize_values(*bq.quantize_values(blocks, fmt),
+                                              fmt).flatten(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("name", list(bq.FORMATS))
+def test_residual_window_then_block_codes_through_prefill_and_decode(name):
+    """One sequence: a 13-token prefill (block 0 complete, block 1 in the residual), then
+    decodes across the next block boundary; every step's attention equals dense attention
+    over exact residual tokens and dequantized complete blocks (the rotation cancels)."""
+    fmt = bq.FORMATS[name]
+    kv = BlockKV(fmt, 1, 6, BS, HKV, D, torch.float32, torch.device("cpu"))
+    attn = BlockPagedAttention(kv, D ** -0.5, D)
+    table = [[4, 1, 3]]  # the sequence's blocks, out of order in the pool
+    g = torch.Generator().manual_seed(5)
+    total = 20
+    k_all = _keys(3, seed=6).flatten(0, 1)[:total]
+    v_all = torch.randn(total, HKV, D, generator=g)
+    q_all = torch.randn(total, 2 * HKV, D, generator=g)
+    rot = bq.quant.hadamard(D)
+    k_store = k_all @ rot if fmt.rotate_keys else k_all
+    v_store = v_all @ rot if fmt.rotate_values else v_all
+    pos = 0
+    for q_len in (13, 1, 1, 1, 1, 1, 1, 1):
+        new = range(pos, pos + q_len)
+        slots = [table[0][t // BS] * BS + t % BS for t in new]
+        attn.batch = _step(slots, table, [pos + q_len], [q_len])
+        out = attn(0, q_all[pos:pos + q_len], k_all[pos:pos + q_len], v_all[pos:pos + q_len])
+        length = pos + q_len
+        # within the step that completes a block, the block is still read exactly
+        before = pos // BS * BS
+        k_held = torch.cat([_held(k_store, before, fmt, True)[:before], k_store[before:length]])
+        v_held = torch.cat([_held(v_store, before, fmt, False)[:before], v_store[before:length]])
+        if fmt.rotate_keys:
+            k_held = k_held @ rot.T
+        if fmt.rotate_values:
+            v_held = v_held @ rot.T
+        want = _dense(q_all[pos:length], k_held, v_held, D ** -0.5)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+        pos = length
+        partial = int(length % BS != 0)
+        assert kv.rows_in_use == partial  # completed blocks gave their rows back
+    assert pos == total
+
+
+def test_copy_on_write_carries_the_residual_row_and_the_codes():
+    fmt = bq.FORMATS["kivi4"]
+    kv = BlockKV(fmt, 2, 4, BS, HKV, D, torch.float32, torch.device("cpu"))
+    attn = BlockPagedAttention(kv, D ** -0.5, D)
+    x = _keys(2, seed=7).flatten(0, 1)[:12]  # block 0 complete, block 2 holds 4 tokens
+    slots = [t if t < BS else 2 * BS + t - BS for t in range(12)]
+    attn.batch = _step(slots, [[0, 2]], [12], [12])
+    for layer in range(2):
+        attn(layer, torch.randn(12, 2 * HKV, D), x, x)
+    kv.copy([(0, 1), (2, 3)])
+    for layer in kv.layers:
+        k0, _ = layer.gather(torch.tensor([0, 2]), torch.float32)
+        k1, _ = layer.gather(torch.tensor([1, 3]), torch.float32)
+        assert torch.equal(k0, k1)
+        stored = x @ bq.quant.hadamard(D) if fmt.rotate_keys else x
+        assert torch.equal(k1[1, :4], stored[8:12])  # the residual: exact
+    assert kv.rows_in_use == 2
+
+
+def test_rows_grow_on_demand_and_a_reused_block_takes_its_stale_row():
+    kv = BlockKV(bq.FORMATS["kivi2"], 1, 64, BS, HKV, D, torch.float32, torch.device("cpu"))
+    writes = kv.plan_writes(torch.arange(20) * BS)  # 20 blocks, one token each
+    assert kv.rows_in_use == 20 and kv.layers[0].residual_k.shape[0] >= 20
+    again = kv.plan_writes(torch.tensor([3 * BS]))  # block 3 freed, reused from offset 0
+    assert int(again.rows[0]) == int(writes.rows[3]) and kv.rows_in_use == 20
