@@ -8,7 +8,9 @@ the repository, side by side in one run.)
    ``KVCacheManager`` driven by ``ManagerWorkload``: what an engine emits) and a
    bulk-heavy one (long-context prefill bursts: 1024-block allocs, stores, frees and
    evictions on a 1M-block tier). events/s at the subscriber, lost events, seq gaps.
-   Then the subscriber's side alone, in process (CPU time): decode and apply per event.
+   Then the subscriber's side alone, in process (CPU time): decode and apply per event,
+   and the columnar apply (``engine.events.state_columns``) of the same batches beside
+   the reference, alternating.
 2. latency: emit -> apply at a paced 50 steps/s, p50/p99.
 3. recording: bytes per 1k steps, and seek time (``state_at``) in a one-hour recording.
 4. overhead: the real KVCacheManager plus a 10 ms GIL-releasing stand-in for a GPU step
@@ -371,6 +373,7 @@ def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
     and ``KVState.apply`` per event, in process, CPU time (``time.process_time``: other
     processes on a shared box are not counted), best of ``rounds`` passes, on both
     mixes."""
+    from engine.events.columns import StepColumns
     from engine.events.state import KVState
     from engine.events.wire import codec as C
 
@@ -383,8 +386,8 @@ def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
         frames = [codec.encode(C.make_batch("bench", i + 1, i, 0.0,
                                             C.pack_events([dict(e) for e in ev]), st))
                   for i, (ev, st) in enumerate(batches)]
-        dec = app = 1e9
-        for _ in range(rounds):
+        dec = app = app_cols = 1e9
+        for _ in range(rounds):  # reference and columnar apply alternate, each round
             t0 = time.process_time()
             msgs = [codec.decode(f) for f in frames]
             t1 = time.process_time()
@@ -393,9 +396,19 @@ def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
                 state.apply(m)
             t2 = time.process_time()
             dec, app = min(dec, t1 - t0), min(app, t2 - t1)
-            del msgs, state
+            cols = [{**m, "events": [], "columns": StepColumns.from_events(m["events"])}
+                    for m in msgs]
+            t0 = time.process_time()
+            fast = KVState()
+            for m in cols:
+                fast.apply(m)
+            app_cols = min(app_cols, time.process_time() - t0)
+            if fast.snapshot() != state.snapshot() or fast.columns_refused:
+                raise RuntimeError("the columnar apply disagrees with the reference")
+            del msgs, state, cols, fast
         out[mix] = {"events": n, "decode_us_per_event": round(dec / n * 1e6, 2),
                     "apply_us_per_event": round(app / n * 1e6, 2),
+                    "apply_columns_us_per_event": round(app_cols / n * 1e6, 2),
                     "decode_plus_apply_events_per_s": round(n / (dec + app))}
     return out
 

@@ -68,6 +68,9 @@ class StepColumns:
     names: list[str] = field(default_factory=list)
     causes: list[Any] = field(default_factory=list)
     others: list[Any] = field(default_factory=list)
+    # the events these columns were built from (``from_events``), if any: the small-batch
+    # path applies them as they are instead of rebuilding them (``to_events``)
+    source: list[Any] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -81,11 +84,15 @@ class StepColumns:
         for ev in events:
             if not b.add(ev):
                 b.other(ev)
-        return b.build()
+        c = b.build()
+        c.source = events if type(events) is list else None
+        return c
 
     def to_events(self) -> list[Any]:
         """The events these columns stand for, as plain maps in order (id lists as lists
-        of ints)."""
+        of ints; the source events themselves where the columns were built from them)."""
+        if self.source is not None:
+            return self.source
         return Rows(self).events(0, len(self.kind))
 
     def valued(self) -> np.ndarray:
@@ -173,15 +180,19 @@ class Rows:
         self.c = c
         self.kinds, self.tiers = c.kind.tolist(), c.tier.tolist()
         self.seqs, self.args = c.seq.tolist(), c.arg.tolist()
-        self.off = c.off.tolist()
-        # per entry: where its vals start, and how many other events come before it
-        lens = np.diff(c.off)
-        vstart = np.zeros(len(c.kind) + 1, dtype=np.int64)
-        np.cumsum(lens * c.valued(), out=vstart[1:])
-        self.vstart = vstart.tolist()
-        ostart = np.zeros(len(c.kind) + 1, dtype=np.int64)
-        np.cumsum(c.kind == OTHER, out=ostart[1:])
-        self.ostart = ostart.tolist()
+        self.off = off = c.off.tolist()
+        # per entry: where its vals start, and how many other events come before it (a
+        # Python loop: most batches are small, where numpy's cost per call dominates)
+        v = o = 0
+        vstart, ostart = [0], [0]
+        for i, k in enumerate(self.kinds):
+            if k == STORE or k == SEQ_TOKENS:
+                v += off[i + 1] - off[i]
+            elif k == OTHER:
+                o += 1
+            vstart.append(v)
+            ostart.append(o)
+        self.vstart, self.ostart = vstart, ostart
 
     def events(self, a: int, b: int) -> list[Any]:
         """The events of entries [a, b), as plain maps."""

@@ -41,6 +41,14 @@ _HOT_NAMES = ("",) + C.HOT_KINDS  # kind code -> wire name
 # a hot run with fewer ids than this goes through the reference handlers: the array
 # path pays ~40 numpy calls per run, more than scalar code spends on a few blocks
 SMALL_RUN = 256
+# ... and a batch whose hot events hold fewer ids than this on average: measured (the
+# realistic mix of `kvscope bench events`, 1-4 blocks an event, steps of 17-1,000
+# events) its sub-runs are a few events long and the array path costs ~1.5x the reference
+BULK_IDS = 32
+# other kinds whose handlers read and write only sequence state (never a block column,
+# and a block table only through the in-order per-event loop): they join a hot run and
+# are applied in their place by the reference handler
+SEQ_ONLY = frozenset({S.SEQ_ADD, S.SEQ_START, S.SEQ_PREEMPT, S.SEQ_RESUME, S.SEQ_FINISH})
 
 
 def apply_columns(st: KVState, batch: dict[str, Any], cols: C.StepColumns) -> None:
@@ -62,13 +70,24 @@ def _apply(st: KVState, cols: C.StepColumns) -> None:
     n = len(kind)
     if not n:
         return
-    is_other = kind == C.OTHER
-    cuts = (np.flatnonzero(is_other[1:] != is_other[:-1]) + 1).tolist()
-    others = iter(cols.others)
+    ids = len(cols.ids)
+    if ids < SMALL_RUN or ids < BULK_IDS * (n - len(cols.others)):
+        # few ids, or many small events (which overlap: a step frees and reallocates
+        # blocks, cutting runs into sub-runs too small for arrays): the reference
+        st._apply_events(cols.to_events())
+        return
+    # a barrier: an other event that is not sequence-only (it may read or write block
+    # columns, which a sub-run writes only at its end); everything between barriers is
+    # one run
+    barrier = kind == C.OTHER
+    if barrier.any():
+        barrier[barrier] = [type(ev) is not dict or ev.get("kind") not in SEQ_ONLY
+                            for ev in cols.others]
+    cuts = (np.flatnonzero(barrier[1:] != barrier[:-1]) + 1).tolist()
     run = _Run(cols)
     for a, b in zip([0, *cuts], [*cuts, n], strict=True):
-        if is_other[a]:
-            st._apply_events([next(others) for _ in range(a, b)])
+        if barrier[a]:
+            st._apply_events(run.rows.events(a, b))
         else:
             run.apply(st, a, b)
 
@@ -98,11 +117,23 @@ class _Run:
             # numpy's cost per call exceeds the work: the reference handlers, as events
             st._apply_events(self.rows.events(a, b))
             return
+        off, small = self.off, a  # [small, p): sub-runs too small for arrays, pending
         for p, q in self._subruns(a, b):
+            if off[q] - off[p] < SMALL_RUN:
+                continue
+            if small < p:
+                st._apply_events(self.rows.events(small, p))
             self._apply_subrun(st, p, q)
+            self._count(st, p, q)
+            small = q
+        if small < b:
+            st._apply_events(self.rows.events(small, b))
+
+    def _count(self, st: KVState, p: int, q: int) -> None:
+        """Count an array sub-run's hot events (its others counted themselves)."""
         counts = st.kind_counts
-        for code, c in enumerate(np.bincount(self.cols.kind[a:b]).tolist()):
-            if c:
+        for code, c in enumerate(np.bincount(self.cols.kind[p:q]).tolist()):
+            if c and code != C.OTHER:
                 name = _HOT_NAMES[code]
                 counts[name] = counts.get(name, 0) + c
 
@@ -146,8 +177,12 @@ class _Run:
         ids, vals = cols.ids, cols.vals
         owners = [0] * (q - p)
         tier_codes: set[int] = set()
+        others, ostart = self.cols.others, self.rows.ostart
         for e in range(p, q):
             k = kinds[e]
+            if k == C.OTHER:  # sequence-only (see SEQ_ONLY), in its place
+                st._apply_events([others[ostart[e]]])
+                continue
             if k == C.SEQ_TOKENS:
                 self._seq_tokens(st, e)
                 continue

@@ -38,9 +38,11 @@ def full_state(s: KVState) -> dict:
 
 
 def columnar(batch: dict) -> dict:
-    """The batch with its events as columns."""
+    """The batch with its events as columns, as a reader gets them off the wire (through
+    ``to_wire``/``from_wire``: no source events to fall back on)."""
     out = {k: v for k, v in batch.items() if k != "events"}
-    out["columns"] = StepColumns.from_events(batch["events"])
+    cols = StepColumns.from_events(batch["events"])
+    out["columns"] = StepColumns.from_wire(cols.to_wire(), cols.others)
     return out
 
 
@@ -120,8 +122,14 @@ def array_path(request, monkeypatch):
     """Run a test twice: with every hot run on the array path (tiny test batches
     would otherwise all take the small-run path), and with the default threshold."""
     if request.param == "arrays":
-        monkeypatch.setattr(state_columns, "SMALL_RUN", 0)
+        all_arrays(monkeypatch)
     return request.param
+
+
+def all_arrays(monkeypatch) -> None:
+    """Every hot sub-run on the array path, whatever its size."""
+    monkeypatch.setattr(state_columns, "SMALL_RUN", 0)
+    monkeypatch.setattr(state_columns, "BULK_IDS", 0)
 
 
 SETUP = [{"kind": "tier_init", "tier": t, "num_blocks": 8, "block_size": 4}
@@ -205,6 +213,8 @@ def test_columns_hold_the_hot_kinds_and_keep_the_rest_in_order():
     cols = StepColumns.from_events(events)
     assert cols.kind.tolist() == [1, OTHER, 2, OTHER, 5, 6, OTHER]
     assert cols.others == [events[1], events[3], events[6]]
+    assert cols.to_events() is events  # built from them: given back as they are
+    cols.source = None  # as off the wire: rebuilt from the columns
     back = cols.to_events()
     assert back[2] == {**events[2], "blocks": [3], "tokens": 0}
     assert [back[i] for i in (0, 1, 3, 4, 5, 6)] == [events[i] for i in (0, 1, 3, 4, 5, 6)]
@@ -243,10 +253,19 @@ def test_wire_form_round_trips_and_refuses_bad_columns():
     [{"kind": "hit", "tier": "gpu", "seq": "b", "blocks": [0, 1]},
      {"kind": "free", "tier": "gpu", "seq": "b", "blocks": [0, 1]},
      {"kind": "evict", "tier": "gpu", "blocks": [1]}],
+    # sequence-only events inside a hot run: a sequence finished and added again, its
+    # blocks freed and taken by the new one (a new owner), preempted and resumed
+    [{"kind": "seq_add", "seq": "x"}, {"kind": "seq_start", "seq": "x"},
+     {"kind": "alloc", "tier": "gpu", "seq": "x", "blocks": [2, 3]},
+     {"kind": "seq_preempt", "seq": "x", "mode": "recompute"},
+     {"kind": "free", "tier": "gpu", "seq": "x", "blocks": [2, 3]},
+     {"kind": "seq_finish", "seq": "x", "reason": "abort"},
+     {"kind": "seq_add", "seq": "x"}, {"kind": "seq_resume", "seq": "x"},
+     {"kind": "alloc", "tier": "cpu", "seq": "x", "blocks": [2, 3]}],
 ])
 def test_order_within_a_step_on_the_array_path(monkeypatch, events):
     """Cases a refusal cannot hide: the array path must apply them itself, in order."""
-    monkeypatch.setattr(state_columns, "SMALL_RUN", 0)
+    all_arrays(monkeypatch)
     setup = SETUP + [{"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [0, 1]},
                      {"kind": "store", "tier": "gpu", "blocks": [0, 1], "hashes": [1, 2]},
                      {"kind": "quantize", "tier": "gpu", "blocks": [1], "format": "fp8"},
