@@ -88,12 +88,13 @@ class StepColumns:
         c.source = events if type(events) is list else None
         return c
 
-    def to_events(self) -> list[Any]:
+    def to_events(self, packed: bool = False) -> list[Any]:
         """The events these columns stand for, as plain maps in order (id lists as lists
-        of ints; the source events themselves where the columns were built from them)."""
+        of ints, or ``packed`` as protocol 2's packed bytes: no Python int per id; the
+        source events themselves where the columns were built from them)."""
         if self.source is not None:
             return self.source
-        return Rows(self).events(0, len(self.kind))
+        return Rows(self).events(0, len(self.kind), packed)
 
     def valued(self) -> np.ndarray:
         """bool per entry: its ids have one ``vals`` entry each (store, seq_tokens)."""
@@ -194,15 +195,17 @@ class Rows:
             ostart.append(o)
         self.vstart, self.ostart = vstart, ostart
 
-    def events(self, a: int, b: int) -> list[Any]:
-        """The events of entries [a, b), as plain maps."""
+    def events(self, a: int, b: int, packed: bool = False) -> list[Any]:
+        """The events of entries [a, b), as plain maps (id lists packed: see
+        ``StepColumns.to_events``)."""
         kinds, tiers, seqs, args, off = (
             self.kinds, self.tiers, self.seqs, self.args, self.off)
         c = self.c
         names, causes, others = c.names, c.causes, c.others
         o, v0 = self.ostart[a], self.vstart[a]
         base = off[a]  # the range's ids and vals, as lists, from its start
-        ids = c.ids[base:off[b]].tolist()
+        raw = _pack(c.ids[base:off[b]], "<i4") if packed else b""
+        ids = [] if packed else c.ids[base:off[b]].tolist()
         vals = c.vals[v0:self.vstart[b]].tolist()
         v = 0
         out: list[Any] = []
@@ -212,7 +215,8 @@ class Rows:
                 out.append(others[o])
                 o += 1
                 continue
-            lst = ids[off[i] - base:off[i + 1] - base]
+            lst = (c.ids[off[i]:off[i + 1]].tolist() if packed and k == SEQ_TOKENS
+                   else ids[off[i] - base:off[i + 1] - base])
             if k == SEQ_TOKENS:
                 out.append({"kind": S.SEQ_TOKENS, "seqs": [names[j] for j in lst],
                             "num_tokens": vals[v:v + len(lst)]})
@@ -221,12 +225,14 @@ class Rows:
             ev: dict[str, Any] = {"kind": HOT_KINDS[k - 1], "tier": S.TIERS[tiers[i]]}
             if k in SEQ_KINDS:
                 ev["seq"] = names[seqs[i]]
-            ev["blocks"] = lst
+            ev["blocks"] = (raw[4 * (off[i] - base):4 * (off[i + 1] - base)] if packed
+                            else lst)
             if k == HIT:
                 ev["tokens"] = args[i]
             elif k == STORE:
-                ev["hashes"] = vals[v:v + len(lst)]
-                v += len(lst)
+                n = off[i + 1] - off[i]
+                ev["hashes"] = vals[v:v + n]
+                v += n
             elif k == EVICT and args[i] >= 0:
                 ev["cause"] = causes[args[i]]
             out.append(ev)

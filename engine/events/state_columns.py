@@ -51,6 +51,12 @@ BULK_IDS = 32
 SEQ_ONLY = frozenset({S.SEQ_ADD, S.SEQ_START, S.SEQ_PREEMPT, S.SEQ_RESUME, S.SEQ_FINISH})
 
 
+def worth_arrays(num_events: int, num_ids: int) -> bool:
+    """Whether a step of ``num_events`` hot events holding ``num_ids`` block ids goes on
+    the array path (the wire writes such a step as columns, any other as events)."""
+    return num_ids >= SMALL_RUN and num_ids >= BULK_IDS * num_events
+
+
 def apply_columns(st: KVState, batch: dict[str, Any], cols: C.StepColumns) -> None:
     """Apply ``cols`` (the batch's events) to ``st``; same result as the reference."""
     st._begin_step(batch)
@@ -70,8 +76,7 @@ def _apply(st: KVState, cols: C.StepColumns) -> None:
     n = len(kind)
     if not n:
         return
-    ids = len(cols.ids)
-    if ids < SMALL_RUN or ids < BULK_IDS * (n - len(cols.others)):
+    if not worth_arrays(n - len(cols.others), len(cols.ids)):
         # few ids, or many small events (which overlap: a step frees and reallocates
         # blocks, cutting runs into sub-runs too small for arrays): the reference
         st._apply_events(cols.to_events())

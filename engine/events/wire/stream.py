@@ -334,7 +334,7 @@ class EventStream:
                     self.consumer_errors += 1
                     log.exception("event batch consumer %r failed", consumer)
             C.pack_events(batch["events"])
-            payload = self._codec.encode(batch)
+            payload = self._codec.encode(batch)  # bulk steps as columns (protocol 3)
             if self.publisher is not None:
                 self.publisher.publish(batch["seq"], payload)
             self._last_seq_handled = batch["seq"]
