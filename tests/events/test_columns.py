@@ -117,12 +117,17 @@ def schema_event(draw: st.DrawFn) -> dict:
     return ev
 
 
-@pytest.fixture(params=["arrays", "default"])
+@pytest.fixture(params=["arrays", "mixed"])
 def array_path(request, monkeypatch):
-    """Run a test twice: with every hot run on the array path (tiny test batches
-    would otherwise all take the small-run path), and with the default threshold."""
+    """Run a test twice: with every hot sub-run on the array path (tiny test batches
+    would otherwise all take the reference), and mixed: sub-runs of 3 ids or more on the
+    array path, smaller ones through the reference in between (the default thresholds,
+    on real-sized batches, are in tests/events/test_wire_v3.py)."""
     if request.param == "arrays":
         all_arrays(monkeypatch)
+    else:
+        monkeypatch.setattr(state_columns, "SMALL_RUN", 3)
+        monkeypatch.setattr(state_columns, "BULK_IDS", 0)
     return request.param
 
 
@@ -168,7 +173,7 @@ def test_schema_events_cover_every_kind():
     """The generator above draws each kind the schema declares (not a fixed list)."""
     seen = set()
 
-    @settings(max_examples=400, deadline=None)
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(schema_event())
     def draw(ev):
         seen.add(ev["kind"])
