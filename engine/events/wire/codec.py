@@ -267,12 +267,15 @@ def wire_batch(batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _num_ids(events: list[dict[str, Any]]) -> int:
+def _num_ids(events: list[Any]) -> int:
+    """The block ids of ``events`` (any values: a writer may be handed anything)."""
     n = 0
     for ev in events:
-        ids = ev.get("blocks")
-        if ids is not None:
-            n += len(ids) if type(ids) is list else len(ids) // 4
+        ids = ev.get("blocks") if type(ev) is dict else None
+        if type(ids) is list:
+            n += len(ids)
+        elif type(ids) is bytes:
+            n += len(ids) // 4
     return n
 
 
