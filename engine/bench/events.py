@@ -8,7 +8,9 @@ the repository, side by side in one run.)
    ``KVCacheManager`` driven by ``ManagerWorkload``: what an engine emits) and a
    bulk-heavy one (long-context prefill bursts: 1024-block allocs, stores, frees and
    evictions on a 1M-block tier). events/s at the subscriber, lost events, seq gaps.
-   Then the subscriber's side alone, in process (CPU time): decode and apply per event.
+   Then the subscriber's side alone, in process (CPU time): decode and apply per event,
+   and the columnar apply (``engine.events.state_columns``) of the same batches beside
+   the reference, alternating.
 2. latency: emit -> apply at a paced 50 steps/s, p50/p99.
 3. recording: bytes per 1k steps, and seek time (``state_at``) in a one-hour recording.
 4. overhead: the real KVCacheManager plus a 10 ms GIL-releasing stand-in for a GPU step
@@ -370,7 +372,8 @@ def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
     """Where the end-to-end time goes on the subscriber: decode (msgpack + validation)
     and ``KVState.apply`` per event, in process, CPU time (``time.process_time``: other
     processes on a shared box are not counted), best of ``rounds`` passes, on both
-    mixes."""
+    mixes; the per-event frames (the baseline) and protocol 3's (bulk steps as columns,
+    applied with arrays) alternating, each pass checked equal."""
     from engine.events.state import KVState
     from engine.events.wire import codec as C
 
@@ -380,23 +383,34 @@ def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
     codec = C.Codec()
     for mix, batches in mixes.items():
         n = sum(len(ev) for ev, _ in batches)
-        frames = [codec.encode(C.make_batch("bench", i + 1, i, 0.0,
-                                            C.pack_events([dict(e) for e in ev]), st))
-                  for i, (ev, st) in enumerate(batches)]
-        dec = app = 1e9
-        for _ in range(rounds):
-            t0 = time.process_time()
-            msgs = [codec.decode(f) for f in frames]
-            t1 = time.process_time()
-            state = KVState()
-            for m in msgs:
-                state.apply(m)
-            t2 = time.process_time()
-            dec, app = min(dec, t1 - t0), min(app, t2 - t1)
-            del msgs, state
-        out[mix] = {"events": n, "decode_us_per_event": round(dec / n * 1e6, 2),
-                    "apply_us_per_event": round(app / n * 1e6, 2),
-                    "decode_plus_apply_events_per_s": round(n / (dec + app))}
+        msgs = [C.make_batch("bench", i + 1, i, 0.0, C.pack_events([dict(e) for e in ev]), st)
+                for i, (ev, st) in enumerate(batches)]
+        forms = {"per-event": [codec.encode(m, columns=False) for m in msgs],
+                 "protocol 3": [codec.encode(m) for m in msgs]}
+        del msgs
+        gc.freeze()  # the generated workload: no full GC pass should crawl over it
+        best = {name: [1e9, 1e9] for name in forms}
+        for r in range(rounds):
+            states = {}
+            for name in sorted(forms, reverse=bool(r % 2)):  # alternate which goes first
+                frames = forms[name]
+                t0 = time.process_time()
+                decoded = [codec.decode(f) for f in frames]
+                t1 = time.process_time()
+                state = states[name] = KVState()
+                for m in decoded:
+                    state.apply(m)
+                t2 = time.process_time()
+                best[name] = [min(best[name][0], t1 - t0), min(best[name][1], t2 - t1)]
+                del decoded
+            a, b = states["per-event"], states["protocol 3"]
+            if a.snapshot() != b.snapshot() or b.columns_refused:
+                raise RuntimeError("protocol 3's columnar apply disagrees with the reference")
+        out[mix] = {"events": n, "column_frames": sum(b"cols" in f for f in forms["protocol 3"])}
+        for name, (dec, app) in best.items():
+            out[mix][name] = {"decode_us_per_event": round(dec / n * 1e6, 2),
+                              "apply_us_per_event": round(app / n * 1e6, 2),
+                              "decode_plus_apply_events_per_s": round(n / (dec + app))}
     return out
 
 

@@ -38,11 +38,14 @@ from msgspec import UNSET, UnsetType
 
 from engine.events.causes import Cause
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # Version 2 differs from 1 only in the wire form of id lists (``BLOCK_ID_FIELDS``: packed
 # little-endian int32 bytes, msgpack bin) and in snapshots (ref counts and id lists
-# packed, hashes packed int64). Readers take both; version-1 recordings replay as before.
-READABLE_VERSIONS = (1, 2)
+# packed, hashes packed int64). Version 3 adds one optional batch field, ``cols``: a
+# step's hot events as packed little-endian columns (engine.events.columns; then
+# ``events`` holds only the others), written for bulk steps. Readers take all three;
+# version-1 and 2 recordings replay as before.
+READABLE_VERSIONS = (1, 2, 3)
 
 TIERS = ("gpu", "cpu", "disk")
 SEQ_STATUSES = ("waiting", "running", "swapped")

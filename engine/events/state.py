@@ -234,7 +234,13 @@ class TierState:
     def refresh_from(self, src: TierState) -> None:
         """Make this clone of ``src`` (taken at its last ``KVState.clone``) equal to it
         again, copying only the blocks changed since."""
-        idx = np.fromiter((b for ids in src._dirty for b in ids), dtype=np.int64)
+        # id lists (per-event apply) and int arrays (columnar apply)
+        parts = src._dirty
+        idx = np.fromiter((b for ids in parts if type(ids) is list for b in ids),
+                          dtype=np.int64)
+        arrays = [a for a in parts if type(a) is not list]
+        if arrays:
+            idx = np.concatenate([idx, *arrays]).astype(np.int64, copy=False)
         for dst_c, src_c in zip(self.columns(), src.columns(), strict=True):
             dst_c.np[idx] = src_c.np[idx]
         self.format, self.format_names = src.format, list(src.format_names)
@@ -314,6 +320,8 @@ def _with_formats(canon: dict) -> dict:
 class KVState:
     """The cache mirror. ``clone()`` gives an independent copy (seek keyframes)."""
 
+    ORPHAN = ORPHAN  # for the columnar apply, which cannot import this module
+
     def __init__(self) -> None:
         self.tiers: dict[str, TierState] = {}
         self.seqs: dict[str, SeqState] = {}
@@ -322,6 +330,9 @@ class KVState:
         self.stats: dict[str, Any] = {}
         self.kind_counts: dict[str, int] = {}  # cumulative events applied, by kind
         self.unknown_kinds: int = 0
+        # batches in columns the fast path left to the per-event reference (it refuses
+        # whatever it does not handle, an invalid batch included: see state_columns)
+        self.columns_refused: int = 0
         self._undo: list[tuple] | None = None  # a list only while apply() runs
         self._cur_step = -1
         self._clones = 0  # clone() calls, and what changed since the last one:
@@ -571,38 +582,56 @@ class KVState:
     def apply(self, batch: dict[str, Any]) -> None:
         """Apply one step's batch. Atomic: on ProtocolError the state is unchanged.
 
-        Accepts protocol 1 (id lists as lists of ints) and 2 (id lists packed)."""
+        Accepts protocol 1 (id lists as lists of ints), 2 (id lists packed) and a batch
+        holding ``"columns"`` (an ``engine.events.columns.StepColumns``, the columnar
+        form, protocol 3 on the wire): that takes the columnar fast path
+        (``engine.events.state_columns``), which equals this per-event one."""
         if not isinstance(batch, dict) or batch.get("v") not in S.READABLE_VERSIONS:
             raise ProtocolError(
                 f"batch protocol version {getattr(batch, 'get', lambda _k: None)('v')!r}, "
                 f"expected one of {S.READABLE_VERSIONS}"
             )
+        cols = batch.get("columns")
+        if cols is not None:
+            from engine.events.state_columns import apply_columns  # its friend module
+            apply_columns(self, batch, cols)
+            return
         events = batch.get("events", [])
         if not isinstance(events, list):
             raise ProtocolError("batch 'events' is not a list")
-        step = batch.get("step", self.step + 1)
-        self._cur_step = step if type(step) is int and -(1 << 31) <= step < (1 << 31) else -1
-        self._begin()
-        handlers, counts = _HANDLERS, self.kind_counts
+        self._begin_step(batch)
         try:
-            for ev in events:
-                kind = ev["kind"]
-                handler = handlers.get(kind)
-                if handler is None:
-                    self.unknown_kinds += 1
-                    continue
-                handler(self, ev)
-                counts[kind] = counts.get(kind, 0) + 1
+            self._apply_events(events)
         except ProtocolError:
             self._rollback()
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             self._rollback()
             raise ProtocolError(f"malformed event: {e!r}") from e
+        self._commit(batch)
+
+    def _begin_step(self, batch: dict[str, Any]) -> None:
+        step = batch.get("step", self.step + 1)
+        self._cur_step = step if type(step) is int and -(1 << 31) <= step < (1 << 31) else -1
+        self._begin()
+
+    def _apply_events(self, events: list[Any]) -> None:
+        """The reference: each event's handler, in order (inside a _begin/_commit)."""
+        handlers, counts = _HANDLERS, self.kind_counts
+        for ev in events:
+            kind = ev["kind"]
+            handler = handlers.get(kind)
+            if handler is None:
+                self.unknown_kinds += 1
+                continue
+            handler(self, ev)
+            counts[kind] = counts.get(kind, 0) + 1
+
+    def _commit(self, batch: dict[str, Any]) -> None:
         self._undo = None
         self._dirty_seqs |= self._touched
         self._dirty_seqs |= self._batch_dirty
-        self.step = int(step)
+        self.step = int(batch.get("step", self.step + 1))
         self.time = float(batch.get("time", self.time))
         stats = batch.get("stats")
         if isinstance(stats, dict):
@@ -640,6 +669,15 @@ class KVState:
         else:
             for col in (c0, c1, c2):
                 self._save(col, ids)
+
+    def _save_columns(self, t: TierState, idx: np.ndarray) -> None:
+        """Log every column of ``t`` at ``idx`` (the columnar apply's sub-runs)."""
+        for col in t.columns():
+            self._undo.append((_COL, col, idx, col.np[idx]))
+
+    def _save_tokens(self, objs: list[SeqState]) -> None:
+        """Log the token counts of ``objs`` (one entry for a whole seq_tokens event)."""
+        self._undo.append((_TOKENS, objs, None, [s.num_tokens for s in objs]))
 
     def _idx(self, ids: list[int]) -> np.ndarray:
         """``ids`` as an int64 array, converted once per id list (large events only)."""

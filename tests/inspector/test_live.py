@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from engine.bench.synthetic import SyntheticCache
+from engine.events import PROTOCOL_VERSION
 from engine.events.wire import EventStream
 from inspector.errors import InspectError
 from inspector.sources.live import LiveSource
@@ -162,6 +163,7 @@ def test_nobody_publishing_says_so(window, qtbot, endpoints, monkeypatch):  # no
 
 def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN001
     """A publisher speaking a future protocol on both sockets: the banner names it."""
+    FUTURE = PROTOCOL_VERSION + 1  # noqa: N806
     ctx = zmq.Context()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub.bind(endpoints[0])
@@ -174,14 +176,14 @@ def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN00
             if router.poll(10):
                 ident, *_ = router.recv_multipart()
                 router.send_multipart([ident, msgpack.packb(
-                    {"v": 3, "type": "snapshot", "epoch": "x", "seq": 1, "step": 0,
+                    {"v": FUTURE, "type": "snapshot", "epoch": "x", "seq": 1, "step": 0,
                      "state": {}})])
             pub.send_multipart([b"kv", (1).to_bytes(8, "big"), msgpack.packb(
-                {"v": 3, "type": "heartbeat", "epoch": "x", "seq": 1, "time": 0.0})])
+                {"v": FUTURE, "type": "heartbeat", "epoch": "x", "seq": 1, "time": 0.0})])
             return window.banner.isVisible()
 
         qtbot.waitUntil(answer, timeout=HANG_MS)
-        assert "protocol version 3" in window.banner.text()
+        assert f"protocol version {FUTURE}" in window.banner.text()
         assert not live.has_state
     finally:
         live.stop()

@@ -4,7 +4,10 @@ Every message is a self-describing msgpack map with ``"v"`` (PROTOCOL_VERSION) a
 ``"type"``. The types (``MSG_*``; their fields are the message classes below):
 
     batch      one engine step, published on PUB and replayed over ROUTER:
-               {v, type, epoch, seq, step, time, events: [event...], stats: {...}}
+               {v, type, epoch, seq, step, time, events: [event...], stats: {...},
+                cols?: {...}}  (protocol 3, bulk steps: the hot events as packed
+               columns, ``engine.events.columns``; ``events`` then holds the others.
+               Decoded, ``events`` is the whole step again and ``columns`` the columns)
     heartbeat  sent on PUB when idle (~1 s): {v, type, epoch, seq (last batch), time}
     snapshot   reply to a snapshot request: {v, type, epoch, seq, step, state, info?}
                where ``state`` is ``KVState.snapshot()`` after the batch ``seq`` and
@@ -38,6 +41,7 @@ import msgspec
 from msgspec import UNSET
 
 from engine.events import schema as S
+from engine.events.columns import StepColumns
 from engine.events.schema import (
     BLOCK_ID_FIELDS,
     PROTOCOL_VERSION,
@@ -45,6 +49,7 @@ from engine.events.schema import (
     ProtocolError,
 )
 from engine.events.state import pack_ids
+from engine.events.state_columns import worth_arrays
 
 TOPIC = b"kv"
 
@@ -89,6 +94,8 @@ class Batch(_Message, tag=MSG_BATCH):
     time: float
     events: list[S.AnyEvent]
     stats: S.Opt[dict[str, Any]] = UNSET  # engine.events.stats.StepStats
+    # protocol 3: the step's hot events as columns (events then holds the others)
+    cols: S.Opt[dict[str, Any]] = UNSET
 
 
 class Heartbeat(_Message, tag=MSG_HEARTBEAT):
@@ -222,7 +229,54 @@ def validate(msg: Any) -> dict[str, Any]:
     check_envelope(msg)
     if msg["type"] == MSG_BATCH:
         msg["events"] = typed_events(msg["events"])
+        unpack_columns(msg)
     return msg
+
+
+def unpack_columns(msg: dict[str, Any]) -> dict[str, Any]:
+    """A decoded batch's ``cols`` (protocol 3), checked, in place: ``events`` becomes the
+    whole step in order (hot events rebuilt from the columns, id lists packed as in
+    protocol 2: every reader of events reads it as before) and ``columns`` the
+    ``StepColumns`` (``KVState.apply`` takes the array path on it). Raises
+    ProtocolError."""
+    raw = msg.pop("cols", None)
+    if raw is None:
+        return msg
+    if msg["v"] < 3:
+        raise ProtocolError(f"batch 'cols' in a protocol {msg['v']} message")
+    cols = StepColumns.from_wire(raw, msg["events"])
+    cols.source = msg["events"] = cols.to_events(packed=True)
+    msg["columns"] = cols
+    return msg
+
+
+def wire_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch as it goes on the wire: a bulk step (``state_columns.worth_arrays``: the
+    mirror applies it with arrays) as columns plus the other events, any other step as
+    events as they are (the writer packs their id lists first: ``pack_events``). A batch
+    already holding ``columns`` (a decoded protocol-3 batch) keeps them."""
+    cols = batch.get("columns")
+    if cols is None:
+        events = batch["events"]
+        if not worth_arrays(len(events), _num_ids(events)):
+            return batch
+        cols = StepColumns.from_events(events)
+    out = {k: v for k, v in batch.items() if k != "columns"}
+    out["events"] = cols.others
+    out["cols"] = cols.to_wire()
+    return out
+
+
+def _num_ids(events: list[Any]) -> int:
+    """The block ids of ``events`` (any values: a writer may be handed anything)."""
+    n = 0
+    for ev in events:
+        ids = ev.get("blocks") if type(ev) is dict else None
+        if type(ids) is list:
+            n += len(ids)
+        elif type(ids) is bytes:
+            n += len(ids) // 4
+    return n
 
 
 class Codec:
@@ -242,7 +296,12 @@ class Codec:
     def num_errors(self) -> int:
         return sum(self.errors.values())
 
-    def encode(self, msg: dict[str, Any]) -> bytes:
+    def encode(self, msg: dict[str, Any], columns: bool = True) -> bytes:
+        """A message -> bytes (a batch in its wire form: ``wire_batch``; with
+        ``columns=False`` as events only, the per-event form benchmarks compare with)."""
+        if msg.get("type") == MSG_BATCH:
+            msg = wire_batch(msg) if columns else {
+                k: v for k, v in msg.items() if k != "columns"}
         return self._packer.pack(msg)
 
     def decode(self, data: bytes) -> dict[str, Any]:
@@ -260,7 +319,11 @@ class Codec:
             batch = self._batch_decoder.decode(data)
         except (msgspec.MsgspecError, ValueError):  # a bad utf-8 key: UnicodeDecodeError
             return self.decode_checked(data)
-        return msgspec.to_builtins(batch, builtin_types=(bytes,))
+        msg = msgspec.to_builtins(batch, builtin_types=(bytes,))
+        try:
+            return unpack_columns(msg)
+        except ProtocolError as e:
+            raise self._fail("columns", str(e)) from None
 
     def decode_checked(self, data: bytes) -> dict[str, Any]:
         """``decode``'s checked path: msgpack to plain maps, then ``validate``."""

@@ -54,6 +54,7 @@ from engine.events import schema as S
 from engine.events.schema import ProtocolError
 from engine.events.sink import EventSink, ListSink, NullSink
 from engine.events.state import KVState
+from engine.events.stats import StepStats
 from engine.events.wire import codec as C
 from engine.events.wire.publisher import Publisher
 from engine.events.wire.recording import RecordingWriter
@@ -169,7 +170,7 @@ class EventStream:
         events = self.sink.drain()  # type: ignore[attr-defined]
         self.seq += 1
         stats = dict(stats) if stats else {}  # a StepStats map (engine.events.stats)
-        stats["dropped_batches"] = self.dropped_batches  # StepStats.dropped_batches
+        stats.update(StepStats(dropped_batches=self.dropped_batches).to_map())
         batch = C.make_batch(self.epoch, self.seq, step, time.time(), events, stats)
         self._last_meta = (step, batch["time"], stats)
         snap, wanted = None, self._snap_wanted
@@ -333,7 +334,7 @@ class EventStream:
                     self.consumer_errors += 1
                     log.exception("event batch consumer %r failed", consumer)
             C.pack_events(batch["events"])
-            payload = self._codec.encode(batch)
+            payload = self._codec.encode(batch)  # bulk steps as columns (protocol 3)
             if self.publisher is not None:
                 self.publisher.publish(batch["seq"], payload)
             self._last_seq_handled = batch["seq"]
