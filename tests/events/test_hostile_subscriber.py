@@ -12,7 +12,7 @@ from engine.bench.synthetic import SyntheticCache
 from engine.events import KVState
 from engine.events.wire import Subscriber
 from engine.events.wire import codec as C
-from engine.events.wire.publisher import Publisher
+from engine.events.wire.publisher import MAX_REQUESTS_PER_ROUND, MAX_REQUESTS_PER_S, Publisher
 from tests.events.conftest import cache_stream, poll_until, synced_to
 from tests.events.test_live_stream import run_steps
 from tests.waiting import wait_until
@@ -41,7 +41,8 @@ def test_snapshot_and_replay_floods_neither_stop_the_engine_nor_hurt_a_subscribe
     with cache_stream(gen, EP, heartbeat_s=0.2, replay_size=256,
                       snapshot_interval_s=3600) as stream, \
             Subscriber(stream.endpoint, stream.snapshot_endpoint) as good:
-        stream.publisher._clock = lambda: 0.0  # the replay budget never refills
+        stream.publisher._replay_rate = 0.0  # the replay budget never refills
+        stream.publisher.max_requests_per_s = 1e9  # read the whole flood (see below)
         poll_until([good], synced_to([good], 0))
         ctx = zmq.Context()
         flooders = [_flooder(ctx, stream.snapshot_endpoint) for _ in range(3)]
@@ -137,5 +138,30 @@ def test_one_snapshot_encoding_answers_every_waiter_with_its_own_id():
     finally:
         for c in clients:
             c.close()
+        ctx.term()
+        pub.close()
+
+
+def test_requests_are_read_at_a_bounded_rate_and_the_rest_wait():
+    pub = Publisher(EP, None, "e")
+    now = [0.0]
+    pub._clock = lambda: now[0]
+    pub._requests_refilled = 0.0
+    ctx = zmq.Context()
+    flooder = _flooder(ctx, pub.snapshot_endpoint)
+    try:
+        for i in range(3 * MAX_REQUESTS_PER_ROUND):
+            _ask(flooder, C.MSG_REPLAY, i, **{"from": 1})
+        wait_until(lambda: (pub.serve_requests(), pub.requests_received)[1] > 0,
+                   "the first requests")
+        for _ in range(20):  # the clock stands still: the budget does not come back
+            pub.serve_requests()
+        assert pub.requests_received == MAX_REQUESTS_PER_ROUND
+        now[0] = 0.1  # 0.1 s: MAX_REQUESTS_PER_S / 10 more
+        wait_until(lambda: (pub.serve_requests(), pub.requests_received)[1]
+                   >= MAX_REQUESTS_PER_ROUND + MAX_REQUESTS_PER_S // 10, "the refill")
+        assert pub.requests_received == MAX_REQUESTS_PER_ROUND + MAX_REQUESTS_PER_S // 10
+    finally:
+        flooder.close()
         ctx.term()
         pub.close()

@@ -15,8 +15,11 @@ is no longer buffered.
 
 A client is untrusted (it may flood requests, or never read its replies); the bounds that
 keep it from slowing the engine or the other clients:
-- one ``serve_requests`` round handles at most ``MAX_REQUESTS_PER_ROUND`` requests, so a
-  flood never keeps the stream thread from publishing the engine's batches;
+- requests are read at most ``MAX_REQUESTS_PER_S`` a second (up to
+  ``MAX_REQUESTS_PER_ROUND`` at once): the rest wait in the socket, where ZeroMQ queues
+  them per client and takes them in turn (a flooder's backlog does not delay another
+  client's request behind all of it) and, once full, pushes back on the flooder. So a
+  flood costs the stream thread, which shares the GIL with the engine, a bounded time;
 - snapshot requests are coalesced: one waiting entry per client, and the EventStream
   asks the engine for at most one snapshot per ``snapshot_interval_s``;
 - replays draw on a budget (``replay_size`` batches a second, up to ``replay_size`` at
@@ -46,6 +49,8 @@ log = logging.getLogger(__name__)
 MAX_SNAPSHOT_WAITERS = 1024  # clients waiting for the next snapshot at once
 # requests handled per round before the stream thread goes back to the engine's batches
 MAX_REQUESTS_PER_ROUND = 256
+# a subscriber asks once when it joins and once per gap: 500/s serves hundreds of them
+MAX_REQUESTS_PER_S = 500
 _TCP = re.compile(r"^tcp://(?P<host>[^:]+|\[[^\]]+\]):(?P<port>\d+|\*)$")
 
 
@@ -92,6 +97,9 @@ class Publisher:
         self._replay_rate = float(replay_size)
         self._replay_tokens = float(replay_size)
         self._replay_refilled = self._clock()
+        self.max_requests_per_s = float(MAX_REQUESTS_PER_S)
+        self._request_tokens = float(MAX_REQUESTS_PER_ROUND)
+        self._requests_refilled = self._replay_refilled
         self.snapshot_waiters: dict[bytes, Any] = {}  # client identity -> request id
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -134,14 +142,21 @@ class Publisher:
     def serve_requests(self, can_snapshot: bool = True) -> int:
         """Answer every waiting replay request; queue snapshot requests (answered by
         ``answer_snapshots`` once the engine has taken one) or refuse them at once when
-        ``can_snapshot`` is False. Handles at most ``MAX_REQUESTS_PER_ROUND`` (the rest
-        wait for the next round). Returns how many snapshot requests wait."""
-        for _ in range(MAX_REQUESTS_PER_ROUND):
+        ``can_snapshot`` is False. Reads what the request budget allows (module
+        docstring; the rest wait in the socket). Returns how many snapshot requests
+        wait."""
+        now = self._clock()
+        elapsed = max(0.0, now - self._requests_refilled)
+        self._request_tokens = min(float(MAX_REQUESTS_PER_ROUND),
+                                   self._request_tokens + elapsed * self.max_requests_per_s)
+        self._requests_refilled = now
+        while self._request_tokens >= 1:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             self.requests_received += 1
+            self._request_tokens -= 1
             ident, body = frames[0], frames[-1]
             try:
                 if len(frames) < 2:

@@ -92,7 +92,7 @@ class EventStream:
                  engine_lock: threading.Lock | threading.RLock | None = None,
                  queue_size: int = 1024, replay_size: int = 4096, heartbeat_s: float = 1.0,
                  keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0,
-                 snapshot_interval_s: float = 0.1,
+                 snapshot_interval_s: float = 0.5,
                  consumers: list[Any] | None = None) -> None:
         # consumers: other listeners of each closed batch with ``on_batch(batch)`` (a
         # BatchConsumer, on the stream thread) and ``close()`` (when the stream closes),
