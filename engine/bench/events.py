@@ -567,8 +567,8 @@ def bench_flood(blocks: int, step_s: float = 0.010, num_blocks: int = 65536) -> 
     runs, procs = [], []
     for i, mode in enumerate(modes):
         lock = threading.Lock()
-        s = EventStream("tcp://127.0.0.1:0", engine_lock=lock,
-                        snapshot_interval_s=0.0 if i == 2 else 0.1)
+        coalescing = {"snapshot_interval_s": 0.0} if i == 2 else {}  # else the default
+        s = EventStream("tcp://127.0.0.1:0", engine_lock=lock, **coalescing)
         m = KVCacheManager(num_blocks, 16, sink=s.sink)
         s.snapshot_fn = m.snapshot
         runs.append((s, lock, ManagerWorkload(m, seed=7, max_running=256)))
