@@ -32,7 +32,6 @@ BEFORE = "231707a^"  # "server: ... Admission ... runs off the event loop"
 READY = re.compile(r"ready on (http://\S+)")
 PROMPT_BYTES = 3_000_000
 HEAVY = 6
-STREAM_TOKENS = 256
 
 
 def export_tree(rev: str, into: Path) -> Path:
@@ -58,10 +57,11 @@ def start(root: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"the server from {root} did not start")
 
 
-def stream_times(url: str, during: threading.Event | None = None) -> list[float]:
+def stream_times(url: str, tokens: int, during: threading.Event | None = None
+                 ) -> list[float]:
     """Arrival times of a streamed completion's chunks; sets ``during`` after 8."""
     body = {"prompt": "Write a long story about a lighthouse keeper.",
-            "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True,
+            "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     times: list[float] = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
@@ -89,13 +89,13 @@ def heavy_prompt(seed: int) -> str:
     return " ".join(out)
 
 
-def one_round(url: str, prompts: list[str]) -> dict:
-    quiet = gaps(stream_times(url)[1:])  # after the first chunk (the prefill)
+def one_round(url: str, prompts: list[str], tokens: int) -> dict:
+    quiet = gaps(stream_times(url, tokens)[1:])  # after the first chunk (the prefill)
     go = threading.Event()
     result: dict = {}
 
     def run_stream() -> None:
-        result["times"] = stream_times(url, go)
+        result["times"] = stream_times(url, tokens, go)
 
     t = threading.Thread(target=run_stream)
     t.start()
@@ -131,17 +131,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rev", nargs="?", default=BEFORE)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=256,
+                    help="each stream's length (it must outlast the burst)")
     args = ap.parse_args()
     prompts = [heavy_prompt(i) for i in range(HEAVY)]
     out: dict = {"load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as d:
         trees = {"this tree": REPO, args.rev: export_tree(args.rev, Path(d))}
         servers = {name: start(root) for name, root in trees.items()}
+        print("servers up", file=sys.stderr, flush=True)
         try:
             rounds: dict[str, list[dict]] = {name: [] for name in trees}
             for _ in range(args.rounds):
                 for name, (_, url) in servers.items():
-                    rounds[name].append(one_round(url, prompts))
+                    rounds[name].append(one_round(url, prompts, args.tokens))
+                    print(name, rounds[name][-1], file=sys.stderr, flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
