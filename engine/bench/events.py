@@ -16,6 +16,11 @@ the repository, side by side in one run.)
 4. overhead: the real KVCacheManager plus a 10 ms GIL-releasing stand-in for a GPU step
    (a sleep: a GPU step leaves the CPU idle), step time with the stream off and on
    (publishing and recording), in alternating blocks of 10 steps.
+5. flood: the same engine stand-in publishing, quiet vs. flooded by a hostile client in
+   another process (snapshot and replay requests as fast as it can send, never reading
+   a reply), and flooded with snapshot coalescing off (``snapshot_interval_s=0``: one
+   cache snapshot per step, what a flood cost before), alternating blocks of 10 steps.
+   ``--only flood`` runs this one alone.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("events", help="event stream throughput, latency, recording, overhead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="smaller runs (a smoke test)")
+    p.add_argument("--only", choices=SECTIONS, help="run one section")
     p.set_defaults(func=run)
 
 
@@ -532,15 +538,113 @@ def bench_overhead(blocks: int, step_s: float = 0.010) -> dict[str, Any]:
     return out
 
 
+def _flood_proc(endpoint: str, stop: Any) -> None:
+    """Child process: a hostile client. Asks for snapshots and full replays as fast as
+    the publisher takes requests, and never reads a reply."""
+    import zmq
+
+    from engine.events.wire import codec as C
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.connect(endpoint)
+    codec = C.Codec()
+    reqs = [codec.encode(C.make_request(C.MSG_GET_SNAPSHOT, id=1)),
+            codec.encode(C.make_request(C.MSG_REPLAY, id=2, **{"from": 1}))]
+    i = 0
+    while not stop.is_set():
+        for _ in range(100):
+            try:
+                s.send(reqs[i & 1], zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            i += 1
+    s.close()
+    ctx.term()
+
+
+def bench_flood(blocks: int, step_s: float = 0.010, num_blocks: int = 65536) -> dict[str, Any]:
+    """Engine step time with a quiet snapshot endpoint vs. one flooded by a hostile
+    client (``_flood_proc``), one process, same seed, alternating blocks of 10 steps
+    (the flooder runs throughout, so its CPU load falls on every mode alike; only the
+    flooded streams get its requests). Each stream publishes, with snapshots from the
+    real KVCacheManager (``num_blocks`` x 16) under the engine lock, as LLMEngine wires
+    it. Reported: the median per-step time, and the publisher's counters."""
+    from engine.cache import KVCacheManager
+    from engine.events.wire.stream import EventStream
+
+    modes = ("quiet", "flooded", "flooded_no_coalescing")
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    runs, procs = [], []
+    for i, mode in enumerate(modes):
+        lock = threading.Lock()
+        coalescing = {"snapshot_interval_s": 0.0} if i == 2 else {}  # else the default
+        s = EventStream("tcp://127.0.0.1:0", engine_lock=lock, **coalescing)
+        m = KVCacheManager(num_blocks, 16, sink=s.sink)
+        s.snapshot_fn = m.snapshot
+        runs.append((s, lock, ManagerWorkload(m, seed=7, max_running=256)))
+        if mode != "quiet":
+            procs.append(ctx.Process(target=_flood_proc, args=(s.snapshot_endpoint, stop)))
+    for p in procs:
+        p.start()
+    times: list[list[float]] = [[] for _ in modes]
+    started = time.perf_counter()
+    try:
+        step = 0
+        for b in range(blocks + 3):  # the first 3 blocks warm up
+            for i, (s, lock, w) in enumerate(runs):
+                t0 = time.perf_counter()
+                for k in range(10):
+                    with lock:
+                        stats = w.step()
+                        s.end_step(step + k, stats)
+                    time.sleep(step_s)
+                if b >= 3:
+                    times[i].append((time.perf_counter() - t0) / 10)
+            step += 10
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+    out: dict[str, Any] = {
+        "blocks_of_10_steps": blocks,
+        "workload": f"KVCacheManager {num_blocks}x16 blocks, <=256 running, publishing",
+        "step_stand_in": f"time.sleep({step_s:g}) (GIL released)",
+        "flooder": "another process: get_snapshot and replay(from=1) in a loop, never reads",
+        "wall_s": round(time.perf_counter() - started, 1)}
+    quiet = statistics.median(times[0])
+    for i, (mode, (s, _, _)) in enumerate(zip(modes, runs, strict=True)):
+        t = statistics.median(times[i])
+        st = s.stats
+        out[mode] = {"step_ms": round(t * 1e3, 3),
+                     "vs_quiet_pct": round((t - quiet) / quiet * 100, 2),
+                     "steps": step,
+                     **{k: st[k] for k in ("snapshots_taken", "requests_received",
+                                           "snapshots_served", "replays_served",
+                                           "replays_refused", "replies_dropped",
+                                           "dropped_batches")}}
+        s.close()
+    return out
+
+
+SECTIONS = ("throughput", "subscriber_side", "latency", "recording", "overhead", "flood")
+
+
 def run(args: argparse.Namespace) -> int:
     quick = args.quick
-    result = {
-        "throughput": bench_throughput(2000 if quick else 20_000, 1 if quick else 2),
-        "subscriber_side": bench_subscriber_side(1000 if quick else 5000),
-        "latency": bench_latency(100 if quick else 500),
-        "recording": bench_recording(2000 if quick else 72_000, 20 if quick else 100),
-        "overhead": bench_overhead(5 if quick else 60),
+    benches = {
+        "throughput": lambda: bench_throughput(2000 if quick else 20_000, 1 if quick else 2),
+        "subscriber_side": lambda: bench_subscriber_side(1000 if quick else 5000),
+        "latency": lambda: bench_latency(100 if quick else 500),
+        "recording": lambda: bench_recording(2000 if quick else 72_000, 20 if quick else 100),
+        "overhead": lambda: bench_overhead(5 if quick else 60),
+        "flood": lambda: bench_flood(5 if quick else 60),
     }
+    result = {name: bench() for name, bench in benches.items()
+              if args.only in (None, name)}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
