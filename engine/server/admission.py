@@ -101,6 +101,31 @@ def check_prompt_bytes(state: ServerState, text: str, param: str) -> None:
                        param=param, code="context_length_exceeded")
 
 
+# A prompt longer than this many characters a token of context is probed before it is
+# tokenized whole: tokenizing a few MB costs seconds of CPU that the running streams need.
+PROBE_CHARS_PER_TOKEN = 16
+# The probe refuses only past twice the context: cutting a text can change how the tokens
+# near the cut fall (a word split in two), never by a context's worth.
+PROBE_MARGIN = 2
+
+
+def check_prompt_length(state: ServerState, text: str, param: str) -> None:
+    """Refuse a prompt that cannot fit the context, as cheaply as it can be proven: by its
+    bytes (``check_prompt_bytes``), else, for a long text, by tokenizing only its first
+    ``PROBE_CHARS_PER_TOKEN * max_model_len`` characters: more than ``PROBE_MARGIN`` times
+    the context there proves the whole too long. A prompt the probe cannot judge is
+    tokenized whole and its exact count decides (``limits``)."""
+    check_prompt_bytes(state, text, param)
+    probe = state.max_model_len * PROBE_CHARS_PER_TOKEN
+    if len(text) <= probe:
+        return
+    n = len(state.tokenizer.encode(text[:probe], add_special_tokens=False))
+    if n > state.max_model_len * PROBE_MARGIN:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} "
+                       f"tokens; the prompt's first {probe} characters alone are {n} tokens.",
+                       param=param, code="context_length_exceeded")
+
+
 async def off_loop(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` on a worker thread: the CPU-bound parts of admission (parsing a large
     body, rendering a chat template, tokenizing) never pause the event loop, so every
@@ -114,7 +139,7 @@ async def chat_tokens(state: ServerState, req: ChatPrompt) -> tuple[str, list[in
 
     def run() -> tuple[str, list[int]]:
         text = chat_prompt(state, req)
-        check_prompt_bytes(state, text, "messages")
+        check_prompt_length(state, text, "messages")
         return text, state.tokenizer.encode(text, add_special_tokens=False)
 
     return await off_loop(run)

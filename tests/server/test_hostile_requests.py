@@ -194,6 +194,34 @@ def test_an_obviously_oversized_prompt_is_refused_before_tokenizing(served: InPr
         len(tok.decode([i]).encode()) for i in range(0, tok.backend.get_vocab_size(), 97))
 
 
+def test_a_long_prompt_is_refused_on_a_probe_of_its_start(served: InProcess, monkeypatch):
+    """Past the byte bound's reach, a long prompt is judged by tokenizing its start only:
+    six 3 MB prompts tokenized whole took the cores from the running streams."""
+    tok = served.state.tokenizer
+    calls: list[int] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **kw: calls.append(len(text)) or
+                        real(text, *a, **kw))
+    probe = served.state.max_model_len * admission.PROBE_CHARS_PER_TOKEN
+    big = "word " * (probe // 5 + 1000)  # about a token a word: over twice the context
+    for url, body in [("/v1/completions", {"prompt": big}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                              "content": big}]})]:
+        r = served.http.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == \
+            "context_length_exceeded", r.text
+    assert calls == [probe, probe]
+    # a long prompt the probe cannot judge (few tokens at its start) is counted whole:
+    # a tokenizer whose tokens here are 100 characters long
+    calls.clear()
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **kw: calls.append(len(text)) or
+                        [1] * (len(text) // 100))
+    sparse = "word " * (probe // 5 + 1000)
+    r = served.http.post("/v1/completions", json={"prompt": sparse, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert calls == [probe, len(sparse)]
+
+
 def test_models_retrieve(served: InProcess):
     client = served.openai()
     name = served.state.settings.served_model_name

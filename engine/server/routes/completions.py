@@ -16,7 +16,7 @@ from engine.server import sse
 from engine.server.admission import (
     admit,
     check_model,
-    check_prompt_bytes,
+    check_prompt_length,
     compile_constraint,
     off_loop,
     read_body,
@@ -60,7 +60,7 @@ def _tokenize(state: ServerState, prompt: str | list[int]) -> tuple[str | None, 
         if state.tokenizer is None:
             raise bad_request("this model has no tokenizer (a dummy model): 'prompt' must be "
                               "token ids", "prompt")
-        check_prompt_bytes(state, prompt, "prompt")
+        check_prompt_length(state, prompt, "prompt")
         ids = state.tokenizer.encode(prompt)
         if not ids:
             raise bad_request("'prompt' is empty", "prompt")
