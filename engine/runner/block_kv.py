@@ -46,11 +46,13 @@ class BlockKV:
         def zeros(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
 
+        supers = (num_blocks, num_kv_heads, 2)
         self.layers = [bq.BlockLayer(
             fmt, zeros((num_blocks, block_size, num_kv_heads, kd), torch.uint8),
-            zeros(k_scale_shape, quant.SCALE_DTYPE),
+            zeros(k_scale_shape, torch.uint8), zeros(supers, bq.SUPER_DTYPE),
             zeros((num_blocks, block_size, num_kv_heads, vd), torch.uint8),
-            zeros((num_blocks, block_size, num_kv_heads, 2), quant.SCALE_DTYPE),
+            zeros((num_blocks, block_size, num_kv_heads, 2), torch.uint8),
+            zeros(supers, bq.SUPER_DTYPE),
             zeros((_FIRST_ROWS, *self.shape), dtype), zeros((_FIRST_ROWS, *self.shape), dtype),
             self.slot_of) for _ in range(num_layers)]
 
@@ -94,7 +96,7 @@ class BlockKV:
         src = torch.tensor([s for s, _ in orders], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in orders], dtype=torch.int64, device=self.device)
         for layer in self.layers:
-            for t in (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales):
+            for t in (*layer.key_tensors, *layer.value_tensors):
                 t.index_copy_(0, dst, t.index_select(0, src))
         for s, d in orders:
             row = int(self.slot_of[s])
