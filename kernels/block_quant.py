@@ -10,7 +10,7 @@ tokens first, so the tokens of a block that is not yet full are kept at full pre
 go when its last token arrives (``quantize_block``); attention reads complete blocks from
 their codes and the residual block as it is.
 
-Formats (``FORMATS``), every code asymmetric with an fp16 (scale, zero) pair:
+Formats (``FORMATS``), every code asymmetric with a 2-byte (scale, zero) pair per group:
 
 - ``kivi4``: 4-bit keys per channel over the block, 4-bit values per token.
 - ``k8v4``: 8-bit keys per token, 4-bit values per token.
@@ -20,15 +20,17 @@ Codes are packed along head_dim, ``8 / bits`` per byte, element ``i`` of a group
 ``8 / bits`` in bits ``[bits * i, bits * (i + 1))`` (for 4 bits: element 2j in the low
 nibble of byte j, as ``kernels.quant``'s int4). Page tensors per layer:
 
-- K codes ``[num_blocks, block_size, Hkv, D * kbits / 8]`` uint8; K scales
-  ``[num_blocks, Hkv, D, 2]`` fp16 (per channel) or ``[num_blocks, block_size, Hkv, 2]``
-  (per token);
+- K codes ``[num_blocks, block_size, Hkv, D * kbits / 8]`` uint8; K scales uint8
+  ``[num_blocks, Hkv, D, 2]`` (per channel) or ``[num_blocks, block_size, Hkv, 2]`` (per
+  token); K supers ``[num_blocks, Hkv, 2]`` fp16;
 - V codes ``[num_blocks, block_size, Hkv, D * vbits / 8]`` uint8, V scales
-  ``[num_blocks, block_size, Hkv, 2]`` fp16.
+  ``[num_blocks, block_size, Hkv, 2]`` uint8, V supers ``[num_blocks, Hkv, 2]`` fp16.
 
-Rounding as ``kernels.quant``: zero = min rounded down to fp16, scale = (max - zero) /
-levels rounded up, code = floor((x - zero) / scale + 0.5) clamped to [0, levels], so
-|x - deq| <= scale / 2 for every element.
+Why 8-bit scales: fp16 (scale, zero) per channel per 16-token block cost 16 bytes a token
+at head 64, half of a 4-bit key's codes. A group's pair is (c, z): scale = smax *
+2^(-c / 16) (log-coded: a channel 20x smaller than the outlier channel keeps a step within
+4.4% of its own), zero = (z - 128) * zstep, with (smax, zstep) fp16 per (block, head).
+Rounding (``quantize_groups``) keeps |x - deq| <= scale / 2 for every element.
 """
 
 from __future__ import annotations
@@ -66,11 +68,12 @@ class BlockFormat:
 
     def bytes_per_token_head(self, head_dim: int, block_size: int) -> float:
         """K and V of one token-head, averaged: codes plus the scales amortised over the
-        block (per-channel keys: 2 fp16 per channel per block)."""
+        block (per-channel keys: 2 bytes per channel per block; per token: 2 bytes) and the
+        4-byte super pair of each (block, head), for K and for V."""
         k = self.packed_dim(self.key_bits, head_dim)
-        k += 4 * head_dim / block_size if self.keys_per_channel else 4
-        v = self.packed_dim(self.value_bits, head_dim) + 4
-        return (k + v) / 2
+        k += 2 * head_dim / block_size if self.keys_per_channel else 2
+        v = self.packed_dim(self.value_bits, head_dim) + 2
+        return (k + v + 2 * 4 / block_size) / 2
 
 
 # Measured choices (docs/benchmarks/quant.md, 1,024 tokens of prose and of code): rotating
@@ -92,21 +95,68 @@ def block_format(name: str) -> BlockFormat:
 
 
 # ----------------------------------------------------------------------------- codes
-def quantize_asym(x: torch.Tensor, bits: int, dim: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x -> (codes uint8 unpacked, scale fp16, zero fp16), one (scale, zero) per slice
-    along ``dim`` (kept as a size-1 dim)."""
+SUPER_DTYPE = quant.SCALE_DTYPE
+LOG_STEPS = 16  # an 8-bit scale code c means smax * 2^(-c / 16): 4.4% apart, 16 octaves
+ZERO_CODES = 127  # an 8-bit zero code z means (z - 128) * zstep, |z - 128| <= 127 (+1)
+_EXP2 = torch.exp2(-torch.arange(256, dtype=torch.float32) / LOG_STEPS)
+
+
+def scale_table() -> torch.Tensor:
+    """The 256 float32 factors ``2^(-c / 16)`` of the scale codes (C kernels read it)."""
+    return _EXP2
+
+
+def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    return (x * quant._UP).clamp_(quant.SCALE_MIN, quant.SCALE_MAX).to(SUPER_DTYPE)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks ``x [n, T, Hkv, C]`` -> (codes uint8 unpacked, scales uint8, super fp16), one
+    group per slice along ``dim`` (1: per channel over the block's tokens, -1: per token).
+
+    Every group's (scale, zero) is 2 bytes: a log-coded scale and a linear zero, both
+    relative to its (block, head)'s fp16 super pair ``[n, Hkv, 2]`` = (smax, zstep).
+    Rounding keeps the half-step bound: zstep = max |min| / 127 and smax = the largest need
+    (below), both rounded up to fp16; z = the largest integer with z * zstep <= the group's
+    min; need = (max - zero) / levels; c = the largest code in [0, 255] with
+    smax * 2^(-c/16) >= need; code =
+    floor((x - zero) / scale + 0.5) clamped to [0, levels].
+    ``scales [..., 2]`` = (c, z + 128) in the group's position (size 1 along ``dim``)."""
     levels = (1 << bits) - 1
     x = x.float()
     lo = x.amin(dim, keepdim=True)
     hi = x.amax(dim, keepdim=True)
-    zero = (lo - lo.abs() * quant._DOWN).clamp_(-quant.SCALE_MAX, quant.SCALE_MAX)
-    zero = zero.to(quant.SCALE_DTYPE)
-    scale = ((hi - zero.float()) * (quant._UP / levels)).clamp_(quant.SCALE_MIN,
-                                                                quant.SCALE_MAX)
-    scale = scale.to(quant.SCALE_DTYPE)
-    codes = torch.floor((x - zero.float()) / scale.float() + 0.5).clamp_(0, levels)
-    return codes.to(torch.uint8), scale, zero
+    family = (1, 3)  # every group of a (block, head)
+    zstep = _round_up_fp16(lo.abs().amax(family, keepdim=True) / ZERO_CODES)
+    zs = zstep.float()
+    zc = torch.floor(lo / zs).clamp_(-ZERO_CODES, ZERO_CODES)
+    zc -= (zc * zs > lo).float()  # float rounding: keep zero <= min
+    zero = zc * zs
+    need = (hi - zero) / levels
+    smax = _round_up_fp16(need.amax(family, keepdim=True))
+    sm = smax.float()
+    ratio = (need / sm).clamp_(min=2.0 ** -20)
+    sc = torch.floor(-LOG_STEPS * torch.log2(ratio)).clamp_(0, 255)
+    # c is the largest code whose scale is still >= need (log2's rounding may miss by one)
+    sc -= (_EXP2[sc.long()] * sm < need).float()
+    up = (sc + 1).clamp_(max=255)
+    sc += ((sc < 255) & (_EXP2[up.long()] * sm >= need)).float()
+    scale = _EXP2[sc.long()] * sm
+    codes = torch.floor((x - zero) / scale + 0.5).clamp_(0, levels)
+    scales = torch.stack([sc, zc + 128], dim=-1).to(torch.uint8)
+    supers = torch.stack([smax[:, 0, :, 0], zstep[:, 0, :, 0]], dim=-1)
+    return codes.to(torch.uint8), scales, supers
+
+
+def expand_scales(scales: torch.Tensor, supers: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales uint8 ``[n, T, Hkv, C, 2]``, supers ``[n, Hkv, 2]``) -> float32 (scale, zero)
+    ``[n, T, Hkv, C]`` each."""
+    s = supers.float()[:, None, :, None, :]
+    scale = _EXP2.to(scales.device)[scales[..., 0].long()] * s[..., 0]
+    zero = (scales[..., 1].float() - 128) * s[..., 1]
+    return scale, zero
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -139,46 +189,55 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return flat.view(*packed.shape[:-1], packed.shape[-1] * per)
 
 
-def quantize_keys(x: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Complete blocks ``x [n, block_size, Hkv, D]`` -> (packed codes, scales): per channel
-    ``[n, Hkv, D, 2]`` over the block's tokens, or per token ``[n, block_size, Hkv, 2]``."""
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (packed codes, scales, supers)
+
+
+def quantize_keys(x: torch.Tensor, fmt: BlockFormat) -> Quantized:
+    """Complete blocks ``x [n, block_size, Hkv, D]`` -> (packed codes, scales uint8, supers
+    ``[n, Hkv, 2]`` fp16): scales per channel ``[n, Hkv, D, 2]`` over the block's tokens, or
+    per token ``[n, block_size, Hkv, 2]``."""
     if fmt.keys_per_channel:
-        codes, scale, zero = quantize_asym(x, fmt.key_bits, dim=1)  # [n, 1, Hkv, D]
-        scales = torch.stack([scale[:, 0], zero[:, 0]], dim=-1)
-    else:
-        codes, scale, zero = quantize_asym(x, fmt.key_bits, dim=-1)
-        scales = torch.cat([scale, zero], dim=-1)
-    return pack(codes, fmt.key_bits), scales
+        codes, scales, supers = quantize_groups(x, fmt.key_bits, dim=1)
+        return pack(codes, fmt.key_bits), scales[:, 0], supers
+    codes, scales, supers = quantize_groups(x, fmt.key_bits, dim=-1)
+    return pack(codes, fmt.key_bits), scales[..., 0, :], supers
 
 
-def quantize_values(x: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., Hkv, D]`` -> (packed codes, scales ``[..., Hkv, 2]``), per token."""
-    codes, scale, zero = quantize_asym(x, fmt.value_bits, dim=-1)
-    return pack(codes, fmt.value_bits), torch.cat([scale, zero], dim=-1)
+def quantize_values(x: torch.Tensor, fmt: BlockFormat) -> Quantized:
+    """Complete blocks ``x [n, block_size, Hkv, D]`` -> (packed codes, scales
+    ``[n, block_size, Hkv, 2]`` uint8, supers ``[n, Hkv, 2]``), per token."""
+    codes, scales, supers = quantize_groups(x, fmt.value_bits, dim=-1)
+    return pack(codes, fmt.value_bits), scales[..., 0, :], supers
 
 
-def dequantize_keys(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _scale_zero(scales: torch.Tensor, supers: torch.Tensor, per_channel: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float (scale, zero) broadcastable over ``[n, block_size, Hkv, D]``."""
+    if per_channel:  # [n, Hkv, D, 2] -> [n, 1, Hkv, D]
+        return expand_scales(scales[:, None], supers)
+    return expand_scales(scales[..., None, :], supers)  # [n, T, Hkv, 1]
+
+
+def dequantize_keys(codes: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor,
+                    fmt: BlockFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of ``quantize_keys`` for blocks ``[n, block_size, Hkv, Dp]``."""
-    values = unpack(codes, fmt.key_bits)
-    s = scales.float()
-    if fmt.keys_per_channel:  # [n, Hkv, D, 2] -> broadcast over the block's tokens
-        return torch.addcmul(s[:, None, ..., 1], values, s[:, None, ..., 0]).to(dtype)
-    return torch.addcmul(s[..., 1:2], values, s[..., 0:1]).to(dtype)
+    scale, zero = _scale_zero(scales, supers, fmt.keys_per_channel)
+    return torch.addcmul(zero, unpack(codes, fmt.key_bits), scale).to(dtype)
 
 
-def dequantize_values(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    values = unpack(codes, fmt.value_bits)
-    s = scales.float()
-    return torch.addcmul(s[..., 1:2], values, s[..., 0:1]).to(dtype)
+def dequantize_values(codes: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor,
+                      fmt: BlockFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    scale, zero = _scale_zero(scales, supers, False)
+    return torch.addcmul(zero, unpack(codes, fmt.value_bits), scale).to(dtype)
 
 
-def key_step(scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """The quantization step of every key element's group (per channel: [n, 1, Hkv, D])."""
-    if fmt.keys_per_channel:
-        return scales[:, None, ..., 0].float()
-    return scales[..., 0:1].float()
+def key_step(scales: torch.Tensor, supers: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The quantization step of every key element's group (broadcast over the block)."""
+    return _scale_zero(scales, supers, fmt.keys_per_channel)[0]
+
+
+def value_step(scales: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    return _scale_zero(scales, supers, False)[0]
 
 
 # ----------------------------------------------------------------------------- pages
@@ -194,8 +253,10 @@ class BlockLayer:
     fmt: BlockFormat
     k_codes: torch.Tensor
     k_scales: torch.Tensor
+    k_supers: torch.Tensor
     v_codes: torch.Tensor
     v_scales: torch.Tensor
+    v_supers: torch.Tensor
     residual_k: torch.Tensor
     residual_v: torch.Tensor
     slot_of: torch.Tensor
@@ -227,9 +288,11 @@ class BlockLayer:
         page-store interface)."""
         fmt = self.fmt
         k = dequantize_keys(self.k_codes.index_select(0, pages),
-                            self.k_scales.index_select(0, pages), fmt, dtype)
+                            self.k_scales.index_select(0, pages),
+                            self.k_supers.index_select(0, pages), fmt, dtype)
         v = dequantize_values(self.v_codes.index_select(0, pages),
-                              self.v_scales.index_select(0, pages), fmt, dtype)
+                              self.v_scales.index_select(0, pages),
+                              self.v_supers.index_select(0, pages), fmt, dtype)
         slots = self.slot_of.index_select(0, pages)
         live = (slots >= 0).nonzero().flatten()
         if live.numel():
@@ -245,9 +308,15 @@ class BlockLayer:
             return
         k = self.residual_k.index_select(0, rows)
         v = self.residual_v.index_select(0, rows)
-        codes, scales = quantize_keys(k, self.fmt)
-        self.k_codes.index_copy_(0, blocks, codes)
-        self.k_scales.index_copy_(0, blocks, scales)
-        codes, scales = quantize_values(v, self.fmt)
-        self.v_codes.index_copy_(0, blocks, codes)
-        self.v_scales.index_copy_(0, blocks, scales)
+        for q, dst in ((quantize_keys(k, self.fmt), self.key_tensors),
+                       (quantize_values(v, self.fmt), self.value_tensors)):
+            for src, t in zip(q, dst, strict=True):
+                t.index_copy_(0, blocks, src)
+
+    @property
+    def key_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k_codes, self.k_scales, self.k_supers
+
+    @property
+    def value_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.v_codes, self.v_scales, self.v_supers

@@ -13,7 +13,9 @@ Limits: a block freed by the cache manager while incomplete (a finished or preem
 sequence) keeps its row until its id is written again from offset 0; rows grow on
 demand, at most one per block. Swapping to a host tier is not supported for these formats
 (the residual rows would have to travel with their blocks): ``EngineConfig`` refuses the
-combination. CPU only: the Triton and native float kernels do not read these pages.
+combination. CPU only: the Triton and native float kernels do not read these pages; a
+decode-only step reads them with kernels/cpu_block_decode.c (codes in place), any other
+step with the torch path (dequantized gathers + SDPA, the reference).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels import block_quant as bq
-from kernels import quant
+from kernels import cpu_block_decode, quant
 from kernels.cpu_attention import StepPlan
 
 _FIRST_ROWS = 8
@@ -46,11 +48,13 @@ class BlockKV:
         def zeros(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
 
+        supers = (num_blocks, num_kv_heads, 2)
         self.layers = [bq.BlockLayer(
             fmt, zeros((num_blocks, block_size, num_kv_heads, kd), torch.uint8),
-            zeros(k_scale_shape, quant.SCALE_DTYPE),
+            zeros(k_scale_shape, torch.uint8), zeros(supers, bq.SUPER_DTYPE),
             zeros((num_blocks, block_size, num_kv_heads, vd), torch.uint8),
-            zeros((num_blocks, block_size, num_kv_heads, 2), quant.SCALE_DTYPE),
+            zeros((num_blocks, block_size, num_kv_heads, 2), torch.uint8),
+            zeros(supers, bq.SUPER_DTYPE),
             zeros((_FIRST_ROWS, *self.shape), dtype), zeros((_FIRST_ROWS, *self.shape), dtype),
             self.slot_of) for _ in range(num_layers)]
 
@@ -94,7 +98,7 @@ class BlockKV:
         src = torch.tensor([s for s, _ in orders], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in orders], dtype=torch.int64, device=self.device)
         for layer in self.layers:
-            for t in (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales):
+            for t in (*layer.key_tensors, *layer.value_tensors):
                 t.index_copy_(0, dst, t.index_select(0, src))
         for s, d in orders:
             row = int(self.slot_of[s])
@@ -121,7 +125,8 @@ class StepWrites:
 
 class BlockPagedAttention:
     """The AttentionBackend over block-quantized pages: write the step's K/V into the
-    residual window, quantize the blocks it completes, attend (CPU step plan, torch path)."""
+    residual window, quantize the blocks it completes, attend (decode-only steps: the C
+    kernel where it builds; else the CPU step plan's torch path)."""
 
     def __init__(self, kv: BlockKV, scale: float, head_dim: int) -> None:
         self.kv, self.scale = kv, scale
@@ -155,8 +160,12 @@ class BlockPagedAttention:
         pages.residual_k.index_put_(index, kw.to(pages.residual_k.dtype))
         pages.residual_v.index_put_(index, vw.to(pages.residual_v.dtype))
         pages.seal(writes.done, writes.done_rows)
-        given = (k, v) if plan.keep is None else None
-        out = plan._attend(q, pages, self.scale, given)
+        if plan.decode_only and cpu_block_decode.supports(q, pages):
+            out = cpu_block_decode.block_decode(q, pages, plan.native_tables, plan.native_lens,
+                                                self.scale).to(q.dtype)
+        else:
+            given = (k, v) if plan.keep is None else None
+            out = plan._attend(q, pages, self.scale, given)
         if layer == self.num_layers - 1:
             self.kv.release(writes)
         return out if self.v_rot is None else out @ self.v_rot.T

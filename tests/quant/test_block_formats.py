@@ -25,16 +25,36 @@ def _keys(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _ref_group(values: np.ndarray, bits: int) -> tuple[list[int], np.float16, np.float16]:
-    """One group's (codes, scale, zero), scalar numpy float32 arithmetic, as documented."""
-    levels = (1 << bits) - 1
-    lo, hi = np.float32(values.min()), np.float32(values.max())
-    zero = np.float16(np.clip(lo - abs(lo) * np.float32(2.0 ** -10), -65504, 65504))
-    scale = np.float32(hi - np.float32(zero)) * np.float32((1 + 2.0 ** -10) / levels)
-    scale = np.float16(np.clip(scale, np.float32(2.0 ** -14), np.float32(65504)))
-    codes = [int(np.clip(np.floor((np.float32(v) - np.float32(zero)) / np.float32(scale) +
-                                  np.float32(0.5)), 0, levels)) for v in values]
-    return codes, scale, zero
+_UP = np.float32(1 + 2.0 ** -10)
+
+
+def _fp16_up(x: np.float32) -> np.float16:
+    return np.float16(np.clip(np.float32(x * _UP), np.float32(2.0 ** -14), np.float32(65504)))
+
+
+def _ref_family(groups: list[np.ndarray], bits: int
+                ) -> tuple[list[list[int]], list[list[int]], list[float]]:
+    """One (block, head)'s groups -> (codes per group, (c, z) per group, [smax, zstep]),
+    scalar numpy float32 arithmetic as documented in kernels.block_quant."""
+    levels = np.float32((1 << bits) - 1)
+    table = bq.scale_table().numpy()
+    lo = [np.float32(g.min()) for g in groups]
+    hi = [np.float32(g.max()) for g in groups]
+    zstep = _fp16_up(np.float32(max(abs(v) for v in lo) / np.float32(127)))
+    zs = np.float32(zstep)
+    z = [int(np.floor(v / zs)) for v in lo]
+    z = [k - 1 if np.float32(k) * zs > v else k for k, v in zip(z, lo, strict=True)]
+    zero = [np.float32(k) * zs for k in z]
+    need = [np.float32(np.float32(h - o) / levels) for h, o in zip(hi, zero, strict=True)]
+    smax = _fp16_up(max(need))
+    sm = np.float32(smax)
+    c = [max(i for i in range(256) if np.float32(table[i] * sm) >= n) for n in need]
+    codes = []
+    for g, ci, o in zip(groups, c, zero, strict=True):
+        scale = np.float32(table[ci] * sm)
+        codes.append([int(np.clip(np.floor(np.float32(np.float32(np.float32(v) - o) / scale) +
+                                           np.float32(0.5)), 0, levels)) for v in g])
+    return codes, [[ci, k + 128] for ci, k in zip(c, z, strict=True)], [float(smax), float(zstep)]
 
 
 def _ref_pack(codes: list[int], bits: int) -> list[int]:
@@ -46,44 +66,45 @@ def _ref_pack(codes: list[int], bits: int) -> list[int]:
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_key_codes_and_scales_match_the_scalar_reference_bit_for_bit(fmt):
     x = _keys(2)
-    codes, scales = bq.quantize_keys(x, fmt)
+    codes, scales, supers = bq.quantize_keys(x, fmt)
     xn = x.numpy()
     for n in range(2):
         for h in range(HKV):
             if fmt.keys_per_channel:
-                per_channel = [_ref_group(xn[n, :, h, c], fmt.key_bits) for c in range(D)]
-                for c, (_, s, z) in enumerate(per_channel):
-                    assert scales[n, h, c, 0].numpy() == s and scales[n, h, c, 1].numpy() == z
+                cc, pairs, sup = _ref_family([xn[n, :, h, c] for c in range(D)], fmt.key_bits)
+                assert scales[n, h].tolist() == pairs
                 for t in range(BS):
-                    row = [per_channel[c][0][t] for c in range(D)]
+                    row = [cc[c][t] for c in range(D)]
                     assert codes[n, t, h].tolist() == _ref_pack(row, fmt.key_bits)
             else:
+                cc, pairs, sup = _ref_family([xn[n, t, h] for t in range(BS)], fmt.key_bits)
+                assert scales[n, :, h].tolist() == pairs
                 for t in range(BS):
-                    c, s, z = _ref_group(xn[n, t, h], fmt.key_bits)
-                    assert codes[n, t, h].tolist() == _ref_pack(c, fmt.key_bits)
-                    assert scales[n, t, h].tolist() == [float(s), float(z)]
+                    assert codes[n, t, h].tolist() == _ref_pack(cc[t], fmt.key_bits)
+            assert supers[n, h].tolist() == sup
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_value_codes_and_scales_match_the_scalar_reference_bit_for_bit(fmt):
     x = _keys(1, seed=1)
-    codes, scales = bq.quantize_values(x, fmt)
-    for t in range(BS):
-        for h in range(HKV):
-            c, s, z = _ref_group(x[0, t, h].numpy(), fmt.value_bits)
-            assert codes[0, t, h].tolist() == _ref_pack(c, fmt.value_bits)
-            assert scales[0, t, h].tolist() == [float(s), float(z)]
+    codes, scales, supers = bq.quantize_values(x, fmt)
+    for h in range(HKV):
+        cc, pairs, sup = _ref_family([x[0, t, h].numpy() for t in range(BS)], fmt.value_bits)
+        assert scales[0, :, h].tolist() == pairs and supers[0, h].tolist() == sup
+        for t in range(BS):
+            assert codes[0, t, h].tolist() == _ref_pack(cc[t], fmt.value_bits)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_every_element_is_within_half_a_step(fmt):
     x = _keys(3, seed=2)
-    codes, scales = bq.quantize_keys(x, fmt)
-    err = (bq.dequantize_keys(codes, scales, fmt) - x).abs()
-    assert bool((err <= bq.key_step(scales, fmt) / 2 * (1 + 1e-5)).all())
-    codes, scales = bq.quantize_values(x, fmt)
-    err = (bq.dequantize_values(codes, scales, fmt) - x).abs()
-    assert bool((err <= scales[..., 0:1].float() / 2 * (1 + 1e-5)).all())
+    x[1, :, 0] = 0.5  # a constant block-head: every group's range is 0
+    codes, scales, supers = bq.quantize_keys(x, fmt)
+    err = (bq.dequantize_keys(codes, scales, supers, fmt) - x).abs()
+    assert bool((err <= bq.key_step(scales, supers, fmt) / 2 * (1 + 1e-5)).all())
+    codes, scales, supers = bq.quantize_values(x, fmt)
+    err = (bq.dequantize_values(codes, scales, supers, fmt) - x).abs()
+    assert bool((err <= bq.value_step(scales, supers) / 2 * (1 + 1e-5)).all())
 
 
 def test_per_channel_keys_follow_an_outlier_channel_better_than_per_token():
@@ -91,17 +112,18 @@ def test_per_channel_keys_follow_an_outlier_channel_better_than_per_token():
     per_channel, per_token = bq.FORMATS["kivi4"], bq.BlockFormat("t", 4, 4, False, False)
     errs = []
     for fmt in (per_channel, per_token):
-        codes, scales = bq.quantize_keys(x, fmt)
-        errs.append(float((bq.dequantize_keys(codes, scales, fmt) - x).pow(2).mean()))
+        q = bq.quantize_keys(x, fmt)
+        errs.append(float((bq.dequantize_keys(*q, fmt) - x).pow(2).mean()))
     assert errs[0] < errs[1] / 2, errs
 
 
 def test_capacities_count_codes_and_amortised_scales():
-    # head 64, block 16: 4-bit codes 32 B; per-channel (scale, zero) fp16 over 16 tokens
-    # 64 * 4 / 16 = 16 B a token; per-token pairs 4 B
-    assert bq.FORMATS["kivi4"].bytes_per_token_head(64, 16) == (32 + 16 + 32 + 4) / 2
-    assert bq.FORMATS["k8v4"].bytes_per_token_head(64, 16) == (64 + 4 + 32 + 4) / 2
-    assert bq.FORMATS["kivi2"].bytes_per_token_head(64, 16) == (16 + 16 + 16 + 4) / 2
+    # head 64, block 16: 4-bit codes 32 B; per-channel (c, z) bytes over 16 tokens
+    # 64 * 2 / 16 = 8 B a token; per-token pairs 2 B; K and V supers 4 B each per block
+    assert bq.FORMATS["kivi4"].bytes_per_token_head(64, 16) == (32 + 8 + 32 + 2 + 0.5) / 2
+    assert bq.FORMATS["k8v4"].bytes_per_token_head(64, 16) == (64 + 2 + 32 + 2 + 0.5) / 2
+    assert bq.FORMATS["kivi2"].bytes_per_token_head(64, 16) == (16 + 8 + 16 + 2 + 0.5) / 2
+    assert 128 / bq.FORMATS["kivi2"].bytes_per_token_head(64, 16) >= 6
     with pytest.raises(ValueError, match="multiple"):
         bq.FORMATS["kivi2"].packed_dim(2, 6)
     with pytest.raises(ValueError, match="unknown"):
