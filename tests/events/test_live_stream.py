@@ -137,3 +137,28 @@ def test_off_stream_costs_nothing():
     stream.end_step(0, {"x": 1})
     assert stream.seq == 0 and stream._thread is None
     stream.close()
+
+
+def test_an_idle_streams_recording_is_on_disk_before_it_closes(tmp_path):
+    """The writer buffers deltas into frames; an engine gone idle must not leave its last
+    steps only in memory (a process killed later, as vLLM kills its engine core 5 s after
+    asking it to stop, would lose them)."""
+    from engine.events.wire import Recording
+    from tests.waiting import wait_until
+
+    gen = SyntheticCache(seed=17)
+    path = tmp_path / "idle.kvtrace"
+    # no keyframe by time before the hang guard: only the idle flush can write the tail
+    stream = cache_stream(gen, None, str(path), keyframe_every_s=10 * HANG_S)
+    try:
+        run_steps(stream, gen, 12)  # fewer than a frame's steps: nothing forces a flush
+
+        def on_disk() -> bool:
+            with Recording(path) as rec:
+                return bool(rec.steps) and rec.steps[-1] == gen.step_no
+
+        wait_until(on_disk, "the idle stream's last steps on disk")
+        with Recording(path) as rec:
+            assert rec.state_at(gen.step_no).canonical() == gen.canonical()
+    finally:
+        stream.close()

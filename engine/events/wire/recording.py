@@ -169,6 +169,13 @@ class RecordingWriter:
         self._last_key_step = self._last_step = snap["step"]
         self._last_key_time = time.monotonic()
 
+    def flush_if_stale(self) -> None:
+        """Write the buffered deltas if the oldest waited ``chunk_s``: called while the
+        engine is idle, so an idle engine's last steps are on disk, not in memory, when
+        its process is killed (vLLM kills its engine core 5 s after asking it to stop)."""
+        if self._pending and time.monotonic() - self._pending_since >= self.chunk_s:
+            self.flush()
+
     def flush(self) -> None:
         """Write the buffered deltas as one frame."""
         if not self._pending or self._file is None:

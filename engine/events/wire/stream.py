@@ -291,6 +291,8 @@ class EventStream:
                     self._want_snapshot()
                 if item is None:
                     self._snapshot_if_engine_idle()
+                    if self.recorder is not None and self._recording_ok:
+                        self.recorder.flush_if_stale()
         except Exception:
             log.exception("event stream thread failed; events are no longer published")
         finally:
