@@ -11,7 +11,9 @@ corrupt, checked against a model after every step.
   files, failed writes and restarts that adopt the directory. Invariants: the KVState
   rebuilt from the events equals the manager after every step (Mirrored); a prefix hit
   never exceeds what was computed for that exact token prefix and salt; no torn file is
-  ever filled into the host; every file the disk index holds is one the directory has.
+  ever filled into the host; every file the disk index holds is one the directory has;
+  a vLLM KV-event consumer fed through the translator (engine.events.vllm.translate)
+  holds, per medium (GPU, CPU, STORAGE), exactly the mirror's hashes per tier.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from engine.cache.transfers import FILL, DiskBatch
+from engine.events.vllm import wire as W
+from engine.events.vllm.prefix_cache import VllmPrefixCache
+from engine.events.vllm.translate import MEDIUM, VllmTranslator
 from engine.runner import disk_store as D
 from tests.cache.conftest import Mirrored
 from tests.disk.fake_disk import FakeDisk
@@ -135,6 +140,28 @@ TestDiskStoreStateful.settings = settings(
 PREFIXES = [list(range(1, 13)), list(range(100, 112)), list(range(1, 9)) + [50, 51, 52, 53]]
 
 
+class TranslatedMirror(Mirrored):
+    """Mirrored, plus a vLLM-format consumer of the same events (one per process: a
+    restarted engine starts a new publisher)."""
+
+    def __init__(self, *a, **kw) -> None:
+        self.tr, self.consumer, self.enc = VllmTranslator(), VllmPrefixCache(), W.Encoder()
+        self.media: set[str] = set()
+        super().__init__(*a, **kw)
+        self.sink.store_detail = True
+
+    def sync(self) -> list[dict]:
+        events = super().sync()
+        out = W.decode(self.enc.encode(float(self.step), self.tr.translate(
+            {"seq": self.step, "events": events}), 0))
+        self.consumer.apply(out["ts"], out["events"], self.step)
+        self.media.update(e["medium"] for e in out["events"] if e.get("medium"))
+        for tier, t in self.state.tiers.items():
+            assert self.consumer.hashes(MEDIUM[tier]) == set(t.hashes.values()), tier
+        assert self.tr.undescribed == 0 and self.consumer.unknown_removed == 0
+        return events
+
+
 def _prompt(rng: random.Random) -> list[int]:
     base = rng.choice(PREFIXES)
     tail = [rng.randrange(3000, 4000) for _ in range(rng.randrange(1, 6))]
@@ -165,12 +192,13 @@ def _step(x: Mirrored, disk: FakeDisk) -> None:
 
 def test_manager_random_walk():
     seen: dict[str, int] = {}  # what the walks exercised (each must happen)
+    media: set[str] = set()
     for seed in range(20):
         rng = random.Random(seed)
         disk = FakeDisk()
 
         def fresh() -> Mirrored:
-            return Mirrored(5, BS, num_cpu_blocks=3, num_disk_blocks=10)
+            return TranslatedMirror(5, BS, num_cpu_blocks=3, num_disk_blocks=10)
 
         x = fresh()
         done: set[tuple[str | None, tuple[int, ...]]] = set()
@@ -209,6 +237,7 @@ def test_manager_random_walk():
                     _step(x, disk)
                 disk.saved, disk.loads = [], []
                 _tally(seen, x)
+                media |= x.media
                 seen["restart"] = seen.get("restart", 0) + 1
                 x = fresh()
                 # a quick scan reads heads only: a flipped payload is found, then
@@ -220,6 +249,8 @@ def test_manager_random_walk():
             pending = {x.m.disk.disk.entry[s][0] for s in x.m.disk.pending}
             assert indexed - pending <= set(disk.files) | disk.fail_writes, (seed, i)
         _tally(seen, x)
+        media |= x.media
+    assert media >= {"GPU", "CPU", "STORAGE"}
     for what in ("disk_store", "prefetch", "disk_load", "host_hit", "missed", "restart",
                  "adopted"):
         assert seen.get(what, 0) > 0, (what, seen)
