@@ -50,6 +50,7 @@ SERIES = {
     "used": USED, "cached": CACHED, "free": "#3a4152", "hit": ACCENT, "running": USED,
     "waiting": WARN, "swapped": SWAPPED, "throughput": "#d9d27a", "preempt": ERROR,
     "evict": "#e07f3c", "demote": QUANT_USED,
+    "prefetch": "#6fb7ff", "arrived": "#7fd67f", "missed": ERROR,
 }
 
 # Distinct, not-too-saturated owner colours (colour-by-owner mode).

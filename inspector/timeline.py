@@ -21,6 +21,7 @@ COLUMNS = (
     "step", "time", "gpu_used", "gpu_cached", "gpu_free", "cpu_used", "cpu_cached", "cpu_free",
     "running", "waiting", "swapped", "hit_tokens", "query_tokens", "scheduled_tokens",
     "step_time_s", "preemptions", "evictions", "events", "demotions",
+    "disk_used", "disk_cached", "disk_free", "prefetched", "arrived", "missed",
 )
 
 
@@ -30,7 +31,9 @@ _IDX = {name: i for i, name in enumerate(COLUMNS)}
     "step", "time", "preemptions", "evictions", "events", "demotions", "running", "waiting",
     "swapped", "hit_tokens", "query_tokens", "scheduled_tokens", "step_time_s"))
 _TIER_COLS = {t: (_IDX[f"{t}_used"], _IDX[f"{t}_cached"], _IDX[f"{t}_free"])
-              for t in ("gpu", "cpu")}
+              for t in ("gpu", "cpu", "disk")}
+# disk blocks whose prefetch reads started / arrived intact / missed, per step
+_PREFETCHED, _ARRIVED, _MISSED = (_IDX[k] for k in ("prefetched", "arrived", "missed"))
 
 
 class Timeline:
@@ -59,7 +62,7 @@ class Timeline:
             self._data = grown
         st = StepStats.read(batch.get("stats"))
         events = batch.get("events") or ()
-        preempts = evicted = demoted = 0
+        preempts = evicted = demoted = prefetched = arrived = missed = 0
         for e in events:
             kind = e.get("kind")
             if kind == S.SEQ_PREEMPT:
@@ -68,6 +71,11 @@ class Timeline:
                 evicted += len(e.get("blocks", ()))
             elif kind == S.QUANTIZE:  # blocks demoted this step
                 demoted += len(e.get("blocks", ()))
+            elif kind == S.PREFETCH:
+                prefetched += len(e.get("src", ()))
+            elif kind == S.DISK_LOAD:
+                arrived += len(e.get("src", ()))
+                missed += int(e.get("missed") or 0)
         col, n = self._data, self.n
         col[_STEP, n] = _num(batch.get("step", n))
         col[_TIME, n] = _num(batch.get("time", 0.0))
@@ -83,6 +91,7 @@ class Timeline:
         col[_PREEMPT, n] = preempts
         col[_EVICT, n] = evicted
         col[_DEMOTE, n] = demoted
+        col[_PREFETCHED, n], col[_ARRIVED, n], col[_MISSED, n] = prefetched, arrived, missed
         col[_EVENTS, n] = len(events)
         for tier, (iu, ic, i_f) in _TIER_COLS.items():
             t = st.tier(tier)

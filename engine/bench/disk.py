@@ -3,8 +3,10 @@
 1. TTFT of a request whose ``--prefix`` -token prefix (random ids, deterministic) was
    computed by an earlier request and is now: on the device; in the host tier; on disk
    only, with the page cache of its files dropped (``posix_fadvise(DONTNEED)`` after an
-   fsync: reads come from the disk); absent (recomputed, no tiers). Each trial is a fresh
-   engine over one loaded model; the modes alternate, ``--repeat`` rounds, best of each.
+   fsync: reads come from the disk); after a restart (an engine that computed it stopped
+   gracefully, a new one starts over its directory) kept (warm) or emptied (cold); absent
+   (recomputed, no tiers). Each trial is a fresh engine over one loaded model; the modes
+   alternate, ``--repeat`` rounds, best of each.
 2. The disk's own sequential read rate (one file of the 8k prefix's size, page cache
    dropped, 4 MiB reads) beside the tier's achieved read rate in the disk trial (bytes
    read / the reader thread's time, and bytes / the prefetch's wall time).
@@ -134,7 +136,13 @@ class Bench:
         best: dict[str, float] = {}
         rate: dict[str, float] = {}
         for _ in range(a.repeat):
-            for mode in ("device", "host", "disk", "recompute"):
+            for mode in ("device", "host", "disk", "restart_warm", "restart_cold",
+                         "recompute"):
+                if mode.startswith("restart"):
+                    best[mode] = min(best.get(mode, float("inf")),
+                                     self.restarted(blocks, first, second,
+                                                    warm=mode == "restart_warm"))
+                    continue
                 eng = self.engine(blocks, tiers=mode != "recompute")
                 self.finish(eng, "first", first)
                 if mode != "device":
@@ -162,7 +170,28 @@ class Bench:
         out = {f"ttft_{k}_s": v for k, v in best.items()}
         out.update(rate)
         out["disk_vs_recompute"] = best["disk"] / best["recompute"]
+        out["restart_warm_vs_cold"] = best["restart_warm"] / best["restart_cold"]
         return out
+
+    def restarted(self, blocks: int, first: list[int], second: list[int], warm: bool) -> float:
+        """TTFT of ``second`` on a new engine started over the directory an engine that
+        served ``first`` left at its graceful stop: kept (warm, page cache dropped) or
+        emptied (cold)."""
+        self.n += 1
+        directory = self.root / f"restart{self.n}"
+        eng = self.engine(blocks, tiers=True, directory=directory)
+        self.finish(eng, "first", first)
+        eng.close()  # the graceful stop writes the cached prefix to disk
+        for f in directory.iterdir():
+            if not warm and f.suffix == ".kv":
+                f.unlink()
+        drop_page_cache(directory)
+        eng = self.engine(blocks, tiers=True, directory=directory)
+        dt = self.finish(eng, "second", second)
+        hit = eng.cache.metrics()["prefix_hit_tokens"]
+        assert (hit > 0) == warm, f"restart ({'warm' if warm else 'cold'}) hit {hit} tokens"
+        eng.close()
+        return dt
 
     # -------------------------------------------------------------------- 3
     def restart(self) -> dict[str, Any]:

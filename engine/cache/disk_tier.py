@@ -145,7 +145,13 @@ class DiskTier:
             disk.cached[h] = s
         disk.evictable.push(slots)
         if self.sink.enabled:
-            self.sink.emit(S.STORE, tier="disk", blocks=slots, hashes=[f[0] for f in keep])
+            more = {}
+            if getattr(self.sink, "store_detail", False):  # a vLLM-format publisher listens
+                more = {S.STORE_PARENTS: [None if first else parent
+                                          for _, parent, first, _ in keep],
+                        S.STORE_TOKENS: [list(tokens) for _, _, _, tokens in keep]}
+            self.sink.emit(S.STORE, tier="disk", blocks=slots, hashes=[f[0] for f in keep],
+                           **more)
         return len(keep)
 
     def saved(self, results: list[tuple[int, int, bool]]) -> None:

@@ -8,7 +8,10 @@ its names, types and labels (``model_name`` = the served model name, ``engine`` 
 ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:request_success``
 (``finished_reason``) (counters), ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
-``vllm:e2e_request_latency_seconds`` (histograms). Metrics vLLM does not have (swap tier,
+``vllm:e2e_request_latency_seconds`` (histograms), and vLLM's tiered-offload counters
+``vllm:kv_offload_tiering_block_hits`` / ``_read_bytes`` / ``_read_time`` /
+``_write_bytes`` / ``_write_time`` with label ``tier`` (gpu, cpu, disk: ``TIER_COUNTERS``,
+``tier_figures``). Metrics vLLM does not have (swap tier,
 evictions, block count, aborts by reason) keep the ``kvscope:`` prefix either way, so a
 name never claims vLLM's meaning for something vLLM does not measure. The default
 (``kvscope``) keeps the names and label-free series this server has always exported
@@ -61,7 +64,32 @@ VLLM_NAMED = frozenset((
     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
     "generation_tokens", "request_success", "time_to_first_token_seconds",
     "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
-    "inter_token_latency_seconds"))
+    "inter_token_latency_seconds",
+    # vLLM's tiered KV offloading (vllm/v1/kv_offload/tiering/base.py), label ``tier``
+    "kv_offload_tiering_block_hits", "kv_offload_tiering_read_bytes",
+    "kv_offload_tiering_read_time", "kv_offload_tiering_write_bytes",
+    "kv_offload_tiering_write_time"))
+# Per-tier counters (short name -> help), label ``tier`` = gpu | cpu | disk; a tier is
+# exported only when the engine has it (``tier_figures``).
+TIER_COUNTERS = {
+    "kv_offload_tiering_block_hits": "KV blocks a prefix lookup served from the tier (gpu: "
+                                     "prefix hits; cpu: host hits, blocks that arrived from "
+                                     "disk included; disk: blocks read back intact)",
+    "kv_offload_tiering_read_bytes": "bytes read from the tier towards the GPU",
+    "kv_offload_tiering_read_time": "seconds spent reading from the tier (disk: the reader "
+                                    "thread's time)",
+    "kv_offload_tiering_write_bytes": "bytes written to the tier",
+    "kv_offload_tiering_write_time": "seconds spent writing to the tier (disk: the writer "
+                                     "thread's time)",
+    "kv_tier_stored_blocks": "KV blocks stored into the tier (cpu: gpu evictions written "
+                             "back; disk: host evictions and the drain's writes)",
+    "kv_tier_dropped_blocks": "KV blocks the tier did not keep: disk writes that failed or "
+                              "were dropped because the writer's queue was full",
+    "kv_tier_load_misses": "reads that found no intact file (torn, corrupt, gone): recomputed",
+    "kv_prefetch_blocks": "disk blocks a waiting request started reading (prefetch)",
+    "kv_prefetch_timeouts": "requests that waited the bounded time for their prefetch and "
+                            "then recomputed what had not arrived",
+}
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -126,6 +154,44 @@ class _EngineCollector:
             c = CounterMetricFamily(self.name(name), doc, labels=keys)
             c.add_metric(values, float(s.get(key, 0)))
             yield c
+        tiers: dict[str, dict[str, float]] = s.get("tiers", {})
+        for name, doc in TIER_COUNTERS.items():
+            c = CounterMetricFamily(self.name(name), doc, labels=[*keys, "tier"])
+            for tier, figures in tiers.items():
+                if name in figures:
+                    c.add_metric([*values, tier], float(figures[name]))
+            yield c
+
+
+def tier_figures(engine: Any, m: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The per-tier counters (``TIER_COUNTERS``) of ``engine``: gpu always; cpu with a host
+    tier (the swapper's copies); disk with a disk tier (the cache's disk bookkeeping and
+    the runner's reader/writer threads). ``m``: the cache's metrics()."""
+    bs = engine.cache.block_size
+    host_hits = m.get("host_hit_tokens", 0) // bs
+    out = {"gpu": {"kv_offload_tiering_block_hits":
+                   (m["prefix_hit_tokens"] // bs) - host_hits}}
+    swapper = getattr(engine, "swapper", None)
+    if swapper is not None:
+        sw = swapper.stats()
+        out["cpu"] = {"kv_offload_tiering_block_hits": host_hits,
+                      "kv_offload_tiering_read_bytes": sw["swap_in_bytes"],
+                      "kv_offload_tiering_write_bytes": sw["swap_out_bytes"],
+                      "kv_tier_stored_blocks": m.get("offloaded_blocks", 0)}
+    disk_io, disk = getattr(engine, "disk_io", None), getattr(engine.cache, "disk", None)
+    if disk_io is not None and disk is not None:
+        io = disk_io.stats
+        out["disk"] = {"kv_offload_tiering_block_hits": disk.arrived_blocks,
+                       "kv_offload_tiering_read_bytes": io.bytes_read,
+                       "kv_offload_tiering_read_time": io.read_s,
+                       "kv_offload_tiering_write_bytes": io.bytes_written,
+                       "kv_offload_tiering_write_time": io.write_s,
+                       "kv_tier_stored_blocks": disk.stored_blocks,
+                       "kv_tier_dropped_blocks": disk.write_failures,
+                       "kv_tier_load_misses": disk.read_misses,
+                       "kv_prefetch_blocks": disk.prefetched_blocks,
+                       "kv_prefetch_timeouts": disk.prefetch_timeouts}
+    return out
 
 
 class ServerMetrics:
@@ -222,6 +288,7 @@ class ServerMetrics:
             "swap_in_blocks": st.swap_in_blocks or 0,
             "prefill_tokens": getattr(engine, "num_prefill_computed_tokens", 0),
             "recomputed_tokens": getattr(engine, "num_recomputed_tokens", 0),
+            "tiers": tier_figures(engine, m),
             "fragmentation": 1 - m["used_tokens"] / (gpu["used"] * engine.cache.block_size)
             if gpu["used"] else 0.0,
         }

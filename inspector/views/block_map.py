@@ -123,6 +123,11 @@ def mode_codes(state: KVState, tier: str, mode: str,
     raise ValueError(f"unknown colour mode {mode!r}; known: {', '.join(MODES)}")
 
 
+TIER_NAMES = {"gpu": "GPU (device)", "cpu": "CPU (host)", "disk": "Disk (local)",
+              # the hybrid cache's group 1 (engine.cache.window_group)
+              "gpu/1": "GPU window group (sliding-window layers)"}
+
+
 class AgeIndex:
     """A tier's blocks by the step of their last change, so that an age-mode frame
     recomputes only blocks whose log2 age bucket moves at this step (age + 1 reaches a
@@ -253,9 +258,7 @@ class _TierPanel:
         elif self.grid is not None:
             self.grid.setParentItem(None)
             self.grid = None
-        name = {"gpu": "GPU (device)", "cpu": "CPU (host)",
-                # the hybrid cache's group 1 (engine.cache.window_group)
-                "gpu/1": "GPU window group (sliding-window layers)"}.get(self.tier, self.tier)
+        name = TIER_NAMES.get(self.tier, self.tier)
         self.title.setText(f"<b>{name}</b> · {num_blocks:,} blocks × {block_size} tok · {fmt}")
         self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
                             autoDownsample=False)

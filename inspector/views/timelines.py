@@ -1,4 +1,6 @@
-"""Memory timelines: stacked used/cached/free blocks per tier, running/waiting/swapped
+"""Memory timelines: stacked used/cached/free blocks per tier (gpu, host, disk: a tier's
+row shows only when it reports; the disk row also marks the steps where prefetch reads
+started, arrived and missed, in blocks), running/waiting/swapped
 counts, throughput, the costs (prefix hit rate, prefix savings, recompute share,
 internal fragmentation, in %) and decode step time beside the mean decoded context
 (latency creep), with preemption and eviction markers. X is the engine step; plots share
@@ -33,6 +35,7 @@ from inspector import palette as P
 from inspector.model import InspectorModel
 from inspector.views.legend import Legend
 
+TIER_ROWS = ("gpu", "cpu", "disk")  # the tier plots, rows 0..2
 FOLLOW_WINDOW = 600  # steps kept in view while following live
 AXIS_W = 52  # px: the same left-axis width on every plot keeps their x aligned
 # Major ticks only; at most ~40% of a short axis covered by tick text.
@@ -116,8 +119,9 @@ class TimelinesView(QWidget):
             self.plots[key] = p
             return p
 
-        for row, tier in enumerate(("gpu", "cpu")):
-            p = plot(tier, f"{tier.upper()} blocks", row)
+        for row, tier in enumerate(TIER_ROWS):
+            p = plot(tier, "DISK blocks · prefetch blocks (right)"
+                     if tier == "disk" else f"{tier.upper()} blocks", row)
             # Stacked areas: draw the totals back to front, each filled down to 0.
             for part, colour in (("free", P.SERIES["free"]), ("cached", P.CACHED),
                                  ("used", P.USED if tier == "gpu" else P.SWAPPED)):
@@ -135,13 +139,18 @@ class TimelinesView(QWidget):
             self.curves[f"{tier}_demote"] = p.plot(
                 pen=None, symbol="d", symbolSize=7, symbolBrush=P.SERIES["demote"],
                 symbolPen=None)
-        p = plot("seqs", "sequences", 2)
+        self.prefetch_view = self._right_axis(self.plots["disk"], "blocks")
+        for key, symbol in (("prefetch", "t"), ("arrived", "o"), ("missed", "x")):
+            self.curves[key] = pg.PlotDataItem(pen=None, symbol=symbol, symbolSize=6,
+                                               symbolBrush=P.SERIES[key], symbolPen=None)
+            self.prefetch_view.addItem(self.curves[key])
+        p = plot("seqs", "sequences", 3)
         for k in ("running", "waiting", "swapped"):
             self.curves[k] = p.plot(pen=_pen(P.SERIES[k], 1.5), stepMode=None, antialias=False)
-        p = plot("tput", "tokens/s", 3)
+        p = plot("tput", "tokens/s", 4)
         self.curves["tput"] = p.plot(pen=_pen(P.SERIES["throughput"], 1.5), antialias=False)
         p = plot("hit", "% hit · saved · recompute · fragmentation" if costs
-                 else "prefix hit rate", 4)
+                 else "prefix hit rate", 5)
         p.setYRange(-10, 110, padding=0)  # room for the 0% and 100% labels when tall
         p.getAxis("left").setTicks([[(v, f"{v}%") for v in (0, 50, 100)]])
         p.setMouseEnabled(y=False)  # a share: 0..100 always
@@ -157,7 +166,7 @@ class TimelinesView(QWidget):
             self.plots[key].addItem(line, ignoreBounds=True)
             line.hide()
         if costs:
-            p = plot("decode", "decode ms/step · mean context (right)", 5)
+            p = plot("decode", "decode ms/step · mean context (right)", 6)
             # a line, not dots: tens of thousands of symbols cost a seek's redraw dearly
             self.curves["decode_ms"] = p.plot(pen=_pen(COST_COLOURS["decode_ms"], 1),
                                               antialias=False)
@@ -167,9 +176,9 @@ class TimelinesView(QWidget):
             self.context_view.addItem(self.curves["decode_context"])
         p.getAxis("bottom").setStyle(showValues=True, tickFont=self._tick_font)
         p.setLabel("bottom", f"<span style='color:{P.TEXT_DIM}; font-size:8pt'>engine step</span>")
-        for row, stretch in enumerate((3, 2, 2, 1, 2, 2)[: 6 if costs else 5]):
+        for row, stretch in enumerate((3, 2, 2, 2, 1, 2, 2)[: 7 if costs else 6]):
             self.canvas.ci.layout.setRowStretchFactor(row, stretch)
-        self._cpu_shown = True
+        self._shown = set(TIER_ROWS)
 
         self.legend = Legend()
         cost_entries = (
@@ -183,6 +192,9 @@ class TimelinesView(QWidget):
             ("■", "used", P.USED), ("■", "cached", P.CACHED), ("■", "free", P.SERIES["free"]),
             ("■", "swapped", P.SWAPPED), ("▲", "preemption", P.SERIES["preempt"]),
             ("●", "eviction", P.SERIES["evict"]), ("◆", "demotion", P.SERIES["demote"]),
+            ("▲", "prefetch started", P.SERIES["prefetch"]),
+            ("●", "prefetch arrived", P.SERIES["arrived"]),
+            ("✕", "prefetch missed", P.SERIES["missed"]),
             ("■", "running", P.SERIES["running"]), ("■", "waiting", P.SERIES["waiting"]),
             ("■", "tokens/s", P.SERIES["throughput"]), ("■", "hit rate", COST_COLOURS["hit"]),
             *cost_entries)])
@@ -208,10 +220,14 @@ class TimelinesView(QWidget):
     def refresh(self) -> None:
         tl = self.model.timeline
         x = tl.col("step")
-        has_cpu = bool(tl.n) and float(np.max(tl.col("cpu_used") + tl.col("cpu_cached")
-                                              + tl.col("cpu_free"))) > 0
-        self._show_cpu(has_cpu)
-        for tier in ("gpu", "cpu"):
+        for tier in TIER_ROWS[1:]:
+            self._show_tier(tier, bool(tl.n) and float(np.max(
+                tl.col(f"{tier}_used") + tl.col(f"{tier}_cached") + tl.col(f"{tier}_free"))) > 0)
+        for key, column in (("prefetch", "prefetched"), ("arrived", "arrived"),
+                            ("missed", "missed")):
+            v = tl.col(column)
+            self.curves[key].setData(x[v > 0], v[v > 0])
+        for tier in TIER_ROWS:
             used, cached = tl.col(f"{tier}_used"), tl.col(f"{tier}_cached")
             total = used + cached + tl.col(f"{tier}_free")
             self.curves[f"{tier}_used"].setData(x, used)
@@ -284,16 +300,18 @@ class TimelinesView(QWidget):
         p.vb.sigResized.connect(follow)
         return vb
 
-    def _show_cpu(self, on: bool) -> None:
-        """Take the host plot out of the layout when no host tier reports (no empty band)."""
-        if on == self._cpu_shown:
+    def _show_tier(self, tier: str, on: bool) -> None:
+        """Take a tier's plot out of the layout when the tier does not report (no empty
+        band)."""
+        if on == (tier in self._shown):
             return
-        self._cpu_shown = on
-        p = self.plots["cpu"]
+        p = self.plots[tier]
         if on:
-            self.canvas.ci.addItem(p, row=1, col=0)
+            self._shown.add(tier)
+            self.canvas.ci.addItem(p, row=TIER_ROWS.index(tier), col=0)
             p.show()
         else:
+            self._shown.discard(tier)
             self.canvas.ci.removeItem(p)
             p.hide()
 

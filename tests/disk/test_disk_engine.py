@@ -11,10 +11,13 @@ import logging
 import os
 import time
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from engine.events import KVState
 from engine.events.wire.recording import Recording
 from engine.reference_generate import generate_reference
 from engine.runner import disk_store
+from engine.server.metrics import ServerMetrics
 from tests.engine.conftest import GREEDY, TEST_DTYPE, as_prompt
 from tests.waiting import HANG_S
 
@@ -73,6 +76,19 @@ def test_prefix_on_disk_is_prefetched_and_outputs_stay_identical(make_engine, lo
     d = eng.cache.disk
     assert d.prefetched_blocks > 0 and d.arrived_blocks == d.prefetched_blocks
     assert eng.cache.metrics()["host_hit_tokens"] >= d.arrived_blocks * BS
+    # /metrics: the disk tier's series are the tier's own counts, under vLLM's names
+    sm = ServerMetrics("m", prefix="vllm")
+    sm.on_step(eng)
+    got = {(s.name, s.labels.get("tier")): s.value for f in text_string_to_metric_families(
+        sm.render().decode()) for s in f.samples}
+    assert got[("vllm:kv_offload_tiering_block_hits_total", "disk")] == d.arrived_blocks
+    assert got[("vllm:kv_offload_tiering_read_bytes_total", "disk")] == \
+        eng.disk_io.stats.bytes_read > 0
+    assert got[("vllm:kv_offload_tiering_write_bytes_total", "disk")] > 0
+    assert got[("kvscope:kv_tier_stored_blocks_total", "disk")] == d.stored_blocks
+    assert got[("kvscope:kv_prefetch_blocks_total", "disk")] == d.prefetched_blocks
+    assert got[("vllm:kv_offload_tiering_block_hits_total", "cpu")] * BS == \
+        eng.cache.metrics()["host_hit_tokens"]
     eng.close()  # its stop writes the cached blocks down: compare after it
     expected = eng.kv_state()
     state = KVState()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,3 +60,39 @@ def test_default_prefix_is_unchanged_and_bad_prefix_refused():
     assert not any(n.startswith("vllm:") for n in fams)
     with pytest.raises(ValueError, match="metrics prefix"):
         ServerMetrics("smollm2", prefix="sglang")
+
+
+def test_per_tier_series_take_vllms_tiering_names_and_a_tier_label():
+    engine = _busy_engine()
+    # 64 prefix-hit tokens, 32 of them from the host: 4 blocks, 2 on the gpu
+    engine.cache.figures.update(prefix_hit_tokens=64, host_hit_tokens=32, offloaded_blocks=5)
+    engine.swapper = SimpleNamespace(stats=lambda: {"swap_in_bytes": 2048,
+                                                    "swap_out_bytes": 4096})
+    engine.disk_io = SimpleNamespace(stats=SimpleNamespace(
+        bytes_read=300, read_s=0.5, bytes_written=700, write_s=0.25))
+    engine.cache.disk = SimpleNamespace(arrived_blocks=3, stored_blocks=9, write_failures=1,
+                                        read_misses=2, prefetched_blocks=4,
+                                        prefetch_timeouts=1)
+    for prefix in ("vllm", "kvscope"):
+        m = ServerMetrics("smollm2", prefix=prefix)
+        m.on_step(engine)
+        got = {(s.name, s.labels["tier"]): s.value for f in _families(m).values()
+               for s in f.samples if "tier" in s.labels}
+        hits = f"{prefix}:kv_offload_tiering_block_hits_total"
+        assert got[(hits, "gpu")] == 2
+        assert got[(hits, "cpu")] == 2 and got[(hits, "disk")] == 3
+        assert got[(f"{prefix}:kv_offload_tiering_read_bytes_total", "cpu")] == 2048
+        assert got[(f"{prefix}:kv_offload_tiering_write_bytes_total", "disk")] == 700
+        assert got[(f"{prefix}:kv_offload_tiering_read_time_total", "disk")] == 0.5
+        assert got[("kvscope:kv_tier_dropped_blocks_total", "disk")] == 1
+        assert got[("kvscope:kv_tier_load_misses_total", "disk")] == 2
+        assert got[("kvscope:kv_prefetch_timeouts_total", "disk")] == 1
+        assert ("kvscope:kv_tier_stored_blocks_total", "cpu") in got
+
+
+def test_without_host_or_disk_only_the_gpu_tier_is_exported():
+    m = ServerMetrics("smollm2")
+    m.on_step(_busy_engine())
+    tiers = {s.labels["tier"] for f in _families(m).values() for s in f.samples
+             if "tier" in s.labels}
+    assert tiers == {"gpu"}

@@ -12,9 +12,14 @@ hashes a tier holds matter (their fields: the types in ``engine.events.schema``)
     Offload                                BlockStored medium "CPU"
     HostHit                                BlockStored medium "GPU" (the gpu block is now
                                            cached too, as KVState._host_hit says)
+    DiskStore                              BlockStored medium "STORAGE"
+    DiskLoad                               BlockStored medium "CPU" (arrived reads are
+                                           host cache; the disk keeps its copies)
 
 Medium names: kvscope tier "gpu" (the device tier, even on a CPU run, as vLLM-CPU says
-"GPU") -> "GPU", "cpu" (the host swap/offload tier) -> "CPU".
+"GPU") -> "GPU", "cpu" (the host swap/offload tier) -> "CPU", "disk" (the local-disk
+tier) -> "STORAGE" (vLLM's medium for storage offload). Blocks a restarted engine adopts
+from a warm directory are a ``store`` on tier "disk" and are announced on "STORAGE".
 
 Hashes: kvscope's chained hash ``h_i = hash((h_{i-1}, tokens_i))`` with
 ``h_{-1} = root_hash(cache_salt)`` (engine/cache/hashing.py) is used as vLLM's
@@ -47,7 +52,7 @@ from typing import Any
 from engine.events import schema as S
 from engine.events.vllm import wire as W
 
-MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU}
+MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU, "disk": W.MEDIUM_STORAGE}
 STORE_PARENTS = S.STORE_PARENTS
 STORE_TOKENS = S.STORE_TOKENS
 
@@ -89,6 +94,13 @@ class VllmTranslator:
                 pairs = [(b, host[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
                          if a in host]
                 self._put("gpu", [b for b, _ in pairs], [h for _, h in pairs], out)
+            elif kind == S.DISK_STORE:
+                self._put("disk", list(ev["dst"]), [int(h) for h in ev["hashes"]], out)
+            elif kind == S.DISK_LOAD:
+                disk = self.blocks.get("disk", {})
+                pairs = [(b, disk[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
+                         if a in disk]
+                self._put("cpu", [b for b, _ in pairs], [h for _, h in pairs], out)
             elif kind == S.TIER_INIT:
                 if self.blocks.get(ev["tier"]):
                     self._reset(out)
