@@ -98,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens at the end of each running sequence never demoted")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
-    e.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+    e.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction,
+                   default=False,
                    help="a windowed model keeps every block of every layer (default: with "
                         "prefix caching off, its sliding-window layers free the blocks "
                         "that left the window)")
