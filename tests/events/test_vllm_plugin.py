@@ -7,7 +7,8 @@ a prefix-cache reset) with the plugin recording (``KVSCOPE_RECORD``), loaded thr
 state, read independently of the plugin, at every point where the plugin closes a batch.
 The acceptance property: the state rebuilt from the recording, batch by batch, equals
 vLLM's state at every step; with vLLM's engine core in the driver's process and in its
-own process (vLLM's default). Two vLLM starts: 1.5-6 minutes each on the 2-core box.
+own process (vLLM's default). Two vLLM starts, eager (no torch.compile): 1-3 minutes each
+on the 2-core box.
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ def main() -> None:
     model, out = sys.argv[1], sys.argv[2]
     llm = LLM(model=model, block_size=32, num_gpu_blocks_override=24, max_model_len=512,
               enable_prefix_caching=True, max_num_seqs=6, max_num_batched_tokens=512,
-              seed=0)
+              seed=0,
+              # the page table does not depend on how the forward runs: no torch.compile
+              # (minutes of a 2-core box's time at each start)
+              enforce_eager=True)
     system = "You are a helpful assistant who answers in one short sentence. " * 6
     words = "apple river stone cloud garden music paper window light forest".split()
     shared = [f"{system} Question {i}: why is {words[i % 10]} {words[(i * 3) % 10]}?"
