@@ -170,6 +170,16 @@ def test_admission_never_runs_on_the_event_loop(served: InProcess, monkeypatch):
     assert on_loop == []
 
 
+def _refused_as_too_long(served: InProcess, prompt: str) -> None:
+    """Both text endpoints answer a too-long prompt with OpenAI's context_length_exceeded."""
+    for url, body in [("/v1/completions", {"prompt": prompt}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                              "content": prompt}]})]:
+        r = served.http.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == \
+            "context_length_exceeded", r.text
+
+
 def test_an_obviously_oversized_prompt_is_refused_before_tokenizing(served: InProcess,
                                                                    monkeypatch):
     tok = served.state.tokenizer
@@ -181,12 +191,7 @@ def test_an_obviously_oversized_prompt_is_refused_before_tokenizing(served: InPr
     monkeypatch.setattr(tok, "max_token_bytes", 2)
     limit = served.state.max_model_len * 2 * admission.SHRINK_ALLOWANCE
     big = "word " * (limit // 5 + 10)
-    for url, body in [("/v1/completions", {"prompt": big}),
-                      ("/v1/chat/completions", {"messages": [{"role": "user",
-                                                              "content": big}]})]:
-        r = served.http.post(url, json=body)
-        assert r.status_code == 400 and r.json()["error"]["code"] == \
-            "context_length_exceeded", r.text
+    _refused_as_too_long(served, big)
     assert calls == []
     # the real longest token of this vocabulary: a bound no shorter text can break
     monkeypatch.undo()
@@ -204,12 +209,7 @@ def test_a_long_prompt_is_refused_on_a_probe_of_its_start(served: InProcess, mon
                         real(text, *a, **kw))
     probe = served.state.max_model_len * admission.PROBE_CHARS_PER_TOKEN
     big = "word " * (probe // 5 + 1000)  # about a token a word: over twice the context
-    for url, body in [("/v1/completions", {"prompt": big}),
-                      ("/v1/chat/completions", {"messages": [{"role": "user",
-                                                              "content": big}]})]:
-        r = served.http.post(url, json=body)
-        assert r.status_code == 400 and r.json()["error"]["code"] == \
-            "context_length_exceeded", r.text
+    _refused_as_too_long(served, big)
     assert calls == [probe, probe]
     # a long prompt the probe cannot judge (few tokens at its start) is counted whole:
     # a tokenizer whose tokens here are 100 characters long
