@@ -61,9 +61,6 @@ def _importable_checkout() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
 
 
-_importable_checkout()
-
-
 @dataclass(frozen=True)
 class Section:
     name: str
@@ -287,4 +284,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Only as a program: imported (the tests), it must not change the importer's environment
+    _importable_checkout()
     sys.exit(main())

@@ -24,10 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+# A path or pip setting inherited from the test process would let the fresh venv see the
+# checkout (its kvscope.egg-info) and pip would call the wheel "already satisfied".
+_INHERITED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PIP_TARGET", "PIP_PREFIX", "PIP_USER")
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float = 240,
          **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in _INHERITED}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **env})
+                          env={**clean, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **env})
 
 
 def test_wheel_installs_without_torch_and_renders(tmp_path):
@@ -57,6 +63,7 @@ def test_wheel_installs_without_torch_and_renders(tmp_path):
     r = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"),
               str(wheel)], tmp_path, timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert Path(kvscope).is_file(), f"pip installed no kvscope command: {r.stdout[-2000:]}"
     r = _run([py, "-c", "import importlib.util as u, importlib.metadata as m; "
               "print([u.find_spec(n) for n in ('torch', 'PySide6', 'pyqtgraph')]); "
               "print([e.value for e in m.entry_points(group='vllm.general_plugins')])"], out)
