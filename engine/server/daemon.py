@@ -89,6 +89,8 @@ def build_state(engine: Any, settings: Any) -> Any:
     metrics.on_step(engine)
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = settings.chat_template  # only the server renders chats
+    if engine.tokenizer is not None:  # computed once here, not in the first request
+        _ = engine.tokenizer.max_token_bytes
     loop.start()
     return ServerState(engine=loop, metrics=metrics, settings=settings,
                        tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
