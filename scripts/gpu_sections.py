@@ -174,11 +174,25 @@ def copy_bandwidth(ctx: Context) -> float:
 _OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 
 
+def _gpu_only(test: str) -> bool:
+    return "test_gpu_shapes.py" in test or "test_cuda_graphs.py" in test
+
+
+def smoke_tests(tests: tuple[str, ...]) -> tuple[str, ...]:
+    """What --smoke runs of a section's tests: the GPU-only ones (they skip on CPU, which
+    proves they are collected) and the first of the rest (the rest run in ``make test``
+    anyway; the smoke checks this script's plumbing, not the kernels again)."""
+    rest = [t for t in tests if not _gpu_only(t)]
+    return (*[t for t in tests if _gpu_only(t)], *rest[:1])
+
+
 def run_pytest(ctx: Context, tests: tuple[str, ...], env: dict[str, str]) -> dict:
     """pytest over ``tests`` in a child process (its own environment, killed at the
-    section's deadline). Counts come from the per-test lines of ``-v`` (so a killed run
-    still counts what finished); the whole output goes to this process's stdout, which
-    gpu_check.py appends to the run's log."""
+    section's deadline); with --smoke, ``smoke_tests(tests)``. Counts come from the
+    per-test lines of ``-v`` (so a killed run still counts what finished); the whole
+    output goes to this process's stdout, which gpu_check.py appends to the run's log."""
+    if ctx.smoke:
+        tests = smoke_tests(tests)
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfEs", *tests]
     child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     if not ctx.smoke:

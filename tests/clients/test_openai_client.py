@@ -11,6 +11,7 @@ from openai.types.chat import ChatCompletionChunk
 from pydantic import BaseModel
 
 from tests.clients.conftest import MODEL_NAME
+from tests.server.conftest import Daemon
 from tests.waiting import HANG_S
 
 COMMON = {"store": False, "metadata": {"suite": "kvscope"}, "service_tier": "auto",
@@ -18,10 +19,20 @@ COMMON = {"store": False, "metadata": {"suite": "kvscope"}, "service_tier": "aut
           "response_format": {"type": "text"}, "reasoning_effort": "low"}
 
 
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=HANG_S)
+
+
 @pytest.fixture(scope="module")
-def client(target: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=target + "/v1", api_key="unused", max_retries=0,
-                         timeout=HANG_S)
+def through(target: str) -> openai.OpenAI:
+    """The daemon, and the router in front of it: a streamed chat shows the router passes
+    every byte through (tests/router covers routing itself)."""
+    return _client(target)
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Daemon) -> openai.OpenAI:
+    return _client(daemon.url)
 
 
 def _strict(obj: BaseModel) -> None:
@@ -49,8 +60,8 @@ def _known_fields(m: object) -> None:
             _known_fields(x)
 
 
-def test_streaming_chat_with_common_fields(client: openai.OpenAI):
-    stream = client.chat.completions.create(
+def test_streaming_chat_with_common_fields(through: openai.OpenAI):
+    stream = through.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Name a colour."}],
         max_tokens=8, n=2, temperature=0.7, seed=7, stop=["\n\n"], logprobs=True,
         top_logprobs=3, stream=True, stream_options={"include_usage": True}, **COMMON)

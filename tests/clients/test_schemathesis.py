@@ -13,7 +13,7 @@ import pytest
 
 from tests.server.conftest import Daemon
 
-EXAMPLES = 10  # per operation: bounded (each valid body runs the model)
+EXAMPLES = 5  # per operation: bounded (each valid body runs the model)
 # A healthy run takes minutes here (2.5 on a loaded 2-core box); these are hang guards, far
 # past what a loaded box needs, for the whole run and for one request.
 RUN_GUARD_S = 1500

@@ -66,6 +66,22 @@ def test_the_recipe_shows_the_plan_and_a_run_command_the_device_takes():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a hang guard: ten processes, two of them pytest, on 2 busy cores
+def test_every_test_the_plan_runs_exists():
+    """The kernels and invariance sections name tests by id; --smoke runs one of each
+    section's CPU tests, so every id is checked here (collected, none missing)."""
+    _module()
+    import gpu_sections
+
+    ids = [*gpu_sections.KERNEL_TESTS, *gpu_sections.INVARIANCE_TESTS]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "-p", "no:cacheprovider", *ids], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = proc.stdout.splitlines()
+    for test in ids:
+        assert any(line.startswith(test) for line in collected), test
+
+
 def test_smoke_runs_every_section_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1700)
@@ -78,11 +94,11 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
         assert result["section"] == name and result["smoke"] is True
         assert result["meta"]["torch"] and result["seconds"] >= 0
     assert sections["device"]["copy_tb_s"] > 0
-    # every test id of the plan exists: the 8B-shape grid (gpu-marked) and the CUDA-graph
-    # tests are collected and skip here; the rest runs under the interpreter
+    # the 8B-shape grid (gpu-marked) and the CUDA-graph tests are collected and skip here;
+    # one test of the rest runs (under the interpreter), enough to prove the plumbing
     kernels, invariance = sections["kernels"], sections["invariance"]
-    assert kernels["skipped"] == 24 and kernels["passed"] >= 30 and not kernels["failed"]
-    assert invariance["skipped"] == 2 and invariance["passed"] == 7
+    assert kernels["skipped"] == 24 and kernels["passed"] >= 1 and not kernels["failed"]
+    assert invariance["skipped"] == 2 and invariance["passed"] == 1
     assert [r["batch"] for r in sections["decode"]["rows"]] == [1, 4]
     # CPU: nothing synchronises, and graphs are CUDA-only
     assert sections["decode"]["syncs"]["eager"]["syncs_per_step"] == 0
