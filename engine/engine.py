@@ -144,12 +144,12 @@ class LLMEngine:
     # ---------------------------------------------------------------- set-up
     @staticmethod
     def hybrid_applies(config: EngineConfig, mc, num_cpu_blocks: int) -> bool:
-        """Whether a windowed model gets the hybrid cache: not when switched off, and not
-        yet beside prefix caching, a cpu tier, demotion, block formats or tensor
-        parallelism (it then keeps every block, as before)."""
+        """Whether a windowed model gets the hybrid cache (prefix caching included): not
+        when switched off, and not yet beside a cpu tier, demotion, block formats or
+        tensor parallelism (it then keeps every block, as before)."""
         return bool(mc.windowed and not config.disable_hybrid_kv_cache_manager
-                    and config.kv_layout == "paged" and not config.enable_prefix_caching
-                    and not num_cpu_blocks and not config.kv_demotion
+                    and config.kv_layout == "paged" and not num_cpu_blocks
+                    and not config.kv_demotion
                     and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
                     and config.tensor_parallel_size == 1)
 

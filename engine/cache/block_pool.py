@@ -62,6 +62,7 @@ class BlockPool:
         # eviction can name its cause (engine.events.causes) in the ``evict`` event.
         self.requester: str | None = None
         self.reason: str = C.R_ALLOCATE
+        self.group = 0  # the KV cache group whose pool this is (1: a hybrid window group)
 
     # ---------------------------------------------------------------- counts
     @property
@@ -168,7 +169,8 @@ class BlockPool:
             if reason != C.R_RESET:
                 cause[C.NEEDED_BY] = self.requester
                 cause[C.BLOCKS_NEEDED] = needed if needed is not None else n
-            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims, cause=cause)
+            extra = {"group": self.group} if self.group else {}
+            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims, cause=cause, **extra)
         if self.writeback is not None:
             self.writeback(victims, entries)
         return victims

@@ -81,8 +81,8 @@ class VllmTranslator:
         self._dropped: set[int] = set()
         for ev in batch["events"]:
             kind = ev.get("kind")
-            if ev.get("group"):  # a KV cache group's own pool: it indexes no prefix
-                continue
+            if ev.get("group"):  # a group's own index (the hybrid window group) is not
+                continue  # announced: the stream says group 0's, as before groups
             if kind == S.STORE:
                 self._store(ev, out)
             elif kind == S.EVICT:
