@@ -94,6 +94,10 @@ class LLMEngine:
                 config, mc, num_blocks, self.max_model_len)
             log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
                      "(window %d)", num_blocks, num_window_blocks, window)
+        elif mc.windowed and not config.disable_hybrid_kv_cache_manager:
+            log.warning("%s has sliding-window layers, but the hybrid KV cache does not "
+                        "support a cpu tier (--swap-space), a contiguous layout or tensor "
+                        "parallelism yet: every layer keeps every block", mc.architecture)
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
             window=window, num_window_blocks=num_window_blocks,
