@@ -163,6 +163,9 @@ def test_hybrid_bench_fits_more_sequences_in_one_budget():
     assert gemma["window_blocks_held"] <= 512 // 16 + 1
     assert gemma["bytes_ratio"] > 2 and gemma["hybrid_seqs"] >= 2 * gemma["keep_seqs"] > 0
     assert gemma["hybrid_pools_bytes"] <= 0.125 * (1 << 30)
+    # prefix caching on both sides: the hybrid hits as much of the shared prefix
+    assert gemma["prefix_hybrid_seqs"] >= gemma["prefix_keep_seqs"] > 1
+    assert gemma["prefix_hybrid_hit_rate"] >= gemma["prefix_keep_hit_rate"] > 0.5
     mistral = measure("mistral-7b", args)  # context < 2 W: little to release at 2k
     assert mistral["hybrid_seqs"] >= mistral["keep_seqs"]
 
