@@ -176,6 +176,8 @@ class KVCacheManager:
                 "gpu", num_window_blocks, block_size, kv_format, make_policy("lru"),
                 self.sink), window)
             self.window.pool.group = 1
+            # no host tier beside a window group, so the eviction hook is free for this
+            self.gpu.writeback = self._drop_window_twins
         self._seqs: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
         self._demotion_orders: list[tuple[int, int]] = []
@@ -809,6 +811,22 @@ class KVCacheManager:
                  src=[cow[0]], dst=[cow[1]])
         if blocks:
             emit(S.ALLOC, tier="gpu", seq=sid, group=1, blocks=blocks)
+
+    def _drop_window_twins(self, victims: list[int], entries: list[Any]) -> None:
+        """Group 0 evicted these contents: their cached window blocks can never be hit
+        again (a hit walks group 0 first), so they leave the window index too, and a
+        later store of the same content under its new serial finds the hash free."""
+        pool = self.window.pool
+        cached, entry, ref = pool.cached, pool.entry, pool.ref
+        twins = []
+        for e in entries:
+            o = cached.get(e[0])
+            if o is not None and ref[o] == 0 and entry[o][3] == e[3]:
+                twins.append(o)
+        if twins:
+            gpu = self.gpu
+            pool.drop(twins, {C.POLICY: "twin", C.REASON: gpu.reason,
+                              C.NEEDED_BY: gpu.requester})
 
     def window_slots(self, seq_id: str, start: int, end: int) -> list[int]:
         """Window-group slots of positions [start, end) of the sequence (allocated)."""

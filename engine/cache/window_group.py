@@ -26,9 +26,10 @@ Prefix caching (vLLM's SlidingWindowManager rule, kvscope's bookkeeping): a wind
 is indexed in this pool's own prefix index under the same chain hash as the group-0 block
 of the same logical position, as soon as that block is full and its token ids are known
 (``store``); its entry's serial is the group-0 serial of that content, which identifies the
-whole verified prefix, so a window hit is exact (a hash collision, or a group-0 entry
-re-stored under a new serial, is a miss, never a wrong hit). Released hashed blocks stay
-cached (evictable, this pool's LRU order) until an allocation of this pool evicts them.
+whole verified prefix, so a window hit is exact (a hash collision is a miss, never a wrong
+hit). Released hashed blocks stay cached (evictable, this pool's LRU order) until an
+allocation of this pool evicts them, or group 0 evicts the same content (the manager's
+``_drop_window_twins``: no hit can reach them then).
 A prefix of k blocks is a hit (``longest_hit``) when group 0 holds all k and this group
 holds the blocks covering its last W tokens, ``first_kept(k * bs - 1) .. k - 1``; the
 entries before them are ``RELEASED``. The longest such k is found from the right, each

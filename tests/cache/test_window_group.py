@@ -304,6 +304,31 @@ def test_prefix_hit_shrinks_to_where_the_window_blocks_remain():
     x.sync()
 
 
+def test_group_0_eviction_takes_the_window_twins_out_of_the_index():
+    """Group 0 evicts a content: its cached window blocks are dropped with it (event
+    ``evict``, group 1, policy "twin"), so the same prompt computed again indexes its new
+    window blocks under the hashes, and the request after it hits both groups."""
+    x = Mirrored(6, 4, window=8, num_window_blocks=12)
+    m = x.m
+    prompt = list(range(13))
+    for sid, toks in (("a", prompt), ("b", [50] * 24)):  # b's 6 blocks evict a's 3
+        m.add_sequence(sid, toks)
+        assert m.allocate_slots(sid, len(toks) - m.match_prefix(sid)) is not None
+        m.finish(sid, "stop")
+        evs = x.sync()
+    twins = [e for e in evs if e["kind"] == S.EVICT and e.get("group") == 1]
+    assert len(twins) == 1 and len(twins[0]["blocks"]) == 3
+    assert twins[0]["cause"]["policy"] == "twin" and twins[0]["cause"]["needed_by"] == "b"
+    m.add_sequence("c", prompt)
+    assert m.match_prefix("c") == 0  # group 0 lost it: recomputed, stored again
+    m.allocate_slots("c", 13)
+    m.finish("c", "stop")
+    x.sync()
+    m.add_sequence("d", prompt)
+    assert m.match_prefix("d") == 12
+    x.sync()
+
+
 @pytest.mark.parametrize("seed", [7, 8])
 def test_random_workload_with_prefix_caching_keeps_the_mirror_and_the_bound(seed):
     """Random requests over a few shared prefixes longer than the window, admitted through
