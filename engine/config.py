@@ -47,8 +47,8 @@ class EngineConfig:
     kv_layout: str = "paged"
     enable_prefix_caching: bool = True
     # vLLM's switch: with it a windowed model's layers all keep every block. Without it
-    # (and with prefix caching, swap and demotion off) the sliding-window layers get their
-    # own cache group whose blocks are freed once out of the window (engine.cache.window_group)
+    # (and with swap and demotion off) the sliding-window layers get their own cache group
+    # whose blocks are freed once out of the window (engine.cache.window_group)
     disable_hybrid_kv_cache_manager: bool = False
     eviction_policy: str = "lru"
     swap_space: float = 0.0  # GiB of host memory for the CPU tier

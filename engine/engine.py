@@ -94,6 +94,10 @@ class LLMEngine:
                 config, mc, num_blocks, self.max_model_len)
             log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
                      "(window %d)", num_blocks, num_window_blocks, window)
+        elif mc.windowed and not config.disable_hybrid_kv_cache_manager:
+            log.warning("%s has sliding-window layers, but the hybrid KV cache does not "
+                        "support a cpu tier (--swap-space), a contiguous layout or tensor "
+                        "parallelism yet: every layer keeps every block", mc.architecture)
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
             window=window, num_window_blocks=num_window_blocks,
@@ -144,12 +148,12 @@ class LLMEngine:
     # ---------------------------------------------------------------- set-up
     @staticmethod
     def hybrid_applies(config: EngineConfig, mc, num_cpu_blocks: int) -> bool:
-        """Whether a windowed model gets the hybrid cache: not when switched off, and not
-        yet beside prefix caching, a cpu tier, demotion, block formats or tensor
-        parallelism (it then keeps every block, as before)."""
+        """Whether a windowed model gets the hybrid cache (prefix caching included): not
+        when switched off, and not yet beside a cpu tier, demotion, block formats or
+        tensor parallelism (it then keeps every block, as before)."""
         return bool(mc.windowed and not config.disable_hybrid_kv_cache_manager
-                    and config.kv_layout == "paged" and not config.enable_prefix_caching
-                    and not num_cpu_blocks and not config.kv_demotion
+                    and config.kv_layout == "paged" and not num_cpu_blocks
+                    and not config.kv_demotion
                     and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
                     and config.tensor_parallel_size == 1)
 

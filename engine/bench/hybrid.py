@@ -11,7 +11,12 @@ run the workload (pure bookkeeping, no forward: the allocator decides capacity):
 - concurrent sequences at one budget (``--budget-gib``): sequences of ``--context`` tokens
   admitted one after another (chunked prefill, then one decode token each) until the
   next does not fit; the hybrid pools are split as the engine splits them
-  (engine.runner.kv_budget.hybrid_split, for sequences of ``--context`` tokens).
+  (engine.runner.kv_budget.hybrid_split, for sequences of ``--context`` tokens);
+- the same with prefix caching on both sides, every prompt ``--context`` tokens of which
+  all but the last ``--chunk`` are one shared prefix (a long system prompt or document):
+  sequences admitted through ``match_prefix`` until the next does not fit, and the share
+  of their prompt tokens served from the cache (the hybrid hit takes group 0's blocks of
+  the prefix and the window group's blocks of its last W tokens).
 """
 
 from __future__ import annotations
@@ -51,11 +56,13 @@ def model_config(shape: str):
     return config_from_hf(cfg, shape)
 
 
-def _grow(m, sid: str, context: int, chunk: int, decode: int) -> bool:
-    """Prefill ``context`` tokens in chunks, then ``decode`` tokens; False when it does
-    not fit (the sequence is dropped)."""
-    m.add_sequence(sid, [7] * context)
-    done = 0
+def _grow(m, sid: str, context: int, chunk: int, decode: int,
+          prompt: list[int] | None = None) -> bool:
+    """Prefill ``context`` tokens (``prompt``, or all 7s) in chunks after what
+    ``match_prefix`` shares, then ``decode`` tokens; False when it does not fit (the
+    sequence is dropped)."""
+    m.add_sequence(sid, prompt if prompt is not None else [7] * context)
+    done = m.match_prefix(sid)
     while done < context:
         n = min(chunk, context - done)
         if m.allocate_slots(sid, n) is None:
@@ -110,6 +117,17 @@ def measure(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             n += 1
         fits[name] = n
     used = (num_full * n_full + num_window * n_win) * layer_block
+    # the same budget, prefix caching on, prompts sharing all but their last chunk
+    shared = [(5 * i) % 1000 for i in range(args.context - args.chunk)]
+    keep = KVCacheManager(num_blocks, bs)
+    hyb = KVCacheManager(num_full, bs, window=window, num_window_blocks=num_window)
+    prefix = {}
+    for name, m in (("keep", keep), ("hybrid", hyb)):
+        n = 0
+        while _grow(m, f"p{n}", args.context, args.chunk, 1,
+                    shared + [1000 + n] * args.chunk):
+            n += 1
+        prefix[name] = (n, round(m.num_hit_tokens / max(m.num_query_tokens, 1), 3))
     return {
         "model": shape, "layers_full": n_full, "layers_window": n_win, "window": window,
         "context": args.context, "window_blocks_held": held, "keep_bytes_per_seq": keep_bytes,
@@ -117,6 +135,9 @@ def measure(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "budget_gib": args.budget_gib, "hybrid_pools_bytes": used,
         "keep_seqs": fits["keep"], "hybrid_seqs": fits["hybrid"],
         "seqs_ratio": round(fits["hybrid"] / max(fits["keep"], 1), 2),
+        "prefix_keep_seqs": prefix["keep"][0], "prefix_hybrid_seqs": prefix["hybrid"][0],
+        "prefix_keep_hit_rate": prefix["keep"][1],
+        "prefix_hybrid_hit_rate": prefix["hybrid"][1],
     }
 
 
@@ -134,4 +155,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['model']:<12} {r['layers_full']:>3}:{r['layers_window']:<4} "
               f"{r['window']:>5} {keep_mib:>13.1f} {hyb_mib:>15.1f} {r['bytes_ratio']:>6.2f} "
               f"{r['keep_seqs']:>10} {r['hybrid_seqs']:>12} {r['seqs_ratio']:>6.2f}")
+    print(f"prefix caching on, prompts sharing all but their last {args.chunk} tokens:")
+    print(f"{'model':<12} {'keep seqs':>10} {'hybrid seqs':>12} {'keep hit':>9} "
+          f"{'hybrid hit':>11}")
+    for r in rows:
+        print(f"{r['model']:<12} {r['prefix_keep_seqs']:>10} {r['prefix_hybrid_seqs']:>12} "
+              f"{r['prefix_keep_hit_rate']:>9.3f} {r['prefix_hybrid_hit_rate']:>11.3f}")
     return 0

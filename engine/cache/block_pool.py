@@ -23,7 +23,8 @@ manager emits the events that name a sequence. The "cpu" tier uses the same clas
 blocks hold swapped-out sequences and the host prefix cache, see engine.cache.host_tier);
 ``writeback``, when set, is called with every batch of evicted blocks and their entries
 right after ``evict`` is emitted, before the blocks are handed out again: the gpu pool's
-hook writes them back to the host tier.
+hook writes them back to the host tier (beside a hybrid window group, which has no host
+tier, it drops their cached window twins instead).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class BlockPool:
         # eviction can name its cause (engine.events.causes) in the ``evict`` event.
         self.requester: str | None = None
         self.reason: str = C.R_ALLOCATE
+        self.group = 0  # the KV cache group whose pool this is (1: a hybrid window group)
 
     # ---------------------------------------------------------------- counts
     @property
@@ -148,6 +150,20 @@ class BlockPool:
         self.free_blocks.extend(reversed(victims))
         return n
 
+    def drop(self, blocks: list[int], cause: dict[str, Any]) -> None:
+        """Un-index these cached free blocks now (they become free), reporting ``cause``:
+        a hybrid cache's window blocks whose group-0 twin was evicted."""
+        entry, cached = self.entry, self.cached
+        self.evictable.remove(blocks)
+        for b in blocks:
+            del cached[entry[b][0]]
+            entry[b] = None
+        self.free_blocks.extend(blocks)
+        self.num_evictions += len(blocks)
+        if self.sink.enabled:
+            extra = {"group": self.group} if self.group else {}
+            self.sink.emit(S.EVICT, tier=self.tier, blocks=blocks, cause=cause, **extra)
+
     def _evict(self, n: int, needed: int | None = None, free: int = 0,
                reason: str | None = None) -> list[int]:
         """Un-index the policy's next ``n`` victims; returns them in ascending id order
@@ -168,7 +184,8 @@ class BlockPool:
             if reason != C.R_RESET:
                 cause[C.NEEDED_BY] = self.requester
                 cause[C.BLOCKS_NEEDED] = needed if needed is not None else n
-            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims, cause=cause)
+            extra = {"group": self.group} if self.group else {}
+            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims, cause=cause, **extra)
         if self.writeback is not None:
             self.writeback(victims, entries)
         return victims

@@ -137,9 +137,9 @@ class KVCacheManager:
             if not is_int(num_window_blocks) or num_window_blocks < 1:
                 raise CacheError("a window group needs at least one block, got "
                                  f"{num_window_blocks!r}")
-            if enable_prefix_caching or num_cpu_blocks or demotion is not None:
-                raise CacheError("a sliding-window group cannot be combined with prefix "
-                                 "caching, a cpu tier or kv demotion yet")
+            if num_cpu_blocks or demotion is not None:
+                raise CacheError("a sliding-window group cannot be combined with a cpu tier "
+                                 "or kv demotion yet")
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eviction_policy = eviction_policy
@@ -171,10 +171,13 @@ class KVCacheManager:
             self.disk = DiskTier(self.gpu, self.host, self.pools["disk"], self.sink)
         # group 1, the sliding-window layers' blocks (engine.cache.window_group), or None
         self.window: WindowGroup | None = None
-        if window is not None:
+        if window is not None:  # its evictions name group 1 (BlockPool.group)
             self.window = WindowGroup(BlockPool(
                 "gpu", num_window_blocks, block_size, kv_format, make_policy("lru"),
-                NullSink()), window)
+                self.sink), window)
+            self.window.pool.group = 1
+            # no host tier beside a window group, so the eviction hook is free for this
+            self.gpu.writeback = self._drop_window_twins
         self._seqs: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
         self._demotion_orders: list[tuple[int, int]] = []
@@ -456,6 +459,15 @@ class KVCacheManager:
             blocks.append(b)
             pid = e[3]
             ph = h
+        window_hit: list[int] = []
+        if self.window is not None and blocks:
+            # a hit also needs the window group's blocks of its last W tokens: the longest
+            # prefix of the group-0 hit that has them (engine.cache.window_group)
+            chain = [entry[b][::3] for b in blocks]  # (hash, serial) per block
+            k, window_hit = self.window.longest_hit(chain)
+            del blocks[k:]
+            if blocks:
+                ph, pid = chain[k - 1]
         num_hit = len(blocks) * bs
         self.num_query_tokens += len(toks)
         self.num_hit_tokens += num_hit
@@ -468,6 +480,11 @@ class KVCacheManager:
             if self.sink.enabled:
                 self.sink.emit(S.HIT, tier="gpu", seq=seq_id, blocks=list(blocks),
                                tokens=num_hit)
+            if self.window is not None:
+                self.window.take_hit(seq, len(blocks), window_hit)
+                if window_hit and self.sink.enabled:
+                    self.sink.emit(S.HIT, tier="gpu", seq=seq_id, blocks=list(window_hit),
+                                   group=1)
         return num_hit
 
     def _match_both_tiers(self, seq: CacheSeq) -> int:
@@ -594,6 +611,8 @@ class KVCacheManager:
         order; returns how many. (Allocation evicts lazily; this is a prefix-cache reset.)"""
         if max_blocks is not None and (not is_int(max_blocks) or max_blocks < 0):
             raise CacheError(f"max_blocks must be an int >= 0, got {max_blocks!r}")
+        if self.window is not None and max_blocks is None:  # without group 0's, useless
+            self.window.evict()
         return self.gpu.evict(max_blocks)  # with a cpu tier, written back to the host
 
     def _store_full_blocks(self, seq: CacheSeq) -> None:
@@ -615,8 +634,11 @@ class KVCacheManager:
         # zip(*[it] * bs) cuts the token span into bs-tuples at C speed.
         chunks = zip(*[iter(seq.token_ids[first * bs:full * bs])] * bs, strict=True)
         prompt_blocks = seq.num_prompt_tokens // bs
+        # the window group indexes its blocks of the same contents (window_group.store)
+        win: list[tuple[int, Any]] | None = [] if self.window is not None else None
         for i, (b, chunk) in enumerate(zip(seq.block_table[first:full], chunks, strict=True),
                                        first):
+            ppid = pid
             h = hash((ph, chunk))
             e = entry[b]
             if e is not None:  # indexed already (shared with a sequence that got there first)
@@ -643,6 +665,8 @@ class KVCacheManager:
                 else:  # the same content under another block stays the indexed one
                     oe = entry[other]
                     pid = oe[3] if oe[1] == pid and oe[2] == chunk else None
+            if win is not None and pid is not None:
+                win.append((i, (h, ppid, chunk, pid, ph)))
             ph = h
         seq.num_stored = full
         seq.chain_hash, seq.chain_id = ph, pid
@@ -655,6 +679,12 @@ class KVCacheManager:
                         } if detail else {}
                 self.sink.emit(S.STORE, tier="gpu", blocks=stored,
                                hashes=[entry[b][0] for b in stored], **more)
+        if win:
+            wstored = self.window.store(seq, win)
+            if wstored and self.sink.enabled:
+                wentry = self.window.pool.entry
+                self.sink.emit(S.STORE, tier="gpu", group=1, blocks=wstored,
+                               hashes=[wentry[b][0] for b in wstored])
 
     # ------------------------------------------------------------ allocation
     def can_allocate(self, seq_id: str, num_new_tokens: int, watermark: float = 0.0) -> bool:
@@ -715,6 +745,8 @@ class KVCacheManager:
         for pool in self.pools.values():
             pool.requester = seq_id
             pool.reason = reason if pool is self.gpu else host_reason
+        if self.window is not None:
+            self.window.pool.requester, self.window.pool.reason = seq_id, reason
 
     def _blocks_needed(self, seq: CacheSeq, n: int) -> int:
         if n == 0:
@@ -762,19 +794,39 @@ class KVCacheManager:
         return slot_mapping(table, bs, start, end)
 
     def _allocate_window(self, seq: CacheSeq, n: int) -> None:
-        """The window group's share of ``_allocate`` (before ``num_tokens`` moves on)."""
-        blocks, released, cow = self.window.allocate(seq, n)
+        """The window group's share of ``_allocate`` (before ``num_tokens`` moves on).
+        The release comes first, in the events too: the allocation may evict the very
+        blocks it released (cached ones), and the mirror must see them released first."""
+        window, emit, sid = self.window, self.sink.emit, seq.seq_id
+        released = window.release_before(seq, seq.num_tokens)
+        if released and self.sink.enabled:
+            emit(S.RELEASE, tier="gpu", seq=sid, group=1, blocks=released)
+        window.pool.requester, window.pool.reason = sid, C.R_ALLOCATE
+        blocks, _, cow = window.allocate(seq, n)
         if not self.sink.enabled:
             return
-        emit, sid = self.sink.emit, seq.seq_id
-        if released:
-            emit(S.RELEASE, tier="gpu", seq=sid, group=1, blocks=released)
         if cow:  # the last entry before the new ones; the mirror's table holds held ones
             emit(S.COW, tier="gpu", seq=sid, group=1,
                  logical=[len(seq.window_table) - len(blocks) - 1 - seq.window_first],
                  src=[cow[0]], dst=[cow[1]])
         if blocks:
             emit(S.ALLOC, tier="gpu", seq=sid, group=1, blocks=blocks)
+
+    def _drop_window_twins(self, victims: list[int], entries: list[Any]) -> None:
+        """Group 0 evicted these contents: their cached window blocks can never be hit
+        again (a hit walks group 0 first), so they leave the window index too, and a
+        later store of the same content under its new serial finds the hash free."""
+        pool = self.window.pool
+        cached, entry, ref = pool.cached, pool.entry, pool.ref
+        twins = []
+        for e in entries:
+            o = cached.get(e[0])
+            if o is not None and ref[o] == 0 and entry[o][3] == e[3]:
+                twins.append(o)
+        if twins:
+            gpu = self.gpu
+            pool.drop(twins, {C.POLICY: "twin", C.REASON: gpu.reason,
+                              C.NEEDED_BY: gpu.requester})
 
     def window_slots(self, seq_id: str, start: int, end: int) -> list[int]:
         """Window-group slots of positions [start, end) of the sequence (allocated)."""

@@ -22,14 +22,26 @@ allocation computed (decode steps included), so during decode a sequence holds a
 ``ceil(W / block_size) + 1`` window blocks (a prefill chunk of n tokens: about
 ``(W + n) / block_size + 1``, the blocks it releases reused by its own allocation).
 
-Limits (the cache manager refuses them with a window group): prefix caching (a hit would
-need the window group's blocks of the last W prefix tokens, which are not indexed), the
-cpu and disk tiers, kv demotion.
+Prefix caching (vLLM's SlidingWindowManager rule, kvscope's bookkeeping): a window block
+is indexed in this pool's own prefix index under the same chain hash as the group-0 block
+of the same logical position, as soon as that block is full and its token ids are known
+(``store``); its entry's serial is the group-0 serial of that content, which identifies the
+whole verified prefix, so a window hit is exact (a hash collision is a miss, never a wrong
+hit). Released hashed blocks stay cached (evictable, this pool's LRU order) until an
+allocation of this pool evicts them, or group 0 evicts the same content (the manager's
+``_drop_window_twins``: no hit can reach them then).
+A prefix of k blocks is a hit (``longest_hit``) when group 0 holds all k and this group
+holds the blocks covering its last W tokens, ``first_kept(k * bs - 1) .. k - 1``; the
+entries before them are ``RELEASED``. The longest such k is found from the right, each
+block looked up once (as vLLM scans for ``cdiv(W - 1, block_size)`` contiguous blocks).
+
+Limits (the cache manager refuses them with a window group): the cpu and disk tiers, kv
+demotion.
 """
 
 from __future__ import annotations
 
-from engine.cache.block_pool import BlockPool
+from engine.cache.block_pool import BlockPool, Entry
 from engine.cache.sequence import CacheSeq
 from engine.cache.slots import slot_mapping
 
@@ -119,12 +131,70 @@ class WindowGroup:
         t = seq.window_table
         return [0] * seq.window_first + t[seq.window_first:]
 
+    # ------------------------------------------------------------ prefix cache
+    def store(self, seq: CacheSeq, items: list[tuple[int, Entry]]) -> list[int]:
+        """Index the held window blocks of logical blocks ``i`` under ``entry`` (the
+        group-0 hash and serial of that content), where neither the block nor the hash
+        is indexed yet; returns the blocks newly indexed."""
+        pool, table, first = self.pool, seq.window_table, seq.window_first
+        entry, cached = pool.entry, pool.cached
+        stored = []
+        for i, e in items:
+            if i < first:
+                continue  # released before its ids were known: not indexed
+            b = table[i]
+            if entry[b] is None and e[0] not in cached:
+                entry[b] = e
+                cached[e[0]] = b
+                stored.append(b)
+        if stored:
+            pool.evictable.touch(stored, seq.priority)
+        return stored
+
+    def longest_hit(self, chain: list[tuple[int, int]]) -> tuple[int, list[int]]:
+        """The longest prefix of a group-0 hit this group can serve. ``chain``: (hash,
+        group-0 serial) of each hit block, in order. Returns (k, window blocks of logical
+        blocks ``first_kept(k * bs - 1) .. k - 1``); k = 0: no hit."""
+        cached, entry, bs = self.pool.cached, self.pool.entry, self.block_size
+        k = len(chain)
+        found: dict[int, int] = {}
+        while k > 0:
+            lo = self.first_kept(k * bs - 1)
+            j = k - 1
+            while j >= lo:
+                h, serial = chain[j]
+                b = found.get(j)
+                if b is None:
+                    b = cached.get(h)
+                    if b is None or entry[b][3] != serial:
+                        break  # no prefix ending past block j can use a window through j
+                    found[j] = b
+                j -= 1
+            if j < lo:
+                return k, [found[i] for i in range(lo, k)]
+            k = j
+        return 0, []
+
+    def take_hit(self, seq: CacheSeq, k: int, blocks: list[int]) -> None:
+        """Share ``longest_hit``'s blocks into the empty table of ``seq``."""
+        lo = k - len(blocks)
+        self.pool.share(blocks, seq.priority)
+        seq.window_table = [RELEASED] * lo + blocks
+        seq.window_first = lo
+
+    def evict(self) -> int:
+        """Drop every cached free window block from the index (a prefix-cache reset)."""
+        return self.pool.evict()
+
     def held(self, seq: CacheSeq) -> int:
         return len(seq.window_table) - seq.window_first
 
     def check(self, seqs: list[CacheSeq]) -> None:
-        """Ref counts = held table entries; free blocks hold no reference."""
-        n = self.pool.num_blocks
+        """Ref counts = held table entries; a block with no reference is free (unhashed)
+        or cached (hashed, evictable); the index and the entries agree; a held indexed
+        block holds its own sequence's chain hash and tokens."""
+        pool = self.pool
+        n, entry, bs = pool.num_blocks, pool.entry, self.block_size
         expected = [0] * n
         for s in seqs:
             t = s.window_table
@@ -136,8 +206,23 @@ class WindowGroup:
                 raise AssertionError(f"{s.seq_id}: window table {t} vs first {s.window_first}")
             for b in t[s.window_first:]:
                 expected[b] += 1
-        if self.pool.ref != expected:
+        if pool.ref != expected:
             raise AssertionError("window group: ref counts != held table entries")
-        free = set(self.pool.free_blocks)
-        if any((expected[b] == 0) != (b in free) for b in range(n)):
-            raise AssertionError("window group: a block is neither free nor held")
+        free, cached_free = set(pool.free_blocks), set(pool.evictable)
+        if len(free) != len(pool.free_blocks) or free & cached_free:
+            raise AssertionError("window group: a block twice on the free stack or both free "
+                                 "and cached")
+        if any((expected[b] == 0) != (b in free or b in cached_free) for b in range(n)):
+            raise AssertionError("window group: a block is neither free, cached nor held")
+        if any(entry[b] is not None for b in free) or any(entry[b] is None for b in cached_free):
+            raise AssertionError("window group: a free block is hashed or a cached one is not")
+        if n - entry.count(None) != len(pool.cached) or any(
+                entry[b] is None or entry[b][0] != h for h, b in pool.cached.items()):
+            raise AssertionError("window group: the hash index and the entries disagree")
+        for s in seqs:
+            for i in range(s.window_first, len(s.window_table)):
+                e = entry[s.window_table[i]]
+                if e is not None and (e[2] != tuple(s.token_ids[i * bs:(i + 1) * bs])
+                                      or len(s.token_ids) < (i + 1) * bs):
+                    raise AssertionError(f"{s.seq_id}: window block {i} indexed with other "
+                                         "tokens")

@@ -100,9 +100,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=True)
     e.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction,
                    default=False,
-                   help="a windowed model keeps every block of every layer (default: with "
-                        "prefix caching off, its sliding-window layers free the blocks "
-                        "that left the window)")
+                   help="a windowed model keeps every block of every layer (default: without "
+                        "a swap tier or demotion, its sliding-window layers free the "
+                        "blocks that left the window)")
     e.add_argument("--eviction-policy", default="lru", help="lru | lfu | priority")
     e.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap tier")
     e.add_argument("--disk-cache-dir", default=None, metavar="DIR",

@@ -45,6 +45,9 @@ EVICT_RULES = {
     "lru": "least recently freed first",
     "lfu": "least frequently used (LFU with dynamic aging)",
     "priority": "lowest retention priority, then least recently freed",
+    # a hybrid cache's window block whose content group 0 just evicted: no hit can reach
+    # it any more (engine.cache.window_group)
+    "twin": "its full-attention twin was evicted",
 }
 
 

@@ -124,7 +124,10 @@ class TierInit(Event, tag=TIER_INIT):
     Absent format: "auto". Absent group: 0. A group other than 0 is a KV cache group's
     own pool in that tier (the hybrid cache's sliding-window layers, group 1): the block
     events that name the same group address it, and its sequences' tables (``group``
-    in alloc, free, fork, cow, release; absent: 0, every producer before groups)."""
+    in alloc, hit, store, evict, free, fork, cow, release; absent: 0, every producer
+    before groups). A group's pool has its own prefix index: ``store``/``evict`` with
+    a group set and drop its blocks' hashes, ``hit`` shares them into the sequence's
+    table of that group (whose hit tokens group 0's ``hit`` counts)."""
 
     tier: str
     num_blocks: int
@@ -168,6 +171,7 @@ class Hit(Event, tag=HIT):
     seq: str
     blocks: BlockIds
     tokens: Opt[int] = UNSET  # prompt tokens the hit saves computing
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class Store(Event, tag=STORE):
@@ -180,6 +184,7 @@ class Store(Event, tag=STORE):
     # parent's chain hash (None for a sequence's first block) and its token ids
     parents: Opt[list[int | None]] = UNSET
     tokens: Opt[list[list[int]]] = UNSET
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class Evict(Event, tag=EVICT):
@@ -188,6 +193,7 @@ class Evict(Event, tag=EVICT):
     tier: str
     blocks: BlockIds
     cause: Opt[Cause] = UNSET  # why (engine.events.causes)
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class Free(Event, tag=FREE):

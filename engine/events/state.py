@@ -905,6 +905,8 @@ class KVState:
         s.block_table.extend(blocks)
 
     def _hit(self, ev: dict[str, Any]) -> None:
+        if ev.get("group"):
+            return self._group_hit(ev)
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
@@ -916,8 +918,14 @@ class KVState:
         s.block_table.extend(blocks)
         s.hit_tokens += int(ev.get("tokens", 0))
 
+    def _pool_of(self, ev: dict[str, Any]) -> TierState:
+        """The pool an index event (store, evict) addresses: a tier, or a group's pool."""
+        if ev.get("group"):
+            return self._tier(S.group_pool(ev["tier"], self._group_id(ev)))
+        return self._tier(ev["tier"])
+
     def _store(self, ev: dict[str, Any]) -> None:
-        t, blocks, hashes = self._tier(ev["tier"]), unpack_ids(ev["blocks"]), ev["hashes"]
+        t, blocks, hashes = self._pool_of(ev), unpack_ids(ev["blocks"]), ev["hashes"]
         t.check_ids(blocks)
         hashes = [int(h) for h in hashes]
         if len(blocks) != len(hashes):
@@ -925,7 +933,7 @@ class KVState:
         self._set_hashes(t, blocks, hashes)
 
     def _evict(self, ev: dict[str, Any]) -> None:
-        t, blocks = self._tier(ev["tier"]), unpack_ids(ev["blocks"])
+        t, blocks = self._pool_of(ev), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         ref, hashed = t.ref_c.py, t.hashed_c.py
         if len(blocks) > _SMALL:
@@ -1019,6 +1027,15 @@ class KVState:
         t, g, s, blocks = self._group_of(ev)
         self._free_blocks(t, blocks, "alloc")
         self._take(t, blocks, s.owner_id)
+        s.group_tables = {**s.group_tables, g: s.group_tables.get(g, []) + blocks}
+
+    def _group_hit(self, ev: dict[str, Any]) -> None:
+        t, g, s, blocks = self._group_of(ev)
+        hashed = t.hashed_c.py
+        for b in blocks:
+            if not hashed[b]:
+                raise ProtocolError(f"hit: {t.name} block {b} is not cached")
+        self._hold(t, blocks, s.owner_id)
         s.group_tables = {**s.group_tables, g: s.group_tables.get(g, []) + blocks}
 
     def _group_free(self, ev: dict[str, Any]) -> None:

@@ -140,7 +140,7 @@ def test_random_workload_keeps_the_invariants_and_the_event_mirror(seed):
 
 
 @pytest.mark.parametrize("kw", [
-    {"enable_prefix_caching": True, "window": 8, "num_window_blocks": 4},
+    {"window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},  # prefix caching on
     {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 0},
     {"enable_prefix_caching": False, "window": 0, "num_window_blocks": 4},
     {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},
@@ -163,6 +163,9 @@ def test_hybrid_bench_fits_more_sequences_in_one_budget():
     assert gemma["window_blocks_held"] <= 512 // 16 + 1
     assert gemma["bytes_ratio"] > 2 and gemma["hybrid_seqs"] >= 2 * gemma["keep_seqs"] > 0
     assert gemma["hybrid_pools_bytes"] <= 0.125 * (1 << 30)
+    # prefix caching on both sides: the hybrid hits as much of the shared prefix
+    assert gemma["prefix_hybrid_seqs"] >= gemma["prefix_keep_seqs"] > 1
+    assert gemma["prefix_hybrid_hit_rate"] >= gemma["prefix_keep_hit_rate"] > 0.5
     mistral = measure("mistral-7b", args)  # context < 2 W: little to release at 2k
     assert mistral["hybrid_seqs"] >= mistral["keep_seqs"]
 
@@ -194,3 +197,185 @@ def test_events_name_the_group_and_old_recordings_replay():
     y.sync()
     assert all("group" not in e for e in y.events)
     assert "group_tables" not in y.state.canonical()["seqs"]["b"]
+
+
+# ------------------------------------------------------------------ prefix caching
+def _brute_longest(cached: set[int], k0: int, window: int, bs: int) -> int:
+    """The hit rule spelled out: the largest k <= k0 whose last W tokens' window blocks,
+    ``first_kept(k * bs - 1) .. k - 1``, are all cached."""
+    for k in range(k0, 0, -1):
+        lo = max(0, (k * bs - window) // bs)
+        if all(j in cached for j in range(lo, k)):
+            return k
+    return 0
+
+
+@pytest.mark.parametrize("window,bs", [(8, 4), (7, 4), (20, 4), (5, 1), (100, 16)])
+def test_longest_hit_is_the_rule_checked_against_brute_force(window, bs):
+    """Random sets of cached window blocks (some under a stale serial, which must count as
+    missing): longest_hit returns the brute force's k and exactly the blocks covering the
+    prefix's last W tokens."""
+    rng = random.Random(window * 100 + bs)
+    for _ in range(200):
+        m = KVCacheManager(64, bs, window=window, num_window_blocks=40)
+        pool = m.window.pool
+        k0 = rng.randint(0, 30)
+        chain = [(1000 + j, 5000 + j) for j in range(k0)]  # (hash, group-0 serial)
+        cached, ids = set(), rng.sample(range(40), k0)
+        for j in range(k0):
+            r = rng.random()
+            if r < 0.8:
+                serial = chain[j][1] if r < 0.7 else -1  # -1: a stale entry, a miss
+                pool.entry[ids[j]] = (chain[j][0], None, (0,) * bs, serial, 0)
+                pool.cached[chain[j][0]] = ids[j]
+                if serial != -1:
+                    cached.add(j)
+        k, blocks = m.window.longest_hit(chain)
+        assert k == _brute_longest(cached, k0, window, bs)
+        lo = max(0, (k * bs - window) // bs)
+        assert blocks == [ids[j] for j in range(lo, k)] if k else blocks == []
+
+
+def test_prefix_hit_shares_the_full_prefix_and_only_the_window_blocks_of_its_end():
+    """A finished sequence's released window blocks stay cached; a later request with the
+    same 7-block prefix (3.5 windows) hits group 0's 7 blocks and group 1's last two
+    (positions 20..27 = its last W tokens), the entries before them released; events
+    rebuild exactly this state (group-1 store, hit, evict)."""
+    x = Mirrored(64, 4, window=8, num_window_blocks=12)
+    m = x.m
+    shared = list(range(100, 128))  # 28 tokens, 7 full blocks
+    m.add_sequence("a", shared + [1, 2])
+    m.allocate_slots("a", 30)
+    m.start("a")
+    x.sync()
+    for t in range(6):  # decode past the prompt: blocks 0..6 leave the window, cached
+        m.allocate_slots("a", 1)
+        m.append_token_ids("a", [t])
+        x.sync()
+    assert m.sequences["a"].window_first == 7
+    assert m.window.pool.num_cached_free_blocks == 7
+    m.finish("a", "stop")
+    x.sync()
+    m.add_sequence("b", shared + [9, 9, 9])
+    assert m.match_prefix("b") == 28
+    evs = x.sync()
+    b = m.sequences["b"]
+    assert len(b.block_table) == 7
+    assert b.window_first == 5 and b.window_table[:5] == [RELEASED] * 5
+    hits = [e for e in evs if e["kind"] == S.HIT]
+    assert [e.get("group", 0) for e in hits] == [0, 1] and len(hits[1]["blocks"]) == 2
+    assert x.state.seqs["b"].group_tables[1] == b.window_table[5:]
+    assert m.allocate_slots("b", 3) is not None  # the prompt's rest: computed, not hit
+    m.start("b")
+    x.sync()
+    # a reset drops both groups' cached blocks (group-1 evict events)
+    m.finish("b", "stop")
+    x.sync()
+    m.evict_cached()
+    evs = x.sync()
+    assert any(e["kind"] == S.EVICT and e.get("group") == 1 for e in evs)
+    assert m.window.pool.num_cached_free_blocks == 0
+
+
+def test_prefix_hit_shrinks_to_where_the_window_blocks_remain():
+    """Group 0 still holds a 7-block prefix but the window blocks of its end were evicted
+    (a small window pool reused them): the hit is the longest shorter prefix whose last W
+    tokens' window blocks are cached, or none, and the tokens are then recomputed."""
+    x = Mirrored(64, 4, window=8, num_window_blocks=12)
+    m = x.m
+    shared = list(range(100, 128))
+    m.add_sequence("a", shared + [1])
+    m.allocate_slots("a", 29)  # prefill: blocks 0..7 in both groups, 0..6 indexed
+    m.start("a")
+    m.finish("a", "stop")
+    x.sync()
+    # LRU of the window pool: the release walked the table backwards, so the tail goes
+    # first: evicting four takes logical blocks 6, 5, 4, 3 (7, never indexed, is free)
+    m.window.pool.evict(4)
+    x.sync()
+    cached = {j for j, b in enumerate(range(8)) if m.window.pool.entry[b] is not None}
+    assert cached == {0, 1, 2}
+    m.add_sequence("b", shared + [5])
+    assert m.match_prefix("b") == 3 * 4  # k = 3: blocks 0..2 cover positions 4..11
+    b = m.sequences["b"]
+    assert len(b.block_table) == 3 and b.window_first == 1
+    x.sync()
+    assert m.allocate_slots("b", 29 - 12) is not None
+    x.sync()
+
+
+def test_group_0_eviction_takes_the_window_twins_out_of_the_index():
+    """Group 0 evicts a content: its cached window blocks are dropped with it (event
+    ``evict``, group 1, policy "twin"), so the same prompt computed again indexes its new
+    window blocks under the hashes, and the request after it hits both groups."""
+    x = Mirrored(6, 4, window=8, num_window_blocks=12)
+    m = x.m
+    prompt = list(range(13))
+    for sid, toks in (("a", prompt), ("b", [50] * 24)):  # b's 6 blocks evict a's 3
+        m.add_sequence(sid, toks)
+        assert m.allocate_slots(sid, len(toks) - m.match_prefix(sid)) is not None
+        m.finish(sid, "stop")
+        evs = x.sync()
+    twins = [e for e in evs if e["kind"] == S.EVICT and e.get("group") == 1]
+    assert len(twins) == 1 and len(twins[0]["blocks"]) == 3
+    assert twins[0]["cause"]["policy"] == "twin" and twins[0]["cause"]["needed_by"] == "b"
+    m.add_sequence("c", prompt)
+    assert m.match_prefix("c") == 0  # group 0 lost it: recomputed, stored again
+    m.allocate_slots("c", 13)
+    m.finish("c", "stop")
+    x.sync()
+    m.add_sequence("d", prompt)
+    assert m.match_prefix("d") == 12
+    x.sync()
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_random_workload_with_prefix_caching_keeps_the_mirror_and_the_bound(seed):
+    """Random requests over a few shared prefixes longer than the window, admitted through
+    match_prefix, decoded, preempted, forked and finished, with a window pool small enough
+    to evict: invariants and mirror == snapshot after every operation, real group-1 hits,
+    and the decode bound on held window blocks."""
+    rng = random.Random(seed)
+    x = Mirrored(80, 4, window=10, num_window_blocks=24)
+    m = x.m
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(12, 26))] for _ in range(3)]
+    live: list[str] = []
+    decoding: set[str] = set()
+    window_hits = 0
+    for i in range(400):
+        op = rng.random()
+        if op < 0.2 or not live:
+            sid = f"s{i}"
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 6))]
+            m.add_sequence(sid, prompt)
+            k = m.match_prefix(sid)
+            if m.allocate_slots(sid, len(prompt) - k) is None:
+                m.finish(sid, "abort")
+            else:
+                m.start(sid)
+                live.append(sid)
+        elif op < 0.3:
+            m.finish(live.pop(rng.randrange(len(live))), "stop")
+        elif op < 0.35 and len(live) < 8:
+            try:
+                m.fork(rng.choice(live), f"f{i}")
+                live.append(f"f{i}")
+            except CacheError:
+                pass
+        else:
+            sid = rng.choice(live)
+            if m.allocate_slots(sid, 1) is None:
+                m.preempt(sid)
+                m.finish(sid, "abort")
+                live.remove(sid)
+                decoding.discard(sid)
+            else:
+                m.append_token_ids(sid, [rng.randrange(50)])
+                decoding.add(sid)
+        m.take_window_copy_orders()
+        m.take_copy_orders()
+        evs = x.sync()
+        window_hits += sum(1 for e in evs if e["kind"] == S.HIT and e.get("group") == 1)
+        for sid in decoding & set(live):
+            assert m.window.held(m.sequences[sid]) <= -(-10 // 4) + 1
+    assert window_hits > 10 and m.window.pool.num_evictions > 0

@@ -66,10 +66,10 @@ def test_the_model_is_windowed(loaded):
 @pytest.mark.parametrize("engine_args", [
     {"block_size": 1, "num_gpu_blocks": 512},
     {"block_size": 4, "num_gpu_blocks": 128},
-    {"block_size": 16, "num_gpu_blocks": 32},
+    {"block_size": 16, "num_gpu_blocks": 32, "disable_hybrid_kv_cache_manager": True},
     {"block_size": 4, "num_gpu_blocks": 128, "max_num_batched_tokens": 7},  # chunked
     {"kv_layout": "contiguous", "max_model_len": 64, "num_gpu_blocks": 64},
-], ids=["bs1", "bs4", "bs16", "chunked7", "contiguous"])
+], ids=["bs1", "bs4", "bs16-keep-all", "chunked7", "contiguous"])
 def test_configurations_keep_the_reference_tokens(make_engine, reference, engine_args):
     outs = generate(make_engine(**engine_args), PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -85,12 +85,23 @@ def test_preemption_and_the_swap_tier_keep_the_reference_tokens(make_engine, ref
 
 
 def test_prefix_caching_hits_keep_the_reference_tokens(make_engine, reference):
+    """Prefix caching (on by default) with the hybrid cache: later prompts hit the shared
+    prefix, three windows long, so each hit takes the window group's blocks of its last W
+    tokens; the tokens are the reference's and the window group stays bounded."""
     eng = make_engine(block_size=4, num_gpu_blocks=128, enable_prefix_caching=True)
-    outs = []
+    assert eng.cache.window is not None
+    bound, outs = WINDOW // 4 + 1, []
     for i, p in enumerate(PROMPTS):  # one at a time: later prompts hit the shared prefix
         eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
-        outs.append(run_all(eng)[str(i)])
-    assert all(o.metrics.num_cached_tokens >= 20 for o in outs[1:])
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            eng.cache.check_invariants()
+            for s in eng.cache.sequences.values():
+                if s.num_tokens > s.num_prompt_tokens:
+                    assert eng.cache.window.held(s) <= bound
+        outs.append(done[str(i)])
+    assert all(o.metrics.num_cached_tokens >= 20 > 2 * WINDOW for o in outs[1:])
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
@@ -104,7 +115,9 @@ def test_forks_keep_the_reference_tokens(make_engine, reference):
 
 
 # The hybrid cache (engine.cache.window_group): the five windowed layers in six read their
-# own group's tables, whose blocks are released once out of the window.
+# own group's tables, whose blocks are released once out of the window. It is on in every
+# test above but bs16-keep-all and the swap tier (prefix caching is on by default); these
+# run it without prefix caching, its releases then freeing blocks outright.
 HYBRID = {"enable_prefix_caching": False}
 
 
@@ -166,9 +179,8 @@ def test_hybrid_cache_recording_equals_kv_state_every_step(make_engine, tmp_path
     from engine.events import KVState
     from engine.events.wire.recording import Recording
 
-    path = tmp_path / "hybrid.kvtrace"
-    eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0, record_path=str(path),
-                      **HYBRID)
+    path = tmp_path / "hybrid.kvtrace"  # prefix caching on: group-1 stores, hits, evicts
+    eng = make_engine(block_size=4, num_gpu_blocks=12, watermark=0.0, record_path=str(path))
     expected = {eng.step_count: eng.kv_state()}
     for i, p in enumerate(PROMPTS):
         eng.add_request(str(i), {"prompt_token_ids": p},
@@ -185,10 +197,10 @@ def test_hybrid_cache_recording_equals_kv_state_every_step(make_engine, tmp_path
     state, kinds = KVState(), set()
     for batch in Recording(path):
         state.apply(batch)
-        kinds |= {e["kind"] for e in batch["events"]}
+        kinds |= {(e["kind"], e.get("group", 0)) for e in batch["events"]}
         if batch["step"] in expected:
             assert state.canonical() == expected[batch["step"]], f"step {batch['step']}"
-    assert "release" in kinds and "gpu/1" in state.tiers
+    assert {("release", 1), ("hit", 1), ("store", 1)} <= kinds and "gpu/1" in state.tiers
 
 
 def test_hybrid_cache_from_a_byte_budget_fits_it_and_keeps_the_reference(make_engine,

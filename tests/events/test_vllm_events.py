@@ -162,6 +162,54 @@ def test_translation_equals_the_mirror_every_step():
     assert consumer.summary()["prefixes"] > 0
 
 
+def test_translation_of_a_hybrid_cache_names_its_window_group():
+    """A hybrid cache with prefix caching (engine.cache.window_group): the window group's
+    index goes out as group_idx 1 on the same medium, kind "sliding_window"; a consumer's
+    hashes per (medium, group) equal the mirror's per pool after every step."""
+    import random
+
+    sink = ListSink()
+    sink.store_detail = True
+    m = KVCacheManager(40, 4, sink=sink, window=8, num_window_blocks=14)
+    mirror, tr, consumer, enc = KVState(), VllmTranslator(), VllmPrefixCache(), W.Encoder()
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(40) for _ in range(20)] for _ in range(2)]
+    live: list[str] = []
+    groups: set[tuple[int, str]] = set()
+    for seq in range(120):
+        if seq:
+            if len(live) < 3 and rng.random() < 0.4:
+                sid = f"s{seq}"
+                prompt = rng.choice(prefixes) + [rng.randrange(40) for _ in range(3)]
+                m.add_sequence(sid, prompt)
+                k = m.match_prefix(sid)
+                if m.allocate_slots(sid, len(prompt) - k) is None:
+                    m.finish(sid, "abort")
+                else:
+                    m.start(sid)
+                    live.append(sid)
+            for sid in list(live):
+                if rng.random() < 0.15 or m.allocate_slots(sid, 1) is None:
+                    m.finish(sid, "stop")
+                    live.remove(sid)
+                else:
+                    m.append_token_ids(sid, [rng.randrange(40)])
+            m.flush_step_events()
+        batch = make_batch("e", seq, seq, float(seq), sink.drain(), {})
+        mirror.apply(batch)
+        out = W.decode(enc.encode(batch["time"], tr.translate(batch), 0))
+        for ev in out["events"]:
+            if ev["type"] == W.BLOCK_STORED:
+                _check_chain(ev, 4)
+                groups.add((ev["group_idx"], ev["kv_cache_spec_kind"]))
+        consumer.apply(out["ts"], out["events"], seq)
+        for tier in ("gpu", "gpu/1"):
+            assert consumer.hashes({"gpu": "GPU", "gpu/1": "GPU/1"}[tier]) == set(
+                mirror.tiers[tier].hashes.values()), (seq, tier)
+    assert groups == {(0, "full_attention"), (1, "sliding_window")}
+    assert m.window.pool.num_evictions > 0 and consumer.unknown_removed == 0
+
+
 def _drive(stream: EventStream, sub: VllmSubscriber, cache: VllmPrefixCache, steps: int,
            seed: int = 2) -> KVState:
     """Probe steps until ``sub`` hears the publisher (slow_joiner.py), then ``steps``

@@ -7,18 +7,21 @@ import os
 
 from engine.cache import KVCacheManager
 from engine.events import KVState
+from engine.events import schema as S
 from engine.events.sink import ListSink
 
 
 def _hybrid_state() -> KVState:
-    """Two sequences decoding past a window of 8 tokens: the window group has released
-    their early blocks while the full-attention tables keep every block."""
+    """Two sequences decoding past a window of 8 tokens, the second sharing the first's
+    prefix (prefix caching: a hit in both groups): the window group has released their
+    early blocks (indexed ones stay cached) while the full-attention tables keep every
+    block."""
     sink = ListSink()
-    m = KVCacheManager(48, 4, enable_prefix_caching=False, window=8, num_window_blocks=16,
-                       sink=sink)
+    m = KVCacheManager(48, 4, window=8, num_window_blocks=16, sink=sink)
     for sid, n in (("a", 14), ("b", 9)):
         m.add_sequence(sid, list(range(n)))
-        m.allocate_slots(sid, n)
+        k = m.match_prefix(sid)
+        m.allocate_slots(sid, n - k)
         m.start(sid)
     for t in range(20):
         for sid in ("a", "b"):
@@ -43,6 +46,8 @@ def test_block_map_draws_the_window_group_and_lights_a_sequence_there(window, qa
     lit = window.model.highlighted_blocks("gpu/1")
     assert lit == st.seqs["a"].group_tables[1] and 0 < len(lit) <= 8 // 4 + 1
     assert window.model.highlighted_blocks("gpu") == st.seqs["a"].block_table
+    assert st.seqs["b"].hit_tokens == 8  # its window blocks of those 8 tokens were shared
+    assert S.BLOCK_CACHED in set(st.block_codes("gpu/1").tolist())  # released, indexed
     shot = os.environ.get("KVSCOPE_SCREENSHOT_DIR")
     if shot:  # for a person to look at (never inside the repository)
         window.grab().save(os.path.join(shot, "hybrid_groups.png"))

@@ -47,11 +47,12 @@ def test_past_the_window_logits_match_transformers(windowed):
 
 
 @pytest.mark.parametrize("engine_args", [
-    {"block_size": 8},
-    # a prefill in chunks (context + window masks) and prefix-cache hits on a second request
-    {"block_size": 16, "max_num_batched_tokens": 32, "enable_prefix_caching": True},
-    # the hybrid cache: every layer windowed, so the window group holds all the pages and
-    # releases each block once out of the window (engine.cache.window_group)
+    {"block_size": 8, "disable_hybrid_kv_cache_manager": True},  # every block kept
+    # the hybrid cache (every layer windowed, so the window group holds all the pages and
+    # releases each block once out of the window: engine.cache.window_group) with a
+    # prefill in chunks and prefix-cache hits on the second request: the hit takes the
+    # window blocks of the prefix's last W tokens only
+    {"block_size": 16, "max_num_batched_tokens": 32},
     {"block_size": 8, "enable_prefix_caching": False},
     {"block_size": 16, "max_num_batched_tokens": 32, "enable_prefix_caching": False},
 ])
@@ -60,11 +61,13 @@ def test_engine_greedy_past_the_window_matches_transformers_generate(windowed, e
     llm = LLM(str(path), device="cpu", dtype="float32", **engine_args)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     expected = hf_greedy(hf, PROMPT, 32)
-    hybrid = engine_args.get("enable_prefix_caching") is False
+    hybrid = not engine_args.get("disable_hybrid_kv_cache_manager")
     assert (llm.llm_engine.cache.window is not None) == hybrid
-    for _ in range(2):
-        out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
-        assert out.token_ids == expected
+    for i in range(2):
+        res = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+        assert res.outputs[0].token_ids == expected
+        if i and engine_args.get("enable_prefix_caching", True):
+            assert res.metrics.num_cached_tokens > WINDOW
 
 
 @pytest.mark.parametrize("engine_args", [{"kv_demotion": "int8"},

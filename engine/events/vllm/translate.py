@@ -16,6 +16,11 @@ hashes a tier holds matter (their fields: the types in ``engine.events.schema``)
     DiskLoad                               BlockStored medium "CPU" (arrived reads are
                                            host cache; the disk keeps its copies)
 
+Groups: a hybrid cache's window group (``group`` 1 on ``store``/``evict``/``tier_init``,
+kvscope's pool ``gpu/1``) is announced on the same medium with ``group_idx`` 1 and
+``kv_cache_spec_kind`` "sliding_window", as vLLM announces its sliding-window group; the
+group's table events (alloc, hit, release, ...) change no index and are skipped.
+
 Medium names: kvscope tier "gpu" (the device tier, even on a CPU run, as vLLM-CPU says
 "GPU") -> "GPU", "cpu" (the host swap/offload tier) -> "CPU", "disk" (the local-disk
 tier) -> "STORAGE" (vLLM's medium for storage offload). Blocks a restarted engine adopts
@@ -55,6 +60,18 @@ from engine.events.vllm import wire as W
 MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU, "disk": W.MEDIUM_STORAGE}
 STORE_PARENTS = S.STORE_PARENTS
 STORE_TOKENS = S.STORE_TOKENS
+_GROUP_INDEX_KINDS = frozenset((S.STORE, S.EVICT, S.TIER_INIT))  # a group's own index
+
+
+def _pool(ev: dict[str, Any]) -> str:
+    """The kvscope pool an index event addresses: its tier, or a group's pool."""
+    return S.group_pool(ev["tier"], int(ev.get("group") or 0))
+
+
+def _medium(pool: str) -> tuple[str | None, int]:
+    """(vLLM medium, group_idx) of a kvscope pool name (``schema.group_pool``)."""
+    tier, _, group = pool.partition("/")
+    return MEDIUM.get(tier), int(group or 0)
 
 
 class VllmTranslator:
@@ -81,8 +98,8 @@ class VllmTranslator:
         self._dropped: set[int] = set()
         for ev in batch["events"]:
             kind = ev.get("kind")
-            if ev.get("group"):  # a KV cache group's own pool: it indexes no prefix
-                continue
+            if ev.get("group") and kind not in _GROUP_INDEX_KINDS:
+                continue  # a group's table events: no index changes
             if kind == S.STORE:
                 self._store(ev, out)
             elif kind == S.EVICT:
@@ -102,10 +119,11 @@ class VllmTranslator:
                          if a in disk]
                 self._put("cpu", [b for b, _ in pairs], [h for _, h in pairs], out)
             elif kind == S.TIER_INIT:
-                if self.blocks.get(ev["tier"]):
+                tier = _pool(ev)
+                if self.blocks.get(tier):
                     self._reset(out)
-                self.block_size[ev["tier"]] = int(ev["block_size"])
-                self._tier(ev["tier"])
+                self.block_size[tier] = int(ev["block_size"])
+                self._tier(tier)
         # forget descriptions no tier needs any more (an evict may precede the offload
         # of the same content within one step, so only at the batch's end)
         for h in self._dropped:
@@ -137,7 +155,7 @@ class VllmTranslator:
         if parents is not None and tokens is not None:
             for h, p, t in zip(hashes, parents, tokens, strict=True):
                 self.described[h] = (p, tuple(t))
-        self._put(ev["tier"], blocks, hashes, out)
+        self._put(_pool(ev), blocks, hashes, out)
 
     def _put(self, tier: str, blocks: list[int], hashes: list[int],
              out: list[dict[str, Any]]) -> None:
@@ -160,28 +178,29 @@ class VllmTranslator:
                 else:
                     self.undescribed += 1
         if removed:
-            out.append(W.block_removed(removed, MEDIUM.get(tier)))
+            out.append(W.block_removed(removed, *_medium(tier)))
         self._announce(tier, new, out)
 
     def _announce(self, tier: str, hashes: list[int], out: list[dict[str, Any]]) -> None:
         """BlockStored events for ``hashes`` (in order), one per chained run."""
         bs = self.block_size.get(tier, 0)
+        medium, group = _medium(tier)
         run: list[int] = []
         tokens: list[int] = []
         for h in hashes:
             parent, toks = self.described[h]
             if run and parent != run[-1]:
                 out.append(W.block_stored(run, self.described[run[0]][0], tokens, bs,
-                                          MEDIUM.get(tier)))
+                                          medium, group))
                 run, tokens = [], []
             run.append(h)
             tokens.extend(toks)
         if run:
-            out.append(W.block_stored(run, self.described[run[0]][0], tokens, bs,
-                                      MEDIUM.get(tier)))
+            out.append(W.block_stored(run, self.described[run[0]][0], tokens, bs, medium,
+                                      group))
 
     def _evict(self, ev: dict[str, Any], out: list[dict[str, Any]]) -> None:
-        tier = ev["tier"]
+        tier = _pool(ev)
         self._tier(tier)
         where = self.blocks[tier]
         removed: list[int] = []
@@ -190,7 +209,7 @@ class VllmTranslator:
             if h is not None:
                 self._release(tier, h, removed)
         if removed:
-            out.append(W.block_removed(removed, MEDIUM.get(tier)))
+            out.append(W.block_removed(removed, *_medium(tier)))
 
     def _release(self, tier: str, h: int, removed: list[int]) -> None:
         holders = self.holders[tier]

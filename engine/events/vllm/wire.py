@@ -109,20 +109,24 @@ class EventBatch(TypedDict):
 # input or cache salt). kvscope writes the same, so a consumer that filters on them works.
 GROUP_IDX = 0
 SPEC_KIND = "full_attention"
+# a hybrid model's sliding-window group (kvscope's group 1: engine.cache.window_group)
+WINDOW_SPEC_KIND = "sliding_window"
 
 
 def block_stored(block_hashes: list[int], parent_block_hash: int | None,
-                 token_ids: list[int], block_size: int, medium: str | None) -> dict[str, Any]:
+                 token_ids: list[int], block_size: int, medium: str | None,
+                 group_idx: int = GROUP_IDX) -> dict[str, Any]:
     return {TAG: BLOCK_STORED, "block_hashes": block_hashes,
             "parent_block_hash": parent_block_hash, "token_ids": token_ids,
             "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None,
-            "extra_keys": [None] * len(block_hashes), "group_idx": GROUP_IDX,
-            "kv_cache_spec_kind": SPEC_KIND}
+            "extra_keys": [None] * len(block_hashes), "group_idx": group_idx,
+            "kv_cache_spec_kind": WINDOW_SPEC_KIND if group_idx else SPEC_KIND}
 
 
-def block_removed(block_hashes: list[int], medium: str | None) -> dict[str, Any]:
+def block_removed(block_hashes: list[int], medium: str | None,
+                  group_idx: int = GROUP_IDX) -> dict[str, Any]:
     return {TAG: BLOCK_REMOVED, "block_hashes": block_hashes, "medium": medium,
-            "group_idx": GROUP_IDX}
+            "group_idx": group_idx}
 
 
 def all_blocks_cleared() -> dict[str, Any]:
