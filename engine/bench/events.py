@@ -622,7 +622,7 @@ def bench_flood(blocks: int, step_s: float = 0.010, num_blocks: int = 65536) -> 
         out[mode] = {"step_ms": round(t * 1e3, 3),
                      "vs_quiet_pct": round((t - quiet) / quiet * 100, 2),
                      "steps": step,
-                     **{k: st[k] for k in ("snapshots_taken", "requests_received",
+                     **{k: getattr(st, k) for k in ("snapshots_taken", "requests_received",
                                            "snapshots_served", "replays_served",
                                            "replays_refused", "replies_dropped",
                                            "dropped_batches")}}

@@ -52,6 +52,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import msgspec
+
 from engine.events import schema as S
 from engine.events.schema import ProtocolError
 from engine.events.sink import EventSink, ListSink, NullSink
@@ -64,6 +66,26 @@ from engine.events.wire.recording import RecordingWriter
 log = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], dict[str, Any]]
+
+
+class StreamStats(msgspec.Struct, kw_only=True, frozen=True):
+    """The stream's own counters, read at once (``EventStream.stats``). The one a batch
+    carries to subscribers, ``dropped_batches``, travels as ``StepStats.dropped_batches``."""
+
+    epoch: str
+    seq: int  # the last batch handed over (dropped ones included)
+    dropped_batches: int  # batches dropped because the stream thread's queue was full
+    queue_depth: int  # batches waiting for the stream thread
+    snapshots_taken: int  # cache snapshots the engine thread took for the stream
+    recording_ok: bool  # False from a drop until the next keyframe (resync)
+    consumer_errors: int  # batch consumers that raised
+    snapshots_served: int  # snapshot replies sent to clients
+    replays_served: int  # replay requests answered in full
+    request_errors: int  # malformed or refused requests
+    requests_received: int
+    replays_refused: int  # over the replay budget
+    replies_dropped: int  # replies lost to a client that stopped reading
+    bytes_recorded: int
 
 
 class BatchConsumer(Protocol):
@@ -83,8 +105,10 @@ class EventStream:
     engine thread only; everything else (encoding, sockets, the file, turning cache
     snapshots into wire snapshots) happens on the stream's own thread. ``end_step`` never
     blocks: when the bounded queue is full the batch is dropped and counted
-    (``dropped_batches``, and ``stats["dropped_batches"]`` in every later batch), and
-    subscribers see the seq gap.
+    (``dropped_batches``, and ``StepStats.dropped_batches`` in every later batch's
+    stats), the next batch handed over comes with a cache snapshot (a resync: the
+    recording's keyframe, the answer to subscribers' snapshot requests), and subscribers
+    see the seq gap and the grown count, and take that snapshot.
     """
 
     def __init__(self, endpoint: str | None = None, record_path: str | None = None, *,
@@ -93,7 +117,7 @@ class EventStream:
                  engine_lock: threading.Lock | threading.RLock | None = None,
                  queue_size: int = 1024, replay_size: int = 4096, heartbeat_s: float = 1.0,
                  keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0,
-                 snapshot_interval_s: float = 1.0,
+                 snapshot_interval_s: float = 1.0, sndhwm: int = 10_000,
                  consumers: list[Any] | None = None) -> None:
         # consumers: other listeners of each closed batch with ``on_batch(batch)`` (a
         # BatchConsumer, on the stream thread) and ``close()`` (when the stream closes),
@@ -140,7 +164,7 @@ class EventStream:
         if endpoint is not None:
             self.publisher = Publisher(endpoint, snapshot_endpoint, self.epoch,
                                        replay_size=replay_size, heartbeat_s=heartbeat_s,
-                                       info=header)
+                                       sndhwm=sndhwm, info=header)
         if record_path is not None:
             try:
                 self.recorder = RecordingWriter(
@@ -253,20 +277,19 @@ class EventStream:
         return dict(self._kind_counts)
 
     @property
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StreamStats:
         p, r = self.publisher, self.recorder
-        return {
-            "epoch": self.epoch, "seq": self.seq, "dropped_batches": self.dropped_batches,
-            "queue_depth": self._queue.qsize(), "snapshots_taken": self.snapshots_taken,
-            "recording_ok": self._recording_ok, "consumer_errors": self.consumer_errors,
-            "snapshots_served": p.snapshots_served if p else 0,
-            "replays_served": p.replays_served if p else 0,
-            "request_errors": p.request_errors if p else 0,
-            "requests_received": p.requests_received if p else 0,
-            "replays_refused": p.replays_refused if p else 0,
-            "replies_dropped": p.replies_dropped if p else 0,
-            "bytes_recorded": r.bytes_written if r else 0,
-        }
+        return StreamStats(
+            epoch=self.epoch, seq=self.seq, dropped_batches=self.dropped_batches,
+            queue_depth=self._queue.qsize(), snapshots_taken=self.snapshots_taken,
+            recording_ok=self._recording_ok, consumer_errors=self.consumer_errors,
+            snapshots_served=p.snapshots_served if p else 0,
+            replays_served=p.replays_served if p else 0,
+            request_errors=p.request_errors if p else 0,
+            requests_received=p.requests_received if p else 0,
+            replays_refused=p.replays_refused if p else 0,
+            replies_dropped=p.replies_dropped if p else 0,
+            bytes_recorded=r.bytes_written if r else 0)
 
     # ------------------------------------------------------------ stream thread
     def _run(self) -> None:
