@@ -55,8 +55,9 @@ from typing import Any, Protocol
 import msgspec
 
 from engine.events import schema as S
+from engine.events.column_sink import ColumnSink, RecordedStep
 from engine.events.schema import ProtocolError
-from engine.events.sink import EventSink, ListSink, NullSink
+from engine.events.sink import EventSink, NullSink
 from engine.events.state import KVState
 from engine.events.stats import StepStats
 from engine.events.wire import codec as C
@@ -124,7 +125,9 @@ class EventStream:
         # e.g. engine.events.vllm.VllmPublisher.
         self.consumers = list(consumers or ())
         self.enabled = endpoint is not None or record_path is not None or bool(self.consumers)
-        self.sink: EventSink = ListSink() if self.enabled else NullSink()
+        # the engine thread records into columns (no map per block operation); the stream
+        # thread turns each RecordedStep into the batch's events (and columns)
+        self.sink: EventSink = ColumnSink() if self.enabled else NullSink()
         if any(getattr(c, "needs_store_detail", False) for c in self.consumers):
             self.sink.store_detail = True  # type: ignore[attr-defined]
         self.epoch = secrets.token_hex(8)
@@ -368,6 +371,7 @@ class EventStream:
         when one is due)."""
         rec = self.recorder
         if batch is not None:
+            _unpack_recorded(batch)
             if batch["seq"] != self._last_seq_handled + 1:
                 if self._recording_ok and rec is not None and snap is None:
                     log.warning("event stream dropped batches before seq %d; the recording "
@@ -433,6 +437,17 @@ class EventStream:
                     extras[sid][3] += 1
                 else:  # hit, host_hit
                     extras[sid][4] += int(ev.get("tokens", 0))
+
+
+def _unpack_recorded(batch: dict[str, Any]) -> None:
+    """A batch whose ``events`` are a ColumnSink's ``RecordedStep``, in place: ``events``
+    the maps, plus (a bulk step, as the wire carries it) ``columns``."""
+    recorded = batch["events"]
+    if type(recorded) is not RecordedStep:
+        return
+    events = batch["events"] = recorded.events()
+    if recorded.worth_columns():
+        batch["columns"] = recorded.columns(events)
 
 
 _EXTRA_KINDS = frozenset((S.SEQ_ADD, S.SEQ_FINISH, S.SEQ_PREEMPT, S.HIT, S.HOST_HIT))
