@@ -66,12 +66,12 @@ class RecordedStep:
         over its block operations)."""
         return worth_arrays(len(self.rows), len(self.ids))
 
-    def columns(self, events: list[dict[str, Any]] | None = None) -> StepColumns:
+    def columns(self, with_events: bool = True) -> StepColumns:
         """The step as ``StepColumns`` (what ``StepColumns.from_events(self.events())``
         gives): block-operation rows straight from the rows, emitted maps through the
         columns' own builder (a hot kind that fits goes into the columns, any other map
-        stays one). ``events``: this step's ``events()``, if already built (the result's
-        ``source``)."""
+        stays one). ``with_events``: also build ``events()`` (the result's ``source``);
+        without, ``to_events()`` rebuilds them from the columns when asked."""
         b = _Builder()
         ids, o = self.ids, 0
         for row in self.rows:
@@ -85,7 +85,7 @@ class RecordedStep:
                    ids[o:o + n])
             o += n
         c = b.build()
-        c.source = events if events is not None else self.events()
+        c.source = self.events() if with_events else None
         return c
 
 

@@ -7,6 +7,7 @@ and the columnar mirror equals both the per-event mirror and the manager itself.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,9 @@ from engine.events import KVState
 from engine.events.column_sink import ColumnSink
 from engine.events.columns import DTYPES, StepColumns
 from engine.events.sink import ListSink
+from engine.events.wire import EventStream, Recording
 from engine.events.wire import codec as C
+from tests.waiting import HANG_S
 
 CONFIGS = {  # KVCacheManager keyword arguments
     "plain": {},
@@ -48,6 +51,7 @@ def test_column_sink_records_what_the_reference_collects(seed, config, num_block
         assert recorded.events() == events, f"step {step}"
         cols = recorded.columns()
         _same_columns(cols, StepColumns.from_events(events))
+        assert recorded.columns(with_events=False).to_events() == events
         batch = C.make_batch("e", step + 1, step, 0.0, events, stats)
         per_event.apply(batch)
         columnar.apply({**batch, "events": cols.to_events(), "columns": cols})
@@ -56,3 +60,42 @@ def test_column_sink_records_what_the_reference_collects(seed, config, num_block
         kinds.update(e["kind"] for e in events)
     assert columnar.columns_refused == 0  # the array path took every step itself
     assert {"alloc", "free"} <= kinds
+
+
+def _long_prompts(manager: KVCacheManager, step: int, live: list[str]) -> None:
+    """One step of long prompts: bulk steps (hundreds of block ids, 64 an event)."""
+    for j in range(5):
+        sid = f"s{step}.{j}"
+        manager.add_sequence(sid, [(step * 7 + j + t) % 997 for t in range(64 * 16)])
+        manager.match_prefix(sid)
+        if manager.allocate_slots(sid, len(manager.token_ids(sid))) is None:
+            manager.free(sid)
+            continue
+        manager.start(sid)
+        live.append(sid)
+    while len(live) > 8:  # the older ones finish
+        manager.finish(live.pop(0), "stop")
+    manager.flush_step_events()
+
+
+@pytest.mark.parametrize("consumer", [False, True])
+def test_bulk_steps_from_the_engine_columns_reach_the_recording(tmp_path, consumer):
+    path = tmp_path / "bulk.kvtrace"
+    seen: list[dict] = []
+    with EventStream(record_path=str(path)) as stream:
+        if consumer:  # a consumer reads every event of the step as maps
+            stream.add_consumer(lambda b: seen.extend(b["events"]))
+        manager = KVCacheManager(2048, 16, sink=stream.sink)
+        stream.end_step(0, {})
+        live: list[str] = []
+        for step in range(1, 9):
+            _long_prompts(manager, step, live)
+            stream.end_step(step, {})
+        assert stream.wait_idle(HANG_S)
+        truth, counts = manager.snapshot(), stream.kind_counts
+    with Recording(path) as rec:
+        assert rec.state_at(8).canonical() == truth
+        assert any("columns" in b for b in rec.batches())  # bulk steps went as columns
+    assert counts["alloc"] >= 20 and counts["free"] >= 10
+    if consumer:
+        assert len(seen) == sum(counts.values())

@@ -49,7 +49,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import msgspec
@@ -371,13 +371,17 @@ class EventStream:
         when one is due)."""
         rec = self.recorder
         if batch is not None:
-            _unpack_recorded(batch)
+            recorded = batch["events"]
+            if type(recorded) is RecordedStep:
+                self._note_recorded(recorded)
+                _unpack_recorded(batch, recorded, need_events=bool(self._consumers))
+            else:
+                self._note_extras(batch["events"])
             if batch["seq"] != self._last_seq_handled + 1:
                 if self._recording_ok and rec is not None and snap is None:
                     log.warning("event stream dropped batches before seq %d; the recording "
                                 "pauses until a snapshot", batch["seq"])
                 self._recording_ok = False
-            self._note_extras(batch["events"])
             for consumer in self._consumers:
                 try:
                     consumer(batch)
@@ -417,7 +421,19 @@ class EventStream:
         st.step, st.time, st.stats = meta
         return st.snapshot()
 
-    def _note_extras(self, events: list[dict[str, Any]]) -> None:
+    def _note_recorded(self, recorded: RecordedStep) -> None:
+        """``_note_extras`` over a ColumnSink's rows (block operations stay tuples)."""
+        counts, extras = self._kind_counts, self._extras
+        for row in recorded.rows:
+            kind = row[0]
+            if kind is None:  # an emitted map
+                self._note_extras((row[1],))
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind == S.HIT and row[2] in extras:
+                extras[row[2]][4] += row[3]
+
+    def _note_extras(self, events: Iterable[dict[str, Any]]) -> None:
         """Per-sequence facts a cache snapshot lacks, from the few kinds that change them
         (a dict lookup per event; never a replay of the page table)."""
         counts, extras = self._kind_counts, self._extras
@@ -439,15 +455,18 @@ class EventStream:
                     extras[sid][4] += int(ev.get("tokens", 0))
 
 
-def _unpack_recorded(batch: dict[str, Any]) -> None:
-    """A batch whose ``events`` are a ColumnSink's ``RecordedStep``, in place: ``events``
-    the maps, plus (a bulk step, as the wire carries it) ``columns``."""
-    recorded = batch["events"]
-    if type(recorded) is not RecordedStep:
+def _unpack_recorded(batch: dict[str, Any], recorded: RecordedStep,
+                     need_events: bool) -> None:
+    """A batch whose ``events`` are a ColumnSink's ``RecordedStep``, in place, as the wire
+    takes it: a bulk step as ``columns`` (built from the rows: no map per block
+    operation) with ``events`` the maps the columns do not hold, unless ``need_events``
+    (consumers read the whole step: then ``events`` is every map, as ``ListSink`` gives
+    them); any other step as its ``events``."""
+    if not recorded.worth_columns():
+        batch["events"] = recorded.events()
         return
-    events = batch["events"] = recorded.events()
-    if recorded.worth_columns():
-        batch["columns"] = recorded.columns(events)
+    cols = batch["columns"] = recorded.columns(with_events=need_events)
+    batch["events"] = cols.source if need_events else cols.others
 
 
 _EXTRA_KINDS = frozenset((S.SEQ_ADD, S.SEQ_FINISH, S.SEQ_PREEMPT, S.HIT, S.HOST_HIT))
