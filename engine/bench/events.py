@@ -7,7 +7,8 @@ the repository, side by side in one run.)
    in another process (``_events_pipeline.py``). Two mixes: the realistic one (the real
    ``KVCacheManager`` driven by ``ManagerWorkload``: what an engine emits) and a
    bulk-heavy one (long-context prefill bursts: 1024-block allocs, stores, frees and
-   evictions on a 1M-block tier). events/s at the subscriber, lost events, seq gaps.
+   evictions on a 1M-block tier). events/s at the subscriber, lost events, seq gaps;
+   each mix with the per-event sink (the baseline row) and the engine's columns.
    Then the subscriber's side alone, in process (CPU time): decode and apply per event,
    and the columnar apply (``engine.events.state_columns``) of the same batches beside
    the reference, alternating.
@@ -21,6 +22,10 @@ the repository, side by side in one run.)
    a reply), and flooded with snapshot coalescing off (``snapshot_interval_s=0``: one
    cache snapshot per step, what a flood cost before), alternating blocks of 10 steps.
    ``--only flood`` runs this one alone.
+6. emit: the engine thread's CPU time per block event, the per-event sink (a map per
+   event) vs. the engine's columns (``ColumnSink.block_op``), alternating.
+7. publish_overhead: a 10 ms GIL-releasing stand-in step emitting 100 and 1,000 events,
+   stream off / on per-event / on with columns, alternating blocks of 10 steps.
 """
 
 from __future__ import annotations
