@@ -101,14 +101,14 @@ def main() -> None:
         on = i % 2 == 0
         producer.on = on
         events0 = sum(stream.kind_counts.values())
-        bytes0 = stream.stats["bytes_recorded"]
+        bytes0 = stream.stats.bytes_recorded
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         stream.wait_idle(60)
         toks = sum(len(o.outputs[0].token_ids) for o in outs)
         ev = sum(stream.kind_counts.values()) - events0
-        by = stream.stats["bytes_recorded"] - bytes0
+        by = stream.stats.bytes_recorded - bytes0
         rows.append((on, toks / dt, ev / dt, by / dt))
         print(f"pass {i}: plugin {'on ' if on else 'off'}  {toks / dt:8.1f} tok/s"
               + (f"  {ev / dt:8.0f} events/s  {by / dt / 1024:8.1f} KiB/s recorded"

@@ -5,7 +5,8 @@ own KVState mirror) in another, over loopback.
 Run as a script by path, with PYTHONPATH at the code under test (this tree, or an
 exported earlier release: the baseline row), so it uses only the API both share:
 
-    python _events_pipeline.py pub BATCHES_FILE     # prints endpoints, waits for "go"
+    python _events_pipeline.py pub BATCHES_FILE [columns|per-event]  # prints endpoints,
+                                                                     # waits for "go"
     python _events_pipeline.py sub ENDPOINT SNAPSHOT_ENDPOINT LAST_SEQ
 
 BATCHES_FILE is msgpack ``[[events, stats], ...]`` with protocol-1 id lists (what a cache
@@ -25,7 +26,9 @@ def _say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def publish(path: str) -> None:
+def publish(batches_file: str, sink: str = "columns") -> None:
+    """``sink``: "columns" (the engine's ColumnSink: block operations through
+    ``block_op``) or "per-event" (the reference ListSink: a map per event)."""
     import msgpack
 
     try:
@@ -33,7 +36,7 @@ def publish(path: str) -> None:
     except ImportError:  # a revision from before engine.events.wire (scripts/bench_events_ab.py)
         from engine.events.stream import EventStream
 
-    with open(path, "rb") as f:
+    with open(batches_file, "rb") as f:
         batches = msgpack.unpackb(f.read(), raw=False)
     # Millions of pre-generated event objects would make every GC pass crawl over them,
     # a cost an engine (which holds no event history) does not pay.
@@ -47,10 +50,18 @@ def publish(path: str) -> None:
     _say(endpoint=stream.endpoint, snapshot_endpoint=stream.snapshot_endpoint,
          steps=len(batches))
     sys.stdin.readline()  # "go": the subscriber holds its snapshot
+    if sink == "per-event":  # the reference sink: a map per event on the engine thread
+        from engine.events.sink import ListSink
+        stream.sink = ListSink()
+    op = getattr(stream.sink, "block_op", None) if sink == "columns" else None
+    hot = ("alloc", "free", "hit")
     emit, t0 = stream.sink.emit, time.perf_counter()
     for step, (events, stats) in enumerate(batches):
         for ev in events:
-            emit(**ev)
+            if op is not None and ev["kind"] in hot and "group" not in ev:
+                op(ev["kind"], ev["tier"], ev["seq"], ev["blocks"], ev.get("tokens", 0))
+            else:
+                emit(**ev)
         stream.end_step(step, stats)
     t_emit = time.perf_counter() - t0
     stream.wait_idle(600)
@@ -86,6 +97,6 @@ def subscribe(endpoint: str, snapshot_endpoint: str, last: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "pub":
-        publish(sys.argv[2])
+        publish(*sys.argv[2:4])
     else:
         subscribe(sys.argv[2], sys.argv[3], int(sys.argv[4]))

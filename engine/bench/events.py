@@ -7,7 +7,8 @@ the repository, side by side in one run.)
    in another process (``_events_pipeline.py``). Two mixes: the realistic one (the real
    ``KVCacheManager`` driven by ``ManagerWorkload``: what an engine emits) and a
    bulk-heavy one (long-context prefill bursts: 1024-block allocs, stores, frees and
-   evictions on a 1M-block tier). events/s at the subscriber, lost events, seq gaps.
+   evictions on a 1M-block tier). events/s at the subscriber, lost events, seq gaps;
+   each mix with the per-event sink (the baseline row) and the engine's columns.
    Then the subscriber's side alone, in process (CPU time): decode and apply per event,
    and the columnar apply (``engine.events.state_columns``) of the same batches beside
    the reference, alternating.
@@ -21,6 +22,10 @@ the repository, side by side in one run.)
    a reply), and flooded with snapshot coalescing off (``snapshot_interval_s=0``: one
    cache snapshot per step, what a flood cost before), alternating blocks of 10 steps.
    ``--only flood`` runs this one alone.
+6. emit: the engine thread's CPU time per block event, the per-event sink (a map per
+   event) vs. the engine's columns (``ColumnSink.block_op``), alternating.
+7. publish_overhead: a 10 ms GIL-releasing stand-in step emitting 100 and 1,000 events,
+   stream off / on per-event / on with columns, alternating blocks of 10 steps.
 """
 
 from __future__ import annotations
@@ -305,11 +310,13 @@ def bulk_batches(num_steps: int, blocks_per_seq: int = 1024, live: int = 64,
     return out
 
 
-def pipeline(root: Path, batches_file: Path, steps: int) -> dict[str, Any]:
-    """One end-to-end run (see ``_events_pipeline.py``) with the code at ``root``."""
+def pipeline(root: Path, batches_file: Path, steps: int,
+             sink: str = "columns") -> dict[str, Any]:
+    """One end-to-end run (see ``_events_pipeline.py``) with the code at ``root``;
+    ``sink``: "columns" or "per-event" (the baseline row)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, str(PIPELINE)]
-    pub = subprocess.Popen([*cmd, "pub", str(batches_file)], stdin=subprocess.PIPE,
+    pub = subprocess.Popen([*cmd, "pub", str(batches_file), sink], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True, env=env, cwd=root)
     sub = None
     try:
@@ -342,7 +349,8 @@ def bench_throughput(num_steps: int, rounds: int = 2,
     ``engine/``), each tree in turn, alternating."""
     import msgpack
 
-    roots = roots or {"this tree": REPO}
+    # this tree twice: the engine's columns, and the per-event sink (the baseline row)
+    roots = roots or {"this tree, per-event sink": REPO, "this tree, columns": REPO}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -358,7 +366,8 @@ def bench_throughput(num_steps: int, rounds: int = 2,
             runs: dict[str, list[dict]] = {name: [] for name in roots}
             for _ in range(rounds):
                 for name, root in roots.items():
-                    runs[name].append(pipeline(root, path, len(batches)))
+                    sink = "per-event" if name.endswith("per-event sink") else "columns"
+                    runs[name].append(pipeline(root, path, len(batches), sink))
             for name, rs in runs.items():
                 best = max(rs, key=lambda r: r["events"] / max(r["seconds"], 1e-9))
                 out[f"{mix} | {name}"] = {
@@ -622,7 +631,7 @@ def bench_flood(blocks: int, step_s: float = 0.010, num_blocks: int = 65536) -> 
         out[mode] = {"step_ms": round(t * 1e3, 3),
                      "vs_quiet_pct": round((t - quiet) / quiet * 100, 2),
                      "steps": step,
-                     **{k: st[k] for k in ("snapshots_taken", "requests_received",
+                     **{k: getattr(st, k) for k in ("snapshots_taken", "requests_received",
                                            "snapshots_served", "replays_served",
                                            "replays_refused", "replies_dropped",
                                            "dropped_batches")}}
@@ -630,7 +639,160 @@ def bench_flood(blocks: int, step_s: float = 0.010, num_blocks: int = 65536) -> 
     return out
 
 
-SECTIONS = ("throughput", "subscriber_side", "latency", "recording", "overhead", "flood")
+def bench_publish_overhead(blocks: int, sizes: tuple[int, ...] = (100, 1000),
+                           step_s: float = 0.010) -> dict[str, Any]:
+    """Publishing overhead at a fixed number of events per step: a 10 ms GIL-releasing
+    stand-in step (a sleep) that emits ``size`` events, with the stream off, on with the
+    per-event sink (a map per event: the baseline) and on with the engine's columns
+    (``block_op`` for alloc/free/hit), publishing and recording; alternating blocks of
+    10 steps, each "on" block charged until the stream thread handled it
+    (``wait_idle``). The events are the realistic workload's, in order, cycled (the
+    stream's cost does not depend on whether they are a valid history: nothing on the
+    publisher applies them). No subscriber is attached (it would run in this process
+    and share its GIL; a remote one costs the publisher the same bytes)."""
+    from engine.events.sink import ListSink
+    from engine.events.wire.stream import EventStream
+
+    pool = [e for ev, _ in realistic_batches(600) for e in ev]
+    hot = ("alloc", "free", "hit")
+    out: dict[str, Any] = {"blocks_of_10_steps": blocks,
+                           "step_stand_in": f"time.sleep({step_s:g}) (GIL released)",
+                           "events": "the realistic workload's, cycled"}
+    for size in sizes:
+        modes = ("off", "on, per-event sink", "on, columns")
+        with tempfile.TemporaryDirectory() as d:
+            streams = []
+            for i, mode in enumerate(modes):
+                st = EventStream() if mode == "off" else EventStream(
+                    "tcp://127.0.0.1:0", str(Path(d) / f"p{i}.kvtrace"))
+                if mode == "on, per-event sink":
+                    st.sink = ListSink()
+                streams.append(st)
+            times: list[list[float]] = [[] for _ in modes]
+            pos, step = 0, 0
+            for b in range(blocks + 2):  # the first 2 blocks warm up
+                for i, st in enumerate(streams):
+                    sink = st.sink
+                    op = sink.block_op if modes[i] == "on, columns" else None
+                    t0 = time.perf_counter()
+                    for k in range(10):
+                        chunk = [pool[(pos + j) % len(pool)] for j in range(size)]
+                        if sink.enabled:
+                            for ev in chunk:
+                                if op is not None and ev["kind"] in hot and "group" not in ev:
+                                    op(ev["kind"], ev["tier"], ev["seq"], ev["blocks"],
+                                       ev.get("tokens", 0))
+                                else:
+                                    sink.emit(**ev)
+                        st.end_step(step + k, {})
+                        time.sleep(step_s)
+                    st.wait_idle()
+                    if b >= 2:
+                        times[i].append((time.perf_counter() - t0) / 10)
+                pos += 10 * size
+                step += 10
+            for st in streams:
+                st.close()
+            off = statistics.median(times[0])
+            row = {}
+            for i, mode in enumerate(modes):
+                t = statistics.median(times[i])
+                row[mode] = {"step_ms": round(t * 1e3, 3),
+                             "overhead_pct": round((t - off) / off * 100, 2)}
+            out[f"{size} events per step"] = row
+    out["load_average"] = os.getloadavg()
+    return out
+
+
+def bench_emit(passes: int, steps: int = 300) -> dict[str, Any]:
+    """The engine thread's cost per block event, per-event (ListSink: a map per event,
+    the old path) vs. columns (ColumnSink), side by side, alternating passes. CPU time
+    of this thread (``time.thread_time``: what the engine thread spends, also on a
+    shared box where wall time counts other processes' turns).
+
+    1. the sink call alone: the realistic workload's alloc/free/hit events (recorded
+       once from the real KVCacheManager), replayed as the manager calls them
+       (``block_op``; the per-event path as it called ``emit`` before) plus one
+       ``drain`` per step; ns per block event, median over passes.
+    2. the real KVCacheManager: three identical seeded ``ManagerWorkload``s (no sink,
+       per-event, columns) in alternating passes of ``steps`` steps; the sink's share of
+       the engine thread = (time with it - time without) / events emitted.
+    """
+    from engine.cache import KVCacheManager
+    from engine.events import schema as S
+    from engine.events.column_sink import ColumnSink
+    from engine.events.sink import ListSink, NullSink
+
+    hot = (S.ALLOC, S.FREE, S.HIT)
+    calls = [[(e["kind"], e["tier"], e["seq"], e["blocks"], e.get("tokens", 0))
+              for e in ev if e["kind"] in hot and "group" not in e]
+             for ev, _ in realistic_batches(steps)]
+    n_calls = sum(len(c) for c in calls)
+    sinks = {"per-event (ListSink)": ListSink, "columns (ColumnSink)": ColumnSink}
+    call_ns: dict[str, list[float]] = {name: [] for name in sinks}
+    gc.disable()
+    try:
+        for _ in range(passes):
+            for name, cls in sinks.items():
+                sink = cls()
+                t0 = time.thread_time()
+                if cls is ListSink:  # the call the manager made before: a map per event
+                    emit = sink.emit
+                    for step_calls in calls:
+                        for kind, tier, seq, blocks, tokens in step_calls:
+                            if kind == S.HIT:
+                                emit(kind, tier=tier, seq=seq, blocks=blocks, tokens=tokens)
+                            else:
+                                emit(kind, tier=tier, seq=seq, blocks=blocks)
+                        sink.drain()
+                else:
+                    op = sink.block_op
+                    for step_calls in calls:
+                        for kind, tier, seq, blocks, tokens in step_calls:
+                            op(kind, tier, seq, blocks, tokens)
+                        sink.drain()
+                call_ns[name].append((time.thread_time() - t0) / n_calls * 1e9)
+    finally:
+        gc.enable()
+    out: dict[str, Any] = {
+        "passes": passes, "block_events": n_calls,
+        "sink_call_ns_per_block_event": {k: round(statistics.median(v), 1)
+                                         for k, v in call_ns.items()}}
+    modes = {"no sink": NullSink, **sinks}
+    runs = {}
+    for name, cls in modes.items():
+        sink = cls()
+        runs[name] = (sink, ManagerWorkload(KVCacheManager(16384, 16, sink=sink), seed=5,
+                                            max_running=256))
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    counts: dict[str, int] = {name: 0 for name in modes}
+    for p in range(passes + 1):  # the first pass warms up (and fills the cache)
+        for name, (sink, work) in runs.items():
+            t0 = time.thread_time()
+            n = 0
+            for _ in range(steps):
+                work.step()
+                if sink.enabled:
+                    n += len(sink.drain())
+            dt = time.thread_time() - t0
+            if p:
+                times[name].append(dt)
+                counts[name] += n
+    base = statistics.median(times["no sink"])
+    manager: dict[str, Any] = {}
+    for name in sinks:
+        t = statistics.median(times[name])
+        per_pass = counts[name] / passes
+        manager[name] = {"ns_per_event": round((t - base) / per_pass * 1e9, 1),
+                         "events_per_pass": round(per_pass)}
+    out["manager_sink_share_ns_per_event"] = manager
+    out["manager_step_us_without_sink"] = round(base / steps * 1e6, 1)
+    out["load_average"] = os.getloadavg()
+    return out
+
+
+SECTIONS = ("throughput", "subscriber_side", "latency", "recording", "overhead", "flood",
+            "emit", "publish_overhead")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -642,6 +804,8 @@ def run(args: argparse.Namespace) -> int:
         "recording": lambda: bench_recording(2000 if quick else 72_000, 20 if quick else 100),
         "overhead": lambda: bench_overhead(5 if quick else 60),
         "flood": lambda: bench_flood(5 if quick else 60),
+        "emit": lambda: bench_emit(3 if quick else 15),
+        "publish_overhead": lambda: bench_publish_overhead(3 if quick else 20),
     }
     result = {name: bench() for name, bench in benches.items()
               if args.only in (None, name)}

@@ -424,7 +424,7 @@ class KVCacheManager:
                 self.sink.emit(S.FREE, tier="gpu", seq=seq.seq_id, blocks=held, group=1)
         self.pools[seq.tier].release(table)
         if self.sink.enabled:
-            self.sink.emit(S.FREE, tier=seq.tier, seq=seq.seq_id, blocks=table)
+            self.sink.block_op(S.FREE, seq.tier, seq.seq_id, table)
         seq.drop_table()
 
     # --------------------------------------------------------- prefix cache
@@ -478,8 +478,7 @@ class KVCacheManager:
             seq.num_stored = len(blocks)
             seq.chain_hash, seq.chain_id = ph, pid
             if self.sink.enabled:
-                self.sink.emit(S.HIT, tier="gpu", seq=seq_id, blocks=list(blocks),
-                               tokens=num_hit)
+                self.sink.block_op(S.HIT, "gpu", seq_id, blocks, num_hit)
             if self.window is not None:
                 self.window.take_hit(seq, len(blocks), window_hit)
                 if window_hit and self.sink.enabled:
@@ -551,8 +550,7 @@ class KVCacheManager:
                     self.sink.emit(S.HOST_HIT, seq=seq.seq_id, src=src, dst=dst,
                                    tokens=len(dst) * bs)
                 else:
-                    self.sink.emit(S.HIT, tier="gpu", seq=seq.seq_id, blocks=dst,
-                                   tokens=len(dst) * bs)
+                    self.sink.block_op(S.HIT, "gpu", seq.seq_id, dst, len(dst) * bs)
         return num_hit
 
     def prefetch(self, seq_id: str) -> bool:
@@ -785,7 +783,7 @@ class KVCacheManager:
             table += blocks
             seq.tier = "gpu"  # as the mirror's alloc does (a table emptied on the cpu)
             if self.sink.enabled:
-                self.sink.emit(S.ALLOC, tier="gpu", seq=seq.seq_id, blocks=blocks)
+                self.sink.block_op(S.ALLOC, "gpu", seq.seq_id, blocks)
         if self.window is not None:
             self._allocate_window(seq, n)
         seq.num_tokens = end = start + n

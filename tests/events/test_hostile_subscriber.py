@@ -66,11 +66,11 @@ def test_snapshot_and_replay_floods_neither_stop_the_engine_nor_hurt_a_subscribe
                 f.close()
             ctx.term()
         assert stream.seq == 101 and good.errors == 0 and good.gaps == 0
-        assert st["dropped_batches"] == 0
+        assert st.dropped_batches == 0
         # 2000 snapshot requests, one cache snapshot: the good subscriber's first one
-        assert st["snapshots_taken"] == 1
+        assert st.snapshots_taken == 1
         # 1000 replays of up to 100 batches against a budget of 256 batches
-        assert st["replays_served"] <= 256 and st["replays_refused"] >= 1000 - 256
+        assert st.replays_served <= 256 and st.replays_refused >= 1000 - 256
 
 
 def test_a_client_that_never_reads_loses_replies_and_nobody_waits():

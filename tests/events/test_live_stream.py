@@ -11,7 +11,7 @@ from engine.bench.synthetic import SyntheticCache
 from engine.events import KVState
 from engine.events.wire import EventStream, Subscriber
 from tests.events.conftest import cache_stream, poll_until, port_of, synced_to
-from tests.waiting import HANG_S
+from tests.waiting import HANG_S, wait_until
 
 EP = "tcp://127.0.0.1:0"
 
@@ -39,7 +39,7 @@ def test_mirror_equals_publisher_after_every_step():
         assert sub.errors == 0 and sub.status == "connected" and sub.epoch == stream.epoch
         assert sub.batches_applied + (sub.state.step < 0) >= 1
         # no second mirror: the one snapshot came from the cache, at once (engine idle)
-        assert stream.stats["snapshots_taken"] == 1
+        assert stream.stats.snapshots_taken == 1
 
 
 def test_late_joiner_converges_from_a_snapshot():
@@ -54,7 +54,7 @@ def test_late_joiner_converges_from_a_snapshot():
             assert late.batches_applied == 0  # everything so far came in the snapshot
             run_steps(stream, gen, 60, [early, late])
             assert late.errors == 0
-        assert stream.stats["snapshots_served"] >= 2
+        assert stream.stats.snapshots_served >= 2
 
 
 def test_connection_cut_and_restored_mid_run(tcp_proxy):
@@ -120,15 +120,67 @@ def test_dropped_batches_are_counted_and_the_stream_resyncs(tmp_path):
         assert stream.dropped_batches >= 20  # the engine never blocked: it dropped
         stream._handle = handle
         gate.set()
-        poll_until([sub], lambda: stream.stats["queue_depth"] == 0)  # the thread caught up
+        poll_until([sub], lambda: stream.stats.queue_depth == 0)  # the thread caught up
         # The next step attaches a cache snapshot (the recording resumes from a keyframe);
         # the subscriber's replay fails (the batches are gone) and it takes a snapshot.
         run_steps(stream, gen, 10, [sub])
         assert sub.publisher_dropped == stream.dropped_batches and sub.resyncs >= 1
-        assert stream.stats["recording_ok"]
+        # every batch is accounted for: applied, or covered by the resync's snapshot
+        assert sub.batches_applied + sub.skipped_batches == stream.seq
+        assert sub.skipped_batches >= stream.dropped_batches
+        assert stream.stats.recording_ok
     from engine.events.wire import Recording
     with Recording(path) as rec:
         assert rec.state_at(gen.step_no).canonical() == gen.canonical()
+
+
+def test_a_throttled_subscriber_loses_batches_resyncs_and_converges():
+    """A subscriber that reads slowly (its thread stalls while the engine runs a burst)
+    overflows its queues (4 messages at each end here): PUB drops for it alone. It sees
+    the gap, cannot replay it (an 8-batch ring), resyncs from a snapshot and equals the
+    cache again; every seq is accounted for; a subscriber that keeps up loses nothing."""
+    # big steps (~5 KB a batch): the OS's socket buffers fill in fewer of them
+    gen = SyntheticCache(seed=17, gpu_blocks=4096, cpu_blocks=512, block_size=1,
+                         max_running=64)
+    gate, unthrottled = threading.Semaphore(0), threading.Event()
+
+    def slow_reader(update, state) -> None:  # runs on the slow subscriber's thread
+        if update["type"] == "batch" and not unthrottled.is_set():
+            gate.acquire(timeout=HANG_S)  # one batch per token
+
+    with cache_stream(gen, EP, heartbeat_s=0.2, sndhwm=4, replay_size=8) as stream, \
+            Subscriber(stream.endpoint, stream.snapshot_endpoint) as fast, \
+            Subscriber(stream.endpoint, stream.snapshot_endpoint, rcvhwm=4, rcvbuf=4096,
+                       on_apply=slow_reader) as slow:
+        slow.start()
+        poll_until([fast], synced_to([fast, slow], 0))
+        first = slow.last_seq
+        burst = 512
+        # The queues between the two hold a bounded number of batches (4 + 4 messages,
+        # the kernel's socket buffers): a burst past that must lose some. Their size
+        # is the OS's, so double the burst until one did (a healthy box: the first).
+        while slow.skipped_batches == 0:
+            unthrottled.clear()
+            for i in range(burst):
+                run_steps(stream, gen, 1, [fast], check=False)
+                if i % 32 == 0:
+                    gate.release()  # the slow reader takes one batch now and then
+            unthrottled.set()
+            gate.release()
+            wait_until(lambda: slow.status == "connected" and slow.last_seq >= stream.seq,
+                       "the slow subscriber to catch up")
+            burst *= 2
+        assert slow.gaps >= 1 and slow.resyncs >= 1
+        assert fast.gaps == 0 and fast.resyncs == 0 and fast.errors == 0
+        with slow.lock:
+            assert slow.state.canonical() == gen.canonical()
+            assert first + slow.batches_applied + slow.skipped_batches == slow.last_seq
+        assert slow.errors == 0 and stream.dropped_batches == 0  # lost at the socket only
+        run_steps(stream, gen, 10, [fast])  # and it keeps following the live stream
+        wait_until(lambda: slow.last_seq >= stream.seq, "the slow subscriber to follow")
+        with slow.lock:
+            assert slow.state.canonical() == gen.canonical()
+        assert fast.state.canonical() == gen.canonical()
 
 
 def test_off_stream_costs_nothing():

@@ -196,7 +196,7 @@ def test_batch_consumers_see_every_batch_in_order(tmp_path):
         for step in range(20):
             s.end_step(step, gen.step(s.sink))
         assert s.wait_idle(HANG_S)
-        assert s.stats["consumer_errors"] == 20
+        assert s.stats.consumer_errors == 20
     assert [q for q, _ in seen] == list(range(1, 21))
     assert all(kind is list for _, kind in seen)  # consumers get plain id lists
 

@@ -49,12 +49,15 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import msgspec
+
 from engine.events import schema as S
+from engine.events.column_sink import ColumnSink, RecordedStep
 from engine.events.schema import ProtocolError
-from engine.events.sink import EventSink, ListSink, NullSink
+from engine.events.sink import EventSink, NullSink
 from engine.events.state import KVState
 from engine.events.stats import StepStats
 from engine.events.wire import codec as C
@@ -64,6 +67,26 @@ from engine.events.wire.recording import RecordingWriter
 log = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], dict[str, Any]]
+
+
+class StreamStats(msgspec.Struct, kw_only=True, frozen=True):
+    """The stream's own counters, read at once (``EventStream.stats``). The one a batch
+    carries to subscribers, ``dropped_batches``, travels as ``StepStats.dropped_batches``."""
+
+    epoch: str
+    seq: int  # the last batch handed over (dropped ones included)
+    dropped_batches: int  # batches dropped because the stream thread's queue was full
+    queue_depth: int  # batches waiting for the stream thread
+    snapshots_taken: int  # cache snapshots the engine thread took for the stream
+    recording_ok: bool  # False from a drop until the next keyframe (resync)
+    consumer_errors: int  # batch consumers that raised
+    snapshots_served: int  # snapshot replies sent to clients
+    replays_served: int  # replay requests answered in full
+    request_errors: int  # malformed or refused requests
+    requests_received: int
+    replays_refused: int  # over the replay budget
+    replies_dropped: int  # replies lost to a client that stopped reading
+    bytes_recorded: int
 
 
 class BatchConsumer(Protocol):
@@ -83,8 +106,10 @@ class EventStream:
     engine thread only; everything else (encoding, sockets, the file, turning cache
     snapshots into wire snapshots) happens on the stream's own thread. ``end_step`` never
     blocks: when the bounded queue is full the batch is dropped and counted
-    (``dropped_batches``, and ``stats["dropped_batches"]`` in every later batch), and
-    subscribers see the seq gap.
+    (``dropped_batches``, and ``StepStats.dropped_batches`` in every later batch's
+    stats), the next batch handed over comes with a cache snapshot (a resync: the
+    recording's keyframe, the answer to subscribers' snapshot requests), and subscribers
+    see the seq gap and the grown count, and take that snapshot.
     """
 
     def __init__(self, endpoint: str | None = None, record_path: str | None = None, *,
@@ -93,14 +118,16 @@ class EventStream:
                  engine_lock: threading.Lock | threading.RLock | None = None,
                  queue_size: int = 1024, replay_size: int = 4096, heartbeat_s: float = 1.0,
                  keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0,
-                 snapshot_interval_s: float = 1.0,
+                 snapshot_interval_s: float = 1.0, sndhwm: int = 10_000,
                  consumers: list[Any] | None = None) -> None:
         # consumers: other listeners of each closed batch with ``on_batch(batch)`` (a
         # BatchConsumer, on the stream thread) and ``close()`` (when the stream closes),
         # e.g. engine.events.vllm.VllmPublisher.
         self.consumers = list(consumers or ())
         self.enabled = endpoint is not None or record_path is not None or bool(self.consumers)
-        self.sink: EventSink = ListSink() if self.enabled else NullSink()
+        # the engine thread records into columns (no map per block operation); the stream
+        # thread turns each RecordedStep into the batch's events (and columns)
+        self.sink: EventSink = ColumnSink() if self.enabled else NullSink()
         if any(getattr(c, "needs_store_detail", False) for c in self.consumers):
             self.sink.store_detail = True  # type: ignore[attr-defined]
         self.epoch = secrets.token_hex(8)
@@ -140,7 +167,7 @@ class EventStream:
         if endpoint is not None:
             self.publisher = Publisher(endpoint, snapshot_endpoint, self.epoch,
                                        replay_size=replay_size, heartbeat_s=heartbeat_s,
-                                       info=header)
+                                       sndhwm=sndhwm, info=header)
         if record_path is not None:
             try:
                 self.recorder = RecordingWriter(
@@ -253,20 +280,19 @@ class EventStream:
         return dict(self._kind_counts)
 
     @property
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StreamStats:
         p, r = self.publisher, self.recorder
-        return {
-            "epoch": self.epoch, "seq": self.seq, "dropped_batches": self.dropped_batches,
-            "queue_depth": self._queue.qsize(), "snapshots_taken": self.snapshots_taken,
-            "recording_ok": self._recording_ok, "consumer_errors": self.consumer_errors,
-            "snapshots_served": p.snapshots_served if p else 0,
-            "replays_served": p.replays_served if p else 0,
-            "request_errors": p.request_errors if p else 0,
-            "requests_received": p.requests_received if p else 0,
-            "replays_refused": p.replays_refused if p else 0,
-            "replies_dropped": p.replies_dropped if p else 0,
-            "bytes_recorded": r.bytes_written if r else 0,
-        }
+        return StreamStats(
+            epoch=self.epoch, seq=self.seq, dropped_batches=self.dropped_batches,
+            queue_depth=self._queue.qsize(), snapshots_taken=self.snapshots_taken,
+            recording_ok=self._recording_ok, consumer_errors=self.consumer_errors,
+            snapshots_served=p.snapshots_served if p else 0,
+            replays_served=p.replays_served if p else 0,
+            request_errors=p.request_errors if p else 0,
+            requests_received=p.requests_received if p else 0,
+            replays_refused=p.replays_refused if p else 0,
+            replies_dropped=p.replies_dropped if p else 0,
+            bytes_recorded=r.bytes_written if r else 0)
 
     # ------------------------------------------------------------ stream thread
     def _run(self) -> None:
@@ -345,12 +371,17 @@ class EventStream:
         when one is due)."""
         rec = self.recorder
         if batch is not None:
+            recorded = batch["events"]
+            if type(recorded) is RecordedStep:
+                self._note_recorded(recorded)
+                _unpack_recorded(batch, recorded, need_events=bool(self._consumers))
+            else:
+                self._note_extras(batch["events"])
             if batch["seq"] != self._last_seq_handled + 1:
                 if self._recording_ok and rec is not None and snap is None:
                     log.warning("event stream dropped batches before seq %d; the recording "
                                 "pauses until a snapshot", batch["seq"])
                 self._recording_ok = False
-            self._note_extras(batch["events"])
             for consumer in self._consumers:
                 try:
                     consumer(batch)
@@ -390,7 +421,19 @@ class EventStream:
         st.step, st.time, st.stats = meta
         return st.snapshot()
 
-    def _note_extras(self, events: list[dict[str, Any]]) -> None:
+    def _note_recorded(self, recorded: RecordedStep) -> None:
+        """``_note_extras`` over a ColumnSink's rows (block operations stay tuples)."""
+        counts, extras = self._kind_counts, self._extras
+        for row in recorded.rows:
+            kind = row[0]
+            if kind is None:  # an emitted map
+                self._note_extras((row[1],))
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind == S.HIT and row[2] in extras:
+                extras[row[2]][4] += row[3]
+
+    def _note_extras(self, events: Iterable[dict[str, Any]]) -> None:
         """Per-sequence facts a cache snapshot lacks, from the few kinds that change them
         (a dict lookup per event; never a replay of the page table)."""
         counts, extras = self._kind_counts, self._extras
@@ -410,6 +453,20 @@ class EventStream:
                     extras[sid][3] += 1
                 else:  # hit, host_hit
                     extras[sid][4] += int(ev.get("tokens", 0))
+
+
+def _unpack_recorded(batch: dict[str, Any], recorded: RecordedStep,
+                     need_events: bool) -> None:
+    """A batch whose ``events`` are a ColumnSink's ``RecordedStep``, in place, as the wire
+    takes it: a bulk step as ``columns`` (built from the rows: no map per block
+    operation) with ``events`` the maps the columns do not hold, unless ``need_events``
+    (consumers read the whole step: then ``events`` is every map, as ``ListSink`` gives
+    them); any other step as its ``events``."""
+    if not recorded.worth_columns():
+        batch["events"] = recorded.events()
+        return
+    cols = batch["columns"] = recorded.columns(with_events=need_events)
+    batch["events"] = cols.source if need_events else cols.others
 
 
 _EXTRA_KINDS = frozenset((S.SEQ_ADD, S.SEQ_FINISH, S.SEQ_PREEMPT, S.HIT, S.HOST_HIT))

@@ -21,6 +21,15 @@ missing batches (and falls back to a fresh snapshot when the publisher no longer
 them); a new epoch (publisher restart) or a batch the mirror rejects also leads to a
 fresh snapshot. Malformed messages are counted (``errors``) and skipped.
 
+Overload is never silent: a subscriber that reads too slowly loses batches at its queue
+(``rcvhwm`` messages here, the publisher's ``sndhwm`` there, beyond which ZeroMQ's PUB
+drops for it alone), and a publisher whose engine outran it drops whole batches and
+says so in every later batch (``StepStats.dropped_batches``). Either way the next batch
+shows the gap (``gaps``); a gap the publisher says it dropped goes straight to a
+snapshot, any other is replayed, or resynced from a snapshot when the replay cannot
+be served (``resyncs``); the batches a snapshot covered are counted
+(``skipped_batches``), and the mirror equals the publisher's cache again.
+
 Updates: ``{"type": "batch", ...the batch}`` after each applied batch and
 ``{"type": "snapshot", "epoch", "seq", "step", "info"}`` after a snapshot replaced the
 whole state (redraw everything; ``info`` is the publisher's header: model, engine
@@ -58,7 +67,11 @@ class Subscriber:
                  on_apply: Callable[[Update, KVState], None] | None = None,
                  stale_after_s: float = 3.0, request_timeout_s: float = 2.0,
                  max_bytes: int = C.DEFAULT_MAX_BYTES, max_buffered: int = 100_000,
-                 max_buffered_bytes: int = 4 * C.DEFAULT_MAX_BYTES) -> None:
+                 max_buffered_bytes: int = 4 * C.DEFAULT_MAX_BYTES,
+                 rcvhwm: int = 100_000, rcvbuf: int = 0) -> None:
+        # rcvhwm (messages) and rcvbuf (the socket's kernel buffer in bytes; 0: the OS's,
+        # which grows to megabytes) bound how far this subscriber may fall behind: past
+        # them the publisher drops its batches and it resyncs (module docstring)
         self.endpoint = endpoint
         self.snapshot_endpoint = snapshot_endpoint or snapshot_endpoint_for(endpoint)
         self.state = KVState()
@@ -80,6 +93,10 @@ class Subscriber:
         self.restarts = 0  # publisher restarts (epoch changes) seen
         self.apply_errors = 0  # well-formed batches the mirror rejected
         self.publisher_dropped = 0  # batches the publisher says it dropped
+        # batches this mirror never applied one by one because a resync snapshot covered
+        # them (lost on the way, or dropped by the publisher): within one epoch,
+        # last_seq == the first snapshot's seq + batches_applied + skipped_batches
+        self.skipped_batches = 0
         self.batches_applied = 0
         self.events_applied = 0
         # well-formed messages on the live socket (batches and heartbeats): from the first
@@ -100,7 +117,9 @@ class Subscriber:
         for s in (self._sub, self._dealer):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # hostile sizes die in libzmq
-        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        if rcvbuf:
+            self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
         self._sub.setsockopt(zmq.SUBSCRIBE, C.TOPIC)
         self._sub.connect(endpoint)  # subscribe first ...
         self._dealer.connect(self.snapshot_endpoint)
@@ -241,7 +260,10 @@ class Subscriber:
                     self._unbuffer(s)
                 if self._buffer and self._pending_req is None:
                     self.gaps += 1
-                    self._request_replay()
+                    if self._publisher_dropped_since(min(self._buffer)):
+                        self._request_snapshot()  # those batches were never published
+                    else:
+                        self._request_replay()
                 return
             if batch["epoch"] != self.epoch:
                 continue
@@ -271,6 +293,12 @@ class Subscriber:
             return False
         updates.append(batch)
         return True
+
+    def _publisher_dropped_since(self, seq: int) -> bool:
+        """Batch ``seq`` (buffered, after a gap) says the publisher dropped batches since
+        the last one applied: the gap holds some, which no replay can fill."""
+        dropped = StepStats.read(self._buffer[seq][0].get("stats")).dropped_batches
+        return dropped is not None and dropped > self.publisher_dropped
 
     def _note_drops(self, stats: Any) -> None:
         dropped = StepStats.read(stats).dropped_batches
@@ -318,6 +346,8 @@ class Subscriber:
         with self.lock:
             if self.epoch is not None:
                 self.resyncs += 1
+                if self.epoch == msg["epoch"]:
+                    self.skipped_batches += max(0, msg["seq"] - self.last_seq)
             self.state, self.epoch, self.last_seq = state, msg["epoch"], msg["seq"]
             self._synced = True
             self._note_drops(state.stats)
