@@ -13,10 +13,13 @@ from tests.engine.conftest import GREEDY, PROMPTS, run_all
 from tests.engine.test_events_fidelity import workload
 
 
-def test_mirror_equals_kv_state_every_step_while_demoting(make_engine, tmp_path):
+@pytest.mark.parametrize("chain", ["int8,int4", "int8,kivi4"])
+def test_mirror_equals_kv_state_every_step_while_demoting(make_engine, tmp_path, chain):
+    """Also with a block-quantized target (kivi4: per-channel keys over each demoted block,
+    in id-1 sub-pages of the arena): the events and their meaning are the same."""
     path = tmp_path / "run.kvtrace"
     # 10 frames of 4 tokens, hot window 4 tokens: most full blocks are cold at once.
-    eng = make_engine(block_size=4, num_gpu_blocks=10, watermark=0.0, kv_demotion="int8,int4",
+    eng = make_engine(block_size=4, num_gpu_blocks=10, watermark=0.0, kv_demotion=chain,
                       kv_hot_window=4, record_path=str(path))
     expected = {eng.step_count: eng.kv_state()}
     workload(eng)
@@ -27,7 +30,7 @@ def test_mirror_equals_kv_state_every_step_while_demoting(make_engine, tmp_path)
         state = eng.kv_state()
         expected[eng.step_count] = state
         formats_seen |= set(state["tiers"]["gpu"]["block_formats"].values())
-    assert formats_seen == {"int8", "int4"}
+    assert formats_seen == set(chain.split(","))
     assert eng.stats.demoted_blocks > 0
     eng.close()
     expected[eng.step_count] = eng.kv_state()
@@ -52,10 +55,11 @@ def test_greedy_outputs_without_memory_pressure_are_unchanged(make_engine, refer
         assert done[f"r{i}"].outputs[0].token_ids == reference[p], p
 
 
-def test_demotion_under_pressure_still_generates(make_engine):
-    """Tiny pool, hot window of one block: prompts' early blocks are demoted to int4 while
-    the requests decode; every request finishes with its full length."""
-    eng = make_engine(block_size=4, num_gpu_blocks=12, kv_demotion="int4", kv_hot_window=4,
+@pytest.mark.parametrize("chain", ["int4", "k8v4"])
+def test_demotion_under_pressure_still_generates(make_engine, chain):
+    """Tiny pool, hot window of one block: prompts' early blocks are demoted while the
+    requests decode; every request finishes with its full length."""
+    eng = make_engine(block_size=4, num_gpu_blocks=12, kv_demotion=chain, kv_hot_window=4,
                       max_num_seqs=2)
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, GREEDY)
@@ -66,7 +70,8 @@ def test_demotion_under_pressure_still_generates(make_engine):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"kv_demotion": "int2"}, "int8, int4 or int8,int4"),
+    ({"kv_demotion": "int2"}, "one or two of int8, k8v4, int4, kivi4, kivi2"),
+    ({"kv_demotion": "kivi2,kivi4"}, "fewer bits"),
     ({"kv_demotion": "int8", "kv_cache_dtype": "int8"}, "kv_cache_dtype='auto'"),
     ({"kv_demotion": "int8", "swap_space": 1.0}, "no swap space"),
     ({"kv_hot_window": -1}, "kv_hot_window"),
