@@ -3,7 +3,9 @@
  *
  * Layout (block_quant's): K/V codes [num_blocks, block_size, Hkv, D * bits / 8] uint8
  * (element i of a byte's group in bits [bits * i, bits * (i + 1))); K scales uint8
- * [num_blocks, Hkv, D, 2] per channel or [num_blocks, block_size, Hkv, 2] per token; V
+ * [num_blocks, Hkv, D, 2] per channel (8-bit pair codes; 6-bit ones: [num_blocks, Hkv, D/2,
+ * 3], two channels' pairs in 24 bits, read with k_table and a zero offset of 32) or
+ * [num_blocks, block_size, Hkv, 2] per token; V
  * scales [num_blocks, block_size, Hkv, 2]; supers [num_blocks, Hkv, 2] fp16 (smax, zstep).
  * A scale pair (c, z) means scale = smax * table[c], zero = (z - 128) * zstep, table the
  * caller's 256 float32 factors (block_quant.scale_table(), so both sides use the same
@@ -61,9 +63,9 @@ static inline float dot(const float *a, const float *b, int n) {
 typedef struct {
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
     const uint16_t *k_supers, *v_supers;
-    const float *residual_k, *residual_v, *table;
+    const float *residual_k, *residual_v, *table, *k_table;
     const int64_t *slot_of;
-    int key_bits, value_bits, keys_per_channel;
+    int key_bits, value_bits, keys_per_channel, key_pair_bits;
     int num_q_heads, num_kv_heads, head_dim, block_size;
 } Pages;
 
@@ -94,14 +96,31 @@ static void attend_head(const Pages *p, const float *q, const int64_t *blocks, i
         const float smax = half_to_f32(p->k_supers[(blk * Hkv + kvh) * 2]);
         const float zstep = half_to_f32(p->k_supers[(blk * Hkv + kvh) * 2 + 1]);
         if (p->keys_per_channel) { /* fold the block's channel scales into the query */
-            const uint8_t *sc = p->k_scales + (blk * Hkv + kvh) * D * 2;
+            /* the channels' (scale, zero) first, into codes and acc (both >= D floats;
+             * codes is rewritten per token below, acc is zeroed before pass 2) */
+            float *cs = codes, *cz = acc;
+            if (p->key_pair_bits == 6) { /* 2 channels' 6-bit pairs per 3 bytes */
+                const uint8_t *sc = p->k_scales + (blk * Hkv + kvh) * (D / 2) * 3;
+                for (int d = 0; d < D; d += 2) {
+                    const uint8_t *b3 = sc + (d / 2) * 3;
+                    const uint32_t v = b3[0] | (uint32_t)b3[1] << 8 | (uint32_t)b3[2] << 16;
+                    cs[d] = smax * p->k_table[v & 63];
+                    cz[d] = ((float)((v >> 6) & 63) - 32.0f) * zstep;
+                    cs[d + 1] = smax * p->k_table[(v >> 12) & 63];
+                    cz[d + 1] = ((float)(v >> 18) - 32.0f) * zstep;
+                }
+            } else {
+                const uint8_t *sc = p->k_scales + (blk * Hkv + kvh) * D * 2;
+                for (int d = 0; d < D; d++) {
+                    cs[d] = smax * p->k_table[sc[2 * d]];
+                    cz[d] = ((float)sc[2 * d + 1] - 128.0f) * zstep;
+                }
+            }
             for (int g = 0; g < group; g++) {
                 float z = 0.0f;
                 for (int d = 0; d < D; d++) {
-                    const float s = smax * p->table[sc[2 * d]];
-                    const float zero = ((float)sc[2 * d + 1] - 128.0f) * zstep;
-                    qs[g * D + d] = qh[g * D + d] * s;
-                    z += qh[g * D + d] * zero;
+                    qs[g * D + d] = qh[g * D + d] * cs[d];
+                    z += qh[g * D + d] * cz[d];
                 }
                 qz[g] = z;
             }
@@ -188,14 +207,16 @@ int kvscope_block_decode(const float *q, const uint8_t *k_codes, const uint8_t *
                          const uint16_t *k_supers, const uint8_t *v_codes,
                          const uint8_t *v_scales, const uint16_t *v_supers,
                          const float *residual_k, const float *residual_v,
-                         const int64_t *slot_of, const float *table, int key_bits,
-                         int value_bits, int keys_per_channel, const int64_t *block_tables,
+                         const int64_t *slot_of, const float *table, const float *k_table,
+                         int key_bits, int value_bits, int keys_per_channel,
+                         int key_pair_bits, const int64_t *block_tables,
                          int64_t table_stride, const int64_t *seq_lens, int num_seqs,
                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                          float scale, float *out, int num_threads) {
     const Pages p = {k_codes, k_scales, v_codes, v_scales, k_supers, v_supers, residual_k,
-                     residual_v, table, slot_of, key_bits, value_bits, keys_per_channel,
-                     num_q_heads, num_kv_heads, head_dim, block_size};
+                     residual_v, table, k_table, slot_of, key_bits, value_bits,
+                     keys_per_channel, key_pair_bits, num_q_heads, num_kv_heads, head_dim,
+                     block_size};
     const int group = num_q_heads / num_kv_heads;
     const int64_t num_tasks = (int64_t)num_seqs * num_kv_heads;
     if (num_tasks <= 0) return 0;

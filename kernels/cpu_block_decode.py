@@ -33,7 +33,7 @@ def kernel() -> ctypes.CDLL | None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn = lib.kvscope_block_decode
     fn.restype = i
-    fn.argtypes = [p, p, p, p, p, p, p, p, p, p, p, i, i, i, p, i64, p, i, i, i, i, i,
+    fn.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, p, i64, p, i, i, i, i, i,
                    ctypes.c_float, p, i]
     return lib
 
@@ -60,12 +60,14 @@ def block_decode(q: torch.Tensor, pages: bq.BlockLayer, block_tables: torch.Tens
     num_seqs, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q)
     fmt, table = pages.fmt, bq.scale_table()
+    k_table = bq.scale_table(fmt.key_pair_bits)
     rc = lib.kvscope_block_decode(
         q.data_ptr(), pages.k_codes.data_ptr(), pages.k_scales.data_ptr(),
         pages.k_supers.data_ptr(), pages.v_codes.data_ptr(), pages.v_scales.data_ptr(),
         pages.v_supers.data_ptr(), pages.residual_k.data_ptr(), pages.residual_v.data_ptr(),
-        pages.slot_of.data_ptr(), table.data_ptr(), fmt.key_bits, fmt.value_bits,
-        int(fmt.keys_per_channel), block_tables.data_ptr(), block_tables.stride(0),
+        pages.slot_of.data_ptr(), table.data_ptr(), k_table.data_ptr(), fmt.key_bits,
+        fmt.value_bits, int(fmt.keys_per_channel), fmt.key_pair_bits, block_tables.data_ptr(),
+        block_tables.stride(0),
         seq_lens.data_ptr(), num_seqs, num_q_heads, pages.num_kv_heads, head_dim,
         pages.block_size, scale, out.data_ptr(), torch.get_num_threads())
     if rc != 0:

@@ -129,7 +129,8 @@ class MixedLayout:
         """Bytes of one block-format page's scales and supers, K or V (module docstring)."""
         f, h = self.block_format, self.num_kv_heads
         per_channel = kind == "k" and f.keys_per_channel
-        pairs = h * self.head_dim * 2 if per_channel else self.block_size * h * 2
+        pairs = h * self.head_dim * f.key_pair_bits // 4 if per_channel else \
+            self.block_size * h * 2
         return pairs + h * 2 * bq.SUPER_DTYPE.itemsize
 
     def scale_params_of(self, kind: str) -> int:
@@ -264,8 +265,7 @@ def _read_block_pages(layout: MixedLayout, arena: torch.Tensor, scales: torch.Te
     n_pairs = side.shape[1] - h * 2 * bq.SUPER_DTYPE.itemsize
     supers = side[:, n_pairs:].contiguous().view(bq.SUPER_DTYPE).view(m, h, 2)
     if kind == "k":
-        shape = (m, h, layout.head_dim, 2) if fmt.keys_per_channel else \
-            (m, layout.block_size, h, 2)
+        shape = bq.key_scale_shape(fmt, m, layout.block_size, h, layout.head_dim)
         x = bq.dequantize_keys(codes, side[:, :n_pairs].reshape(shape), supers, fmt)
         rotated = fmt.rotate_keys
     else:

@@ -40,8 +40,7 @@ class BlockKV:
         self.shape = (block_size, num_kv_heads, head_dim)
         kd = fmt.packed_dim(fmt.key_bits, head_dim)
         vd = fmt.packed_dim(fmt.value_bits, head_dim)
-        k_scale_shape = (num_blocks, num_kv_heads, head_dim, 2) if fmt.keys_per_channel \
-            else (num_blocks, block_size, num_kv_heads, 2)
+        k_scale_shape = bq.key_scale_shape(fmt, num_blocks, block_size, num_kv_heads, head_dim)
         self.slot_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         self.free_rows: list[int] = list(range(_FIRST_ROWS - 1, -1, -1))
 

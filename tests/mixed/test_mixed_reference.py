@@ -32,14 +32,14 @@ def test_layout_counts_pages_per_frame_and_bytes():
     with pytest.raises(ValueError, match="at most one block"):
         mp.MixedLayout(torch.float32, 16, 3, 64, ("k8v4", "kivi2"))
     # Block formats: pages per frame by the wider codes; K's scale columns hold 8 pages'
-    # per-channel pairs (3 heads x 64 channels x 2 bytes) and fp16 supers (3 x 4 bytes).
+    # per-channel pairs (3 heads x 64 channels x 12 bits) and fp16 supers (3 x 4 bytes).
     kivi = mp.MixedLayout(torch.float32, 16, 3, 64, ("int8", "kivi4"))
     assert (kivi.subs("kivi4"), kivi.max_subs) == (8, 8)
     assert mp.MixedLayout(torch.float32, 16, 3, 64, ("k8v4",)).subs("k8v4") == 4
     assert mp.MixedLayout(torch.bfloat16, 16, 3, 64, ("kivi2",)).subs("kivi2") == 8
-    assert kivi.side_bytes("k") == 3 * 64 * 2 + 12 and kivi.side_bytes("v") == 16 * 3 * 2 + 12
-    assert kivi.scale_params_of("k") == 33 and kivi.scale_params_of("v") == 9
-    assert kivi.frame_bytes == 16 * 3 * (2 * 256 + 2 * 33 + 2 * 9)
+    assert kivi.side_bytes("k") == 3 * 96 + 12 and kivi.side_bytes("v") == 16 * 3 * 2 + 12
+    assert kivi.scale_params_of("k") == 25 and kivi.scale_params_of("v") == 9
+    assert kivi.frame_bytes == 16 * 3 * (2 * 256 + 2 * 25 + 2 * 9)
 
 
 def _pattern(mix: tuple[str, ...], n: int) -> list[str]:
