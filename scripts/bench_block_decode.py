@@ -119,6 +119,7 @@ def main() -> None:
             runner = runners[n][0]
             timed[n] = runner.attn = _Timed(runner.attn)
         print("bench block decode: prefilled", file=sys.stderr, flush=True)
+        load_at_start = os.getloadavg()  # of the timed passes (the prefill comes first)
         pos = args.context
         for _ in range(args.passes):
             for n in names:
@@ -138,7 +139,7 @@ def main() -> None:
     base = statistics.median(times[names[0]])
     cpu_base = statistics.median(cpu[names[0]])
     result = {"seqs": args.seqs, "context": args.context, "steps": args.steps,
-              "passes": args.passes, "threads": args.threads, "load": os.getloadavg(),
+              "passes": args.passes, "threads": args.threads, "load_at_start": load_at_start,
               "ms_per_step": {n: [round(t, 1) for t in ts] for n, ts in times.items()},
               "median_ms": {n: round(statistics.median(ts), 1) for n, ts in times.items()},
               f"ratio_to_{names[0]}": {n: round(statistics.median(ts) / base, 3)
