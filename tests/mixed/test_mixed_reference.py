@@ -163,3 +163,22 @@ def test_bad_page_codes_are_rejected_before_reading():
         table = torch.tensor([[fa.codes[0], bad]], dtype=torch.int32)
         with pytest.raises(ValueError, match="name no page"):
             mp.paged_attention(q, fa.layout, fa.k, fa.v, fa.ks, fa.vs, table, lens, cu, 0.25)
+
+
+def test_stale_bytes_past_a_sequence_end_do_not_reach_its_decode():
+    """A frame reused as a full page keeps its old bytes past the tokens written so far (in
+    a mixed arena, int4/int8 codes, which read as fp32 can be NaN): decode must not see
+    them (they once turned whole answers into NaN logits, docs/benchmarks/quant.md)."""
+    lay = mp.MixedLayout(torch.float32, 4, 1, 8, ("int4",))
+    k, ks = lay.allocate(2, "cpu", "k")
+    v, vs = lay.allocate(2, "cpu", "v")
+    kx, vx = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    lay.views(k)["full"][0, :2], lay.views(v)["full"][0, :2] = kx, vx
+    k[0, 2:], v[0, 2:] = 0xFF, 0xFF  # NaN as fp32
+    q = torch.randn(1, 1, 8)
+    got = mp.paged_attention(q, lay, k, v, ks, vs,
+                             torch.tensor([[lay.code(0, 0, "full")]], dtype=torch.int32),
+                             torch.tensor([2], dtype=torch.int32),
+                             torch.tensor([0, 1], dtype=torch.int32), 0.3)
+    p = ((q[0] @ kx[:, 0].T) * 0.3).softmax(-1)
+    torch.testing.assert_close(got[0], p @ vx[:, 0])
