@@ -104,9 +104,12 @@ class EngineConfig:
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        demotion = [f.strip() for f in self.kv_demotion.split(",")] if self.kv_demotion else []
-        need(demotion in ([], ["int8"], ["int4"], ["int8", "int4"]),
-             f"kv_demotion must be int8, int4 or int8,int4, got {self.kv_demotion!r}")
+        from engine.cache.demotion import check_chain
+
+        demotion = tuple(f.strip() for f in self.kv_demotion.split(",")) \
+            if self.kv_demotion else ()
+        problem = check_chain(demotion) if demotion else None
+        need(problem is None, f"kv_demotion={self.kv_demotion!r}: {problem}")
         need(not demotion or self.kv_cache_dtype == "auto",
              "kv_demotion keeps hot pages at full precision: it needs kv_cache_dtype='auto', "
              f"got {self.kv_cache_dtype!r}")

@@ -3,7 +3,9 @@
  *
  * Layout (block_quant's): K/V codes [num_blocks, block_size, Hkv, D * bits / 8] uint8
  * (element i of a byte's group in bits [bits * i, bits * (i + 1))); K scales uint8
- * [num_blocks, Hkv, D, 2] per channel or [num_blocks, block_size, Hkv, 2] per token; V
+ * [num_blocks, Hkv, D, 2] per channel (8-bit pair codes; 6-bit ones: [num_blocks, Hkv, D/2,
+ * 3], two channels' pairs in 24 bits, read with k_table and a zero offset of 32) or
+ * [num_blocks, block_size, Hkv, 2] per token; V
  * scales [num_blocks, block_size, Hkv, 2]; supers [num_blocks, Hkv, 2] fp16 (smax, zstep).
  * A scale pair (c, z) means scale = smax * table[c], zero = (z - 128) * zstep, table the
  * caller's 256 float32 factors (block_quant.scale_table(), so both sides use the same
@@ -14,7 +16,18 @@
  * sum_d (q_d scale_d) code_td, so each (block, head) folds its scales into the query once
  * and every token costs one dot product with its codes; per-token values give
  * sum_t p_t v_t = sum_t (p_t scale_t) code_t + (sum_t p_t zero_t), so the zero is one
- * scalar per head. q is already in the pages' (rotated) basis and out stays in it.
+ * scalar per head.
+ *
+ * The pages hold K and V in the Hadamard basis (kernels.quant.hadamard) when the format
+ * rotates them: with rotate_k the kernel rotates each query head (a fast Walsh-Hadamard
+ * transform, D log D adds, in the order of Sylvester's matrix, which is symmetric) before
+ * scoring, with rotate_v it rotates each output row back; so the caller passes q and gets
+ * out in the model's basis. With new_k/new_v it also writes the step's token of each
+ * sequence (rotated likewise) into residual row new_rows[s], offset new_offsets[s], before
+ * that sequence is read: one task per (sequence, kv head) writes exactly the head it reads,
+ * and a block being written belongs to one sequence (copy-on-write), so no other task
+ * reads it. Why here and not in torch: those are a handful of tiny ops per layer whose
+ * dispatch cost rivals the attention itself at decode (docs/benchmarks/quant.md).
  *
  * One task per (sequence, kv head), over OpenMP threads; two passes: scores for every key
  * of the sequence, then softmax weights times V. The caller validated lengths and block ids
@@ -29,6 +42,19 @@ static inline float half_to_f32(uint16_t h) {
     _Float16 f;
     memcpy(&f, &h, sizeof f);
     return (float)f;
+}
+
+/* x [n] (n a power of two) -> x H, H the orthonormal Sylvester-Hadamard matrix, in place */
+static void fwht(float *x, int n) {
+    for (int len = 1; len < n; len <<= 1)
+        for (int i = 0; i < n; i += 2 * len)
+            for (int j = i; j < i + len; j++) {
+                const float a = x[j], b = x[j + len];
+                x[j] = a + b;
+                x[j + len] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)n);
+    for (int i = 0; i < n; i++) x[i] *= norm;
 }
 
 /* packed codes of one row -> float32 code values */
@@ -61,22 +87,29 @@ static inline float dot(const float *a, const float *b, int n) {
 typedef struct {
     const uint8_t *k_codes, *k_scales, *v_codes, *v_scales;
     const uint16_t *k_supers, *v_supers;
-    const float *residual_k, *residual_v, *table;
+    float *residual_k, *residual_v; /* written only by write_new */
+    const float *table, *k_table;
     const int64_t *slot_of;
-    int key_bits, value_bits, keys_per_channel;
+    int key_bits, value_bits, keys_per_channel, key_pair_bits;
     int num_q_heads, num_kv_heads, head_dim, block_size;
 } Pages;
 
 /* One sequence's query heads of kv head kvh over its keys [0, len): out rows of those heads.
- * Scratch: scores [group * len], work [(group + 2) * head_dim + 2 * group]. */
+ * Scratch: scores [group * len], work [(3 * group + 1) * head_dim + 2 * group]. */
 static void attend_head(const Pages *p, const float *q, const int64_t *blocks, int64_t len,
-                        int kvh, float scale, float *out, float *scores, float *work) {
+                        int kvh, float scale, int rotate_k, int rotate_v, float *out,
+                        float *scores, float *work) {
     const int D = p->head_dim, Hkv = p->num_kv_heads, bs = p->block_size;
     const int group = p->num_q_heads / Hkv;
     const int kd = D * p->key_bits / 8, vd = D * p->value_bits / 8;
     float *codes = work, *qs = work + D, *qz = qs + (int64_t)group * D, *acc = qz + group;
-    float *zsum = acc + (int64_t)group * D;
+    float *zsum = acc + (int64_t)group * D, *qrot = zsum + group;
     const float *qh = q + (int64_t)kvh * group * D; /* this kv head's query heads, in a row */
+    if (rotate_k) { /* into the pages' basis */
+        memcpy(qrot, qh, sizeof(float) * (size_t)group * D);
+        for (int g = 0; g < group; g++) fwht(qrot + g * D, D);
+        qh = qrot;
+    }
     const int64_t num_blocks = (len + bs - 1) / bs;
     /* pass 1: scores */
     for (int64_t b = 0; b < num_blocks; b++) {
@@ -94,14 +127,31 @@ static void attend_head(const Pages *p, const float *q, const int64_t *blocks, i
         const float smax = half_to_f32(p->k_supers[(blk * Hkv + kvh) * 2]);
         const float zstep = half_to_f32(p->k_supers[(blk * Hkv + kvh) * 2 + 1]);
         if (p->keys_per_channel) { /* fold the block's channel scales into the query */
-            const uint8_t *sc = p->k_scales + (blk * Hkv + kvh) * D * 2;
+            /* the channels' (scale, zero) first, into codes and acc (both >= D floats;
+             * codes is rewritten per token below, acc is zeroed before pass 2) */
+            float *cs = codes, *cz = acc;
+            if (p->key_pair_bits == 6) { /* 2 channels' 6-bit pairs per 3 bytes */
+                const uint8_t *sc = p->k_scales + (blk * Hkv + kvh) * (D / 2) * 3;
+                for (int d = 0; d < D; d += 2) {
+                    const uint8_t *b3 = sc + (d / 2) * 3;
+                    const uint32_t v = b3[0] | (uint32_t)b3[1] << 8 | (uint32_t)b3[2] << 16;
+                    cs[d] = smax * p->k_table[v & 63];
+                    cz[d] = ((float)((v >> 6) & 63) - 32.0f) * zstep;
+                    cs[d + 1] = smax * p->k_table[(v >> 12) & 63];
+                    cz[d + 1] = ((float)(v >> 18) - 32.0f) * zstep;
+                }
+            } else {
+                const uint8_t *sc = p->k_scales + (blk * Hkv + kvh) * D * 2;
+                for (int d = 0; d < D; d++) {
+                    cs[d] = smax * p->k_table[sc[2 * d]];
+                    cz[d] = ((float)sc[2 * d + 1] - 128.0f) * zstep;
+                }
+            }
             for (int g = 0; g < group; g++) {
                 float z = 0.0f;
                 for (int d = 0; d < D; d++) {
-                    const float s = smax * p->table[sc[2 * d]];
-                    const float zero = ((float)sc[2 * d + 1] - 128.0f) * zstep;
-                    qs[g * D + d] = qh[g * D + d] * s;
-                    z += qh[g * D + d] * zero;
+                    qs[g * D + d] = qh[g * D + d] * cs[d];
+                    z += qh[g * D + d] * cz[d];
                 }
                 qz[g] = z;
             }
@@ -179,23 +229,43 @@ static void attend_head(const Pages *p, const float *q, const int64_t *blocks, i
         const float inv = 1.0f / qz[g];
         float *o = out + (int64_t)(kvh * group + g) * D;
         for (int d = 0; d < D; d++) o[d] = (acc[g * D + d] + zsum[g]) * inv;
+        if (rotate_v) fwht(o, D); /* back to the model's basis (H is symmetric) */
     }
 }
 
-/* q [num_seqs, Hq, D] float32 contiguous -> out [num_seqs, Hq, D] float32. Returns -1 when a
+/* Write sequence s's new token of kv head kvh into its residual row (rotated as asked). */
+static void write_new(const Pages *p, const float *new_k, const float *new_v,
+                      const int64_t *new_rows, const int64_t *new_offsets, int s, int kvh,
+                      int rotate_k, int rotate_v) {
+    const int D = p->head_dim, Hkv = p->num_kv_heads, bs = p->block_size;
+    const int64_t at = ((new_rows[s] * bs + new_offsets[s]) * Hkv + kvh) * D;
+    const int64_t from = ((int64_t)s * Hkv + kvh) * D;
+    float *k = p->residual_k + at, *v = p->residual_v + at;
+    memcpy(k, new_k + from, sizeof(float) * (size_t)D);
+    memcpy(v, new_v + from, sizeof(float) * (size_t)D);
+    if (rotate_k) fwht(k, D);
+    if (rotate_v) fwht(v, D);
+}
+
+/* q [num_seqs, Hq, D] float32 contiguous -> out [num_seqs, Hq, D] float32; new_k/new_v
+ * [num_seqs, Hkv, D] float32 contiguous or NULL (nothing written). Returns -1 when a
  * scratch buffer could not be allocated, else 0. */
 int kvscope_block_decode(const float *q, const uint8_t *k_codes, const uint8_t *k_scales,
                          const uint16_t *k_supers, const uint8_t *v_codes,
                          const uint8_t *v_scales, const uint16_t *v_supers,
-                         const float *residual_k, const float *residual_v,
-                         const int64_t *slot_of, const float *table, int key_bits,
-                         int value_bits, int keys_per_channel, const int64_t *block_tables,
+                         float *residual_k, float *residual_v,
+                         const int64_t *slot_of, const float *table, const float *k_table,
+                         int key_bits, int value_bits, int keys_per_channel,
+                         int key_pair_bits, const int64_t *block_tables,
                          int64_t table_stride, const int64_t *seq_lens, int num_seqs,
                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                         float scale, float *out, int num_threads) {
+                         float scale, int rotate_k, int rotate_v, const float *new_k,
+                         const float *new_v, const int64_t *new_rows,
+                         const int64_t *new_offsets, float *out, int num_threads) {
     const Pages p = {k_codes, k_scales, v_codes, v_scales, k_supers, v_supers, residual_k,
-                     residual_v, table, slot_of, key_bits, value_bits, keys_per_channel,
-                     num_q_heads, num_kv_heads, head_dim, block_size};
+                     residual_v, table, k_table, slot_of, key_bits, value_bits,
+                     keys_per_channel, key_pair_bits, num_q_heads, num_kv_heads, head_dim,
+                     block_size};
     const int group = num_q_heads / num_kv_heads;
     const int64_t num_tasks = (int64_t)num_seqs * num_kv_heads;
     if (num_tasks <= 0) return 0;
@@ -206,7 +276,7 @@ int kvscope_block_decode(const float *q, const uint8_t *k_codes, const uint8_t *
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(group * max_len));
-        float *work = malloc(sizeof(float) * (size_t)((2 * group + 1) * head_dim + 2 * group));
+        float *work = malloc(sizeof(float) * (size_t)((3 * group + 1) * head_dim + 2 * group));
         if (!scores || !work) {
 #pragma omp atomic write
             failed = 1;
@@ -216,8 +286,10 @@ int kvscope_block_decode(const float *q, const uint8_t *k_codes, const uint8_t *
             if (failed) continue;
             const int s = (int)(k / num_kv_heads), kvh = (int)(k % num_kv_heads);
             const int64_t off = (int64_t)s * num_q_heads * head_dim;
+            if (new_k)
+                write_new(&p, new_k, new_v, new_rows, new_offsets, s, kvh, rotate_k, rotate_v);
             attend_head(&p, q + off, block_tables + s * table_stride, seq_lens[s], kvh, scale,
-                        out + off, scores, work);
+                        rotate_k, rotate_v, out + off, scores, work);
         }
         free(scores);
         free(work);

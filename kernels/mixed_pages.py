@@ -32,6 +32,20 @@ demoted, so the event mirror's tables never change either) to codes once per ste
 
 Full pages store K/V as the model computed them (no rotation), so a pool that never
 demotes computes exactly what a single-format pool computes.
+
+Block-quantized pages (``kernels.block_quant``: kivi4, k8v4, kivi2; at most one of them per
+layout, page format id 1 = ``BLOCK``). A frame holds ``subs`` of them, ``subs`` set by the
+wider of K's and V's codes (kivi4: as int4; k8v4: as int8, V's 4-bit codes then use half
+of the V frame; kivi2: twice int4's). Sub-page ``j``'s codes are the byte columns
+``[j * w, (j + 1) * w)`` of every token-head row (``w`` = the K or V code width), and its
+scales and fp16 supers (per-channel key pairs ``[Hkv, D, 2]`` or per-token ``[bs, Hkv, 2]``,
+then ``[Hkv, 2]`` fp16) are bytes ``[j * side, (j + 1) * side)`` of the frame's scale
+columns read as one flat run of bytes. K and V are stored in the Hadamard basis, as the
+block formats do (``kernels.quant.hadamard``); reading a page rotates it back. Only
+complete blocks are demoted (the planner's rule), so a block's per-channel key scales
+cover all its tokens: the residual window of these formats is the full-precision pages.
+The Triton kernels do not read these pages: a layout with a block format attends through
+the torch reference on every device.
 """
 
 from __future__ import annotations
@@ -40,18 +54,22 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import block_quant as bq
 from kernels import quant
 from kernels import reference as _ref
 
-FULL, INT8, INT4 = 0, 2, 3
-FORMAT_IDS = {"full": FULL, "int8": INT8, "int4": INT4}
-FORMAT_NAMES = {v: k for k, v in FORMAT_IDS.items()}
+FULL, BLOCK, INT8, INT4 = 0, 1, 2, 3
+FORMAT_IDS = {"full": FULL, "int8": INT8, "int4": INT4,
+              **{name: BLOCK for name in bq.FORMATS}}
+FORMAT_NAMES = {FULL: "full", INT8: "int8", INT4: "int4"}  # BLOCK: the layout's block format
+KINDS = ("k", "v")
 
 
 @dataclass(frozen=True)
 class MixedLayout:
     """The geometry of one mixed arena. ``formats``: the quantized formats a block may be
-    demoted to ("int8", "int4" or both); full precision is always allowed."""
+    demoted to (int8, int4 and at most one block format of ``kernels.block_quant``); full
+    precision is always allowed."""
 
     dtype: torch.dtype
     block_size: int
@@ -60,8 +78,14 @@ class MixedLayout:
     formats: tuple[str, ...] = ("int8", "int4")
 
     def __post_init__(self) -> None:
-        if not self.formats or any(f not in ("int8", "int4") for f in self.formats):
-            raise ValueError(f"demotion formats must be int8 and/or int4, got {self.formats}")
+        if not self.formats or any(f not in FORMAT_IDS or f == "full" for f in self.formats):
+            raise ValueError(f"demotion formats must be int8, int4 or one of "
+                             f"{tuple(bq.FORMATS)}, got {self.formats}")
+        if sum(f in bq.FORMATS for f in self.formats) > 1:
+            raise ValueError(f"at most one block-quantized demotion format, got {self.formats}")
+        if self.block_format is not None and self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"{self.block_format.name} pages are stored Hadamard-rotated: "
+                             f"head_dim must be a power of two, got {self.head_dim}")
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"mixed pages need a float model dtype, got {self.dtype}")
         if self.head_dim % 2:
@@ -76,8 +100,18 @@ class MixedLayout:
         """C: bytes of one token-head row of a frame (one full-precision row)."""
         return self.head_dim * self.element_size
 
+    @property
+    def block_format(self) -> bq.BlockFormat | None:
+        """The enabled block-quantized format (page format id ``BLOCK``), if any."""
+        names = [f for f in self.formats if f in bq.FORMATS]
+        return bq.FORMATS[names[0]] if names else None
+
     def subs(self, fmt: str) -> int:
-        """Pages of format ``fmt`` ("full", "int8", "int4") one frame holds."""
+        """Pages of format ``fmt`` ("full", "int8", "int4" or a block format) one frame
+        holds."""
+        if fmt in bq.FORMATS:
+            f = bq.FORMATS[fmt]
+            return self.row_bytes // (self.head_dim * max(f.key_bits, f.value_bits) // 8)
         return {"full": 1, "int8": self.row_bytes // self.head_dim,
                 "int4": self.row_bytes // (self.head_dim // 2)}[fmt]
 
@@ -86,15 +120,43 @@ class MixedLayout:
         """K of the page code: sub-pages per frame of the smallest enabled format."""
         return max(self.subs(f) for f in self.formats)
 
+    def code_width(self, kind: str) -> int:
+        """Bytes of one block-format page's token-head row of K (``kind`` "k") or V."""
+        f = self.block_format
+        return f.packed_dim(f.key_bits if kind == "k" else f.value_bits, self.head_dim)
+
+    def side_bytes(self, kind: str) -> int:
+        """Bytes of one block-format page's scales and supers, K or V (module docstring)."""
+        f, h = self.block_format, self.num_kv_heads
+        per_channel = kind == "k" and f.keys_per_channel
+        pairs = h * self.head_dim * f.key_pair_bits // 4 if per_channel else \
+            self.block_size * h * 2
+        return pairs + h * 2 * bq.SUPER_DTYPE.itemsize
+
+    def scale_params_of(self, kind: str) -> int:
+        """P of K's (``kind`` "k") or V's arena: fp16 scale columns per token-head row."""
+        p = max((self.subs(f) * quant.scale_params(f) for f in self.formats
+                 if f not in bq.FORMATS), default=0)
+        if self.block_format is not None:
+            side = self.subs(self.block_format.name) * self.side_bytes(kind)
+            rows = self.block_size * self.num_kv_heads
+            p = max(p, -(-side // (2 * rows)))
+        return p
+
     @property
     def scale_params(self) -> int:
-        """P: fp16 scale columns per token-head row of a frame."""
-        return max(self.subs(f) * quant.scale_params(f) for f in self.formats)
+        """P: fp16 scale columns per token-head row (the larger of K's and V's)."""
+        return max(self.scale_params_of(k) for k in KINDS)
+
+    def frame_bytes_of(self, kind: str) -> int:
+        """One frame of one layer's K or V: codes plus the reserved scale columns."""
+        return self.block_size * self.num_kv_heads * (
+            self.row_bytes + 2 * self.scale_params_of(kind))
 
     @property
     def frame_bytes(self) -> int:
-        """One frame of one layer's K (or V): codes plus the reserved scale columns."""
-        return self.block_size * self.num_kv_heads * (self.row_bytes + 2 * self.scale_params)
+        """One frame of one layer, K and V together."""
+        return sum(self.frame_bytes_of(k) for k in KINDS)
 
     @property
     def num_codes(self) -> int:
@@ -104,12 +166,13 @@ class MixedLayout:
     def code(self, frame: int, sub: int, fmt: str) -> int:
         return ((frame * self.max_subs + sub) << 2) | FORMAT_IDS[fmt]
 
-    def allocate(self, num_frames: int, device: torch.device | str
+    def allocate(self, num_frames: int, device: torch.device | str, kind: str = "k"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A zeroed arena ``[F, bs, Hkv, C]`` uint8 and its scales ``[F, bs, Hkv, P]`` fp16."""
+        """A zeroed arena ``[F, bs, Hkv, C]`` uint8 and its scales ``[F, bs, Hkv, P]`` fp16
+        (P of K's or V's arena: ``kind``)."""
         shape = (num_frames, self.block_size, self.num_kv_heads)
         return (torch.zeros((*shape, self.row_bytes), dtype=torch.uint8, device=device),
-                torch.zeros((*shape, self.scale_params), dtype=quant.SCALE_DTYPE,
+                torch.zeros((*shape, self.scale_params_of(kind)), dtype=quant.SCALE_DTYPE,
                             device=device))
 
     def views(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -145,29 +208,91 @@ def check_codes(codes: torch.Tensor, layout: MixedLayout, num_frames: int) -> No
 
 
 def read_pages(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
-               codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The pages ``codes [n]`` dequantized to ``[n, bs, Hkv, D]`` in ``dtype``."""
+               codes: torch.Tensor, dtype: torch.dtype, kind: str = "k") -> torch.Tensor:
+    """The pages ``codes [n]`` dequantized to ``[n, bs, Hkv, D]`` in ``dtype`` (``kind``:
+    whether ``arena`` holds K or V, which block-format pages encode differently)."""
     fid, frame, sub = decode_codes(codes, layout)
     views = layout.views(arena)
     if bool((fid == FULL).all()):  # the common case: one gather, no masks
         return views["full"].index_select(0, frame).to(dtype)
     out = torch.empty((codes.numel(), layout.block_size, layout.num_kv_heads,
                        layout.head_dim), dtype=dtype, device=arena.device)
-    for fmt, f_id in FORMAT_IDS.items():
+    for f_id, name in FORMAT_NAMES.items():
         rows = (fid == f_id).nonzero().flatten()
         if not rows.numel():
             continue
         fr = frame[rows]
-        if fmt == "full":
+        if name == "full":
             out[rows] = views["full"].index_select(0, fr).to(dtype)
             continue
         s = sub[rows]
-        c = views[fmt][fr, :, :, s]  # [m, bs, Hkv, Dp]: advanced indices go first
-        p = quant.scale_params(fmt)
+        c = views[name][fr, :, :, s]  # [m, bs, Hkv, Dp]: advanced indices go first
+        p = quant.scale_params(name)
         cols = s[:, None] * p + torch.arange(p, device=s.device)
         sc = scales[fr[:, None], :, :, cols].permute(0, 2, 3, 1)  # [m, bs, Hkv, P]
-        out[rows] = quant.dequantize(c, sc, fmt, dtype)
+        out[rows] = quant.dequantize(c, sc, name, dtype)
+    rows = (fid == BLOCK).nonzero().flatten()
+    if rows.numel():
+        out[rows] = _read_block_pages(layout, arena, scales, frame[rows], sub[rows],
+                                      kind).to(dtype)
     return out
+
+
+def _block_codes(layout: MixedLayout, arena: torch.Tensor, kind: str) -> torch.Tensor:
+    """The arena's bytes as block-format sub-pages ``[F, bs, Hkv, C / w, w]``."""
+    w = layout.code_width(kind)
+    f, bs, h, c = arena.shape
+    return arena.view(f, bs, h, c // w, w)
+
+
+def _side_columns(layout: MixedLayout, scales: torch.Tensor, frame: torch.Tensor,
+                  sub: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the frame's scale columns as flat bytes ``[F, S]``, the byte columns ``[m, side]``
+    of the pages (frame, sub))."""
+    side = layout.side_bytes(kind)
+    flat = scales.view(torch.uint8).view(scales.shape[0], -1)
+    return flat, sub[:, None] * side + torch.arange(side, device=sub.device)
+
+
+def _read_block_pages(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
+                      frame: torch.Tensor, sub: torch.Tensor, kind: str) -> torch.Tensor:
+    """Block-format pages (frame, sub) ``[m]`` -> float32 ``[m, bs, Hkv, D]``, rotated back
+    from the Hadamard basis."""
+    fmt, m, h = layout.block_format, frame.numel(), layout.num_kv_heads
+    codes = _block_codes(layout, arena, kind)[frame, :, :, sub]
+    flat, cols = _side_columns(layout, scales, frame, sub, kind)
+    side = flat[frame[:, None], cols]  # [m, side] bytes
+    n_pairs = side.shape[1] - h * 2 * bq.SUPER_DTYPE.itemsize
+    supers = side[:, n_pairs:].contiguous().view(bq.SUPER_DTYPE).view(m, h, 2)
+    if kind == "k":
+        shape = bq.key_scale_shape(fmt, m, layout.block_size, h, layout.head_dim)
+        x = bq.dequantize_keys(codes, side[:, :n_pairs].reshape(shape), supers, fmt)
+        rotated = fmt.rotate_keys
+    else:
+        x = bq.dequantize_values(codes, side[:, :n_pairs].reshape(m, layout.block_size, h, 2),
+                                 supers, fmt)
+        rotated = fmt.rotate_values
+    return x @ _hadamard(layout, arena.device).T if rotated else x
+
+
+def _write_block_pages(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
+                       frame: torch.Tensor, sub: torch.Tensor, values: torch.Tensor,
+                       kind: str) -> None:
+    """Quantize complete blocks ``values [m, bs, Hkv, D]`` (float32) into block-format
+    pages (frame, sub): codes, scales and supers as ``kernels.block_quant`` writes them."""
+    fmt, m = layout.block_format, frame.numel()
+    rotate = fmt.rotate_keys if kind == "k" else fmt.rotate_values
+    x = values @ _hadamard(layout, arena.device) if rotate else values
+    quantize = bq.quantize_keys if kind == "k" else bq.quantize_values
+    codes, pairs, supers = quantize(x, fmt)
+    _block_codes(layout, arena, kind)[frame, :, :, sub] = codes
+    flat, cols = _side_columns(layout, scales, frame, sub, kind)
+    flat[frame[:, None], cols] = torch.cat(
+        [pairs.reshape(m, -1), supers.contiguous().view(torch.uint8).reshape(m, -1)], dim=1)
+
+
+def _hadamard(layout: MixedLayout, device: torch.device) -> torch.Tensor:
+    return quant.hadamard(layout.head_dim, torch.float32, device)
 
 
 class MixedPages:
@@ -188,8 +313,8 @@ class MixedPages:
 
     def gather(self, codes: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (read_pages(self.layout, self.k, self.ks, codes, dtype),
-                read_pages(self.layout, self.v, self.vs, codes, dtype))
+        return (read_pages(self.layout, self.k, self.ks, codes, dtype, "k"),
+                read_pages(self.layout, self.v, self.vs, codes, dtype, "v"))
 
 
 def paged_attention(q: torch.Tensor, layout: MixedLayout, k_arena: torch.Tensor,
@@ -199,10 +324,10 @@ def paged_attention(q: torch.Tensor, layout: MixedLayout, k_arena: torch.Tensor,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.paged_attention`` over a mixed arena: ``code_tables [B, max_blocks]``
     holds page codes (module docstring). Triton on CUDA (or under ``force_backend``), the
-    torch reference on CPU."""
+    torch reference on CPU and for a layout with a block format."""
     from kernels.backend import select_backend
 
-    if select_backend(q.device) == "triton":
+    if layout.block_format is None and select_backend(q.device) == "triton":
         from kernels import triton_attention
 
         return triton_attention.paged_attention_mixed(
@@ -217,20 +342,31 @@ def paged_attention(q: torch.Tensor, layout: MixedLayout, k_arena: torch.Tensor,
 
 
 def demote(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
-           src_codes: torch.Tensor, dst_codes: torch.Tensor) -> None:
-    """Re-encode pages ``src_codes[i]`` as ``dst_codes[i]`` (int8 or int4 sub-pages), in
-    place, for one arena (call once per layer for K and for V). Batched, in two phases:
-    every source is gathered (dequantized, fp32) before any destination is written, so a
-    destination may lie in a frame a source of the same batch leaves (the planner packs
-    demoted pages into their own emptied frames: engine.cache.mixed_pool). Phase 2 is one
-    Triton launch on CUDA (``triton_cache.demote_scatter``), torch index_put on CPU; both
-    write the codes and scales of ``kernels.quant`` (what reshape_and_cache writes)."""
+           src_codes: torch.Tensor, dst_codes: torch.Tensor, kind: str = "k") -> None:
+    """Re-encode pages ``src_codes[i]`` as ``dst_codes[i]`` (quantized sub-pages), in
+    place, for one arena (call once per layer for K, ``kind`` "k", and for V, "v").
+    Batched, in two phases: every source is gathered (dequantized, fp32) before any
+    destination is written, so a destination may lie in a frame a source of the same batch
+    leaves (the planner packs demoted pages into their own emptied frames:
+    engine.cache.mixed_pool). Phase 2 for int8/int4 is one Triton launch on CUDA
+    (``triton_cache.demote_scatter``), torch index_put on CPU; both write the codes and
+    scales of ``kernels.quant`` (what reshape_and_cache writes). Block-format pages are
+    written by torch on every device, with the codes of ``kernels.block_quant``."""
     if src_codes.numel() == 0:
         return
-    values = read_pages(layout, arena, scales, src_codes, torch.float32)
+    values = read_pages(layout, arena, scales, src_codes, torch.float32, kind)
     fid, frame, sub = decode_codes(dst_codes, layout)
     if bool((fid == FULL).any()):
-        raise ValueError("demotion targets must be int8 or int4 pages")
+        raise ValueError("demotion targets must be quantized pages")
+    block = (fid == BLOCK).nonzero().flatten()
+    if block.numel():
+        _write_block_pages(layout, arena, scales, frame[block], sub[block], values[block],
+                           kind)
+        if block.numel() == fid.numel():
+            return
+        rest = (fid != BLOCK).nonzero().flatten()
+        values, dst_codes, fid, frame, sub = (values[rest], dst_codes[rest], fid[rest],
+                                              frame[rest], sub[rest])
     from kernels.backend import select_backend
 
     if select_backend(arena.device) == "triton":  # one scatter launch for the batch
@@ -239,7 +375,7 @@ def demote(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
         triton_cache.demote_scatter(layout, arena, scales, values, dst_codes)
         return
     views = layout.views(arena)
-    for fmt in layout.formats:
+    for fmt in ("int8", "int4"):
         rows = (fid == FORMAT_IDS[fmt]).nonzero().flatten()
         if not rows.numel():
             continue

@@ -200,6 +200,11 @@ def _decode(q: torch.Tensor, kv: _Pages, block_tables: torch.Tensor, lens: torch
         k = k.view(rows.numel(), -1, num_kv_heads, head_dim).transpose(1, 2)  # [m, Hkv, L, D]
         v = v.view(rows.numel(), -1, num_kv_heads, head_dim).transpose(1, 2)
         visible = window_mask(group_lens - 1, k.shape[2], window)
+        # Slots past a sequence's end hold whatever the page held before (in a mixed arena,
+        # a reused frame's old quantized bytes, which read as fp32 can be NaN or inf): the
+        # mask alone would let them through (NaN + -inf, 0 x NaN), so they are zeroed.
+        hide = ~visible[:, None, :, None]
+        k, v = k.masked_fill(hide, 0), v.masked_fill(hide, 0)
         o = F.scaled_dot_product_attention(
             q[rows].to(dtype).unsqueeze(2), k, v, attn_mask=visible[:, None, None, :],
             scale=scale, enable_gqa=True)

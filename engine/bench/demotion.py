@@ -12,12 +12,14 @@ Per page configuration, in process (no server, so the numbers are the engine's a
 - accuracy, teacher-forced exactly as ``kvscope bench quant`` (GPL-3 text, ``--tokens``,
   ``--chunk``-token chunks; perplexity ratio and top-1 agreement against full-precision
   pages). For demotion, after every chunk each full block older than ``--hot-window``
-  tokens is demoted -- the worst case the policy allows: every cold block at int8
-  (``demotion@int8``), and every cold block at int4 (``demotion@int4``, what the chain
-  reaches when int8 is not enough).
+  tokens is demoted -- the worst case the policy allows: every cold block in one target
+  format, a row per ``--targets`` entry (``demotion@int8``, ``demotion@int4``,
+  ``demotion@kivi4``, ...: what a chain reaches when its first format is not enough).
 
 Full precision is the model dtype (fp32 on CPU); uniform int8/int4 are the single-format
-quantized pools of issue 6 (Hadamard-rotated), demotion's quantized pages are not rotated.
+quantized pools of issue 6 (Hadamard-rotated); demotion's int8/int4 pages are not rotated,
+its block-quantized pages (kivi4, k8v4, kivi2) are, as the formats define them. Several
+``--demotion`` chains, separated by ``;``, give a workload row each (``demotion=<chain>``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ import sys
 import time
 from typing import Any
 
-CONFIGS = ("full", "int8", "int4", "demotion")
+UNIFORM = ("full", "int8", "int4")
+TARGETS = ("int8", "int4", "kivi4", "k8v4", "kivi2")
 WORKLOADS = ("doc_qa", "multi_turn")
+
+
+def configs(demotion: str) -> list[str]:
+    """The workload rows: the uniform pools, then one per ``;``-separated demotion chain."""
+    return [*UNIFORM, *(f"demotion={c.strip()}" for c in demotion.split(";") if c.strip())]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--budget-mib", type=float, default=64.0, help="KV memory for every config")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--demotion", default="int8,int4", help="--kv-demotion of config (d)")
+    p.add_argument("--demotion", default="int8,int4",
+                   help="--kv-demotion of config (d); chains separated by ';' get a row each, "
+                        "e.g. 'int8,int4;int8,kivi4'")
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help="demotion formats of the teacher-forced accuracy rows")
     p.add_argument("--hot-window", type=int, default=256)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--sessions", type=int, default=12)
@@ -69,13 +81,13 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"budget_bytes": budget, "block_size": args.block_size,
                               "demotion": args.demotion, "hot_window": args.hot_window,
                               "sessions": args.sessions, "concurrency": args.concurrency}
-    for name in args.workloads.split(","):
+    for name in (w for w in args.workloads.split(",") if w.strip()):  # "": accuracy only
         rows: dict[str, dict] = {}
-        for c in CONFIGS:
+        for c in configs(args.demotion):
             rows[c] = run_workload(loaded, name, c, args, budget)
             _log(f"{name} {c}: {rows[c]}")
         base = rows["full"].pop("outputs")
-        for c in CONFIGS:
+        for c in configs(args.demotion):
             if c != "full":
                 outs = rows[c].pop("outputs")
                 same = sum(outs.get(k) == v for k, v in base.items())
@@ -103,8 +115,8 @@ def engine_config(config: str, args: argparse.Namespace, budget: int) -> dict[st
                           "max_num_seqs": args.concurrency, "seed": args.seed}
     if config in ("int8", "int4"):
         kw["kv_cache_dtype"] = config
-    elif config == "demotion":
-        kw.update(kv_demotion=args.demotion, kv_hot_window=args.hot_window)
+    elif config.startswith("demotion="):
+        kw.update(kv_demotion=config.split("=", 1)[1], kv_hot_window=args.hot_window)
     return kw
 
 
@@ -195,7 +207,7 @@ def teacher_forced(loaded, ids: list[int], args: argparse.Namespace) -> dict[str
         runners[d] = ModelRunner(model, cfg, num_blocks, bs, cpu, torch.float32,
                                  kv_cache_dtype="auto" if d == "full" else d)
     mixed: dict[str, tuple[ModelRunner, MixedKV]] = {}
-    for fmt in ("int8", "int4"):
+    for fmt in (t.strip() for t in args.targets.split(",") if t.strip()):
         layout = mp.MixedLayout(torch.float32, bs, cfg.num_kv_heads, cfg.head_dim, (fmt,))
         frames = num_blocks + math.ceil(num_blocks / layout.subs(fmt)) + 1
         r = ModelRunner(model, cfg, frames, bs, cpu, torch.float32, mixed=layout)
@@ -255,7 +267,7 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"{name}: config | blocks/frames | mean/peak running | hit rate | "
                      "preemptions | evictions | demoted | gen tok/s | same greedy")
         for c, row in r[name].items():
-            lines.append(f"  {c:9s} {row['kv_blocks'] or row['kv_frames']:>6} "
+            lines.append(f"  {c:18s} {row['kv_blocks'] or row['kv_frames']:>6} "
                          f"{row['mean_running']:>6}/{row['peak_running']:<3} "
                          f"{row['prefix_hit_rate']:.3f} {row['preemptions']:>5} "
                          f"{row['evictions']:>6} {row['demoted_blocks']:>6} "

@@ -1,4 +1,5 @@
-"""When and which blocks to demote (bf16/fp32 -> int8 -> int4), torch-free.
+"""When and which blocks to demote (bf16/fp32 -> int8 -> int4, or to the block-quantized
+kivi4 / k8v4 / kivi2 pages), torch-free.
 
 ``plan_demotion`` runs between engine steps. When the gpu pool's *free frames* (not
 counting cached blocks that could be evicted: demoting those is what keeps them) fall
@@ -16,7 +17,9 @@ policy's order); a block in use is as hot as its hottest user, measured in token
 the end of the block to the end of that sequence. Blocks within a sequence's last
 ``hot_window`` tokens, and partial blocks (still being written), are never demoted. So
 with free frames above the watermark nothing is demoted at all: greedy outputs are those
-of a full-precision pool.
+of a full-precision pool. Only full blocks are demoted, which is also the residual-window
+rule of the block-quantized formats (per-channel key scales over all of a block's tokens):
+a block still being written stays in its full-precision page.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.cache.errors import CacheError
-from engine.cache.mixed_pool import DEMOTION_FORMATS
+from engine.cache.mixed_pool import BLOCK_FORMATS, DEMOTION_BITS
 
 if TYPE_CHECKING:
     from engine.cache.view import CacheView
@@ -40,7 +43,8 @@ HIGH_WATERMARK = 0.15
 
 @dataclass(frozen=True)
 class DemotionPolicy:
-    """``formats``: the demotion chain ("int8", "int4" or both in that order); ``subs``:
+    """``formats``: the demotion chain (one or two of ``DEMOTION_BITS``, to strictly fewer
+    bits, at most one block-quantized format: ``check_chain``); ``subs``:
     pages per frame of each (kernels.mixed_pages.MixedLayout.subs); ``hot_window`` in
     tokens."""
 
@@ -51,12 +55,9 @@ class DemotionPolicy:
     high: float = HIGH_WATERMARK
 
     def __post_init__(self) -> None:
-        if not self.formats or len(set(self.formats)) != len(self.formats) or any(
-                f not in DEMOTION_FORMATS for f in self.formats):
-            raise CacheError(f"kv demotion formats must be int8, int4 or int8,int4, got "
-                             f"{','.join(self.formats) or 'none'}")
-        if list(self.formats) != sorted(self.formats, key=DEMOTION_FORMATS.index):
-            raise CacheError("kv demotion goes to fewer bits: int8,int4, not int4,int8")
+        problem = check_chain(self.formats)
+        if problem:
+            raise CacheError(problem)
         if set(self.subs) != set(self.formats) or min(self.subs.values()) < 1:
             raise CacheError(f"subs {self.subs} must give pages per frame for {self.formats}")
         if not isinstance(self.hot_window, int) or self.hot_window < 0:
@@ -66,8 +67,23 @@ class DemotionPolicy:
                              f"{self.low}, {self.high}")
 
 
+def check_chain(formats: tuple[str, ...]) -> str | None:
+    """Why ``formats`` is not a demotion chain (None when it is): one or two known targets,
+    the second with strictly fewer bits than the first, at most one block-quantized."""
+    names = ",".join(formats) or "none"
+    if not formats or len(formats) > 2 or any(f not in DEMOTION_BITS for f in formats):
+        return (f"kv demotion formats must be one or two of {', '.join(DEMOTION_BITS)} "
+                f"(e.g. int8,int4 or int8,kivi4), got {names}")
+    if len(formats) == 2 and DEMOTION_BITS[formats[1]] >= DEMOTION_BITS[formats[0]]:
+        return f"kv demotion goes to fewer bits: int8,int4, not {names}"
+    if sum(f in BLOCK_FORMATS for f in formats) > 1:
+        return f"kv demotion takes at most one of {', '.join(BLOCK_FORMATS)}, got {names}"
+    return None
+
+
 def parse_formats(text: str) -> tuple[str, ...]:
-    """'int8' | 'int4' | 'int8,int4' -> a tuple; '' or 'off' -> ()."""
+    """'int8' | 'int4' | 'int8,int4' | 'kivi4' | 'int8,kivi2' ... -> a tuple; '' or 'off'
+    -> ()."""
     text = (text or "").strip()
     if text in ("", "off", "none"):
         return ()

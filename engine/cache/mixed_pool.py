@@ -1,4 +1,5 @@
-"""MixedBlockPool: a gpu pool whose blocks each have a format (full precision, int8, int4)
+"""MixedBlockPool: a gpu pool whose blocks each have a format (full precision, int8, int4,
+or one block-quantized format: kivi4, k8v4, kivi2)
 over an arena of frames (kernels.mixed_pages explains the layout). Pure Python.
 
 Block ids stay what the manager, its events and the mirror know (ref counts, hashes,
@@ -29,9 +30,14 @@ from engine.cache.eviction import EvictionPolicy
 from engine.events import schema as S
 from engine.events.sink import EventSink
 
-# Format ids of kernels.mixed_pages / kernels.triton_cache.FORMAT_IDS (torch-free copy).
-FORMAT_IDS = {"int8": 2, "int4": 3}
-DEMOTION_FORMATS = ("int8", "int4")
+# Format ids of kernels.mixed_pages (torch-free copy): int8/int4 as
+# kernels.triton_cache.FORMAT_IDS; 1 = the layout's one block-quantized format
+# (kernels.block_quant: per-channel keys over the block).
+BLOCK_FORMATS = ("kivi4", "k8v4", "kivi2")
+FORMAT_IDS = {"int8": 2, "int4": 3, **{f: 1 for f in BLOCK_FORMATS}}
+# Demotion targets, widest first, with their code bits per element, K and V averaged: a
+# chain goes to strictly fewer bits.
+DEMOTION_BITS = {"int8": 8, "k8v4": 6, "int4": 4, "kivi4": 4, "kivi2": 2}
 
 
 class MixedBlockPool(BlockPool):

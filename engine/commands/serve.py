@@ -92,8 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-cache-dtype", default="auto",
                    help="auto | fp8 | int8 | int4 | kivi4 | k8v4 | kivi2")
     e.add_argument("--kv-demotion", default="",
-                   help="demote cold pages in place under memory pressure: int8 | int4 | "
-                        "int8,int4 (default off; needs --kv-cache-dtype auto)")
+                   help="demote cold pages in place under memory pressure: one or two of "
+                        "int8, k8v4, int4, kivi4, kivi2 to fewer bits, e.g. int8,int4 or "
+                        "int8,kivi4 (default off; needs --kv-cache-dtype auto)")
     e.add_argument("--kv-hot-window", type=int, default=256,
                    help="tokens at the end of each running sequence never demoted")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -40,8 +40,7 @@ class BlockKV:
         self.shape = (block_size, num_kv_heads, head_dim)
         kd = fmt.packed_dim(fmt.key_bits, head_dim)
         vd = fmt.packed_dim(fmt.value_bits, head_dim)
-        k_scale_shape = (num_blocks, num_kv_heads, head_dim, 2) if fmt.keys_per_channel \
-            else (num_blocks, block_size, num_kv_heads, 2)
+        k_scale_shape = bq.key_scale_shape(fmt, num_blocks, block_size, num_kv_heads, head_dim)
         self.slot_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         self.free_rows: list[int] = list(range(_FIRST_ROWS - 1, -1, -1))
 
@@ -136,6 +135,10 @@ class BlockPagedAttention:
         self.v_rot = rot if kv.fmt.rotate_values else None
         self.batch = None
         self._step: tuple[object, StepPlan, StepWrites] | None = None
+        # Decode-only steps in one C call (rotations and residual writes included); False
+        # keeps those in torch around the C reader (scripts/bench_block_decode.py's "-split"
+        # variants measure the difference).
+        self.fused = True
 
     def _plan(self) -> tuple[StepPlan, StepWrites]:
         b = self.batch
@@ -149,11 +152,23 @@ class BlockPagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         plan, writes = self._plan()
+        pages = self.kv.layers[layer]
+        if self.fused and plan.decode_only and plan.keep is None and \
+                writes.rows.numel() == q.shape[0] and k.dtype == torch.float32 and \
+                cpu_block_decode.supports(q, pages):
+            # One C call rotates q, k, v, writes the residual rows, attends and rotates the
+            # output back (kernels/cpu_block_decode.c); the seal reads the rows it wrote.
+            out = cpu_block_decode.block_decode(
+                q, pages, plan.native_tables, plan.native_lens, self.scale, model_basis=True,
+                new=(k, v, writes.rows, writes.offsets))
+            pages.seal(writes.done, writes.done_rows)
+            if layer == self.num_layers - 1:
+                self.kv.release(writes)
+            return out.to(q.dtype)
         if self.k_rot is not None:
             q, k = q @ self.k_rot, k @ self.k_rot
         if self.v_rot is not None:
             v = v @ self.v_rot
-        pages = self.kv.layers[layer]
         kw, vw = (k, v) if plan.keep is None else (k.index_select(0, plan.keep),
                                                      v.index_select(0, plan.keep))
         index = (writes.rows, writes.offsets)

@@ -32,7 +32,7 @@ def mixed_layout(kv_demotion: str, dtype: torch.dtype, model_config,
 
 def bytes_per_frame(layout: mp.MixedLayout, num_layers: int) -> int:
     """One frame across all layers, K and V, reserved scale columns included."""
-    return 2 * num_layers * layout.frame_bytes
+    return num_layers * layout.frame_bytes  # K and V together
 
 
 def demotion_policy(layout: mp.MixedLayout, hot_window: int) -> DemotionPolicy:
@@ -55,10 +55,10 @@ class MixedKV:
                  device: torch.device) -> MixedKV:
         k, v, ks, vs = [], [], [], []
         for _ in range(num_layers):
-            a, s = layout.allocate(num_frames, device)
+            a, s = layout.allocate(num_frames, device, "k")
             k.append(a)
             ks.append(s)
-            a, s = layout.allocate(num_frames, device)
+            a, s = layout.allocate(num_frames, device, "v")
             v.append(a)
             vs.append(s)
         return cls(layout, k, v, ks, vs)
@@ -76,9 +76,10 @@ class MixedKV:
             return
         device = self.k_arenas[0].device
         pairs = torch.tensor(orders, dtype=torch.int64, device=device)
-        for arenas, scales in ((self.k_arenas, self.k_scales), (self.v_arenas, self.v_scales)):
+        for kind, arenas, scales in (("k", self.k_arenas, self.k_scales),
+                                     ("v", self.v_arenas, self.v_scales)):
             for arena, scale in zip(arenas, scales, strict=True):
-                mp.demote(self.layout, arena, scale, pairs[:, 0], pairs[:, 1])
+                mp.demote(self.layout, arena, scale, pairs[:, 0], pairs[:, 1], kind)
 
     @torch.inference_mode()
     def copy(self, frame_orders: list[tuple[int, int]]) -> None:

@@ -57,7 +57,9 @@ def test_nothing_is_demoted_above_the_watermark():
 
 @pytest.mark.parametrize("formats, subs, hot, match", [
     (("int4", "int8"), {"int8": 2, "int4": 4}, 8, "fewer bits"),
-    (("fp8",), {"fp8": 2}, 8, "int8, int4"),
+    (("fp8",), {"fp8": 2}, 8, "one or two of int8, k8v4"),
+    (("kivi4", "int4"), {"kivi4": 8, "int4": 8}, 8, "fewer bits"),
+    (("k8v4", "kivi2"), {"k8v4": 4, "kivi2": 16}, 8, "at most one of kivi4"),
     (("int8",), {"int8": 2}, -1, "hot window"),
 ])
 def test_bad_policies_are_clear_errors(formats, subs, hot, match):

@@ -7,8 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import block_quant as bq
 from kernels import mixed_pages as mp
 from kernels import quant
+
+
+def block_page_reads(k: torch.Tensor, v: torch.Tensor, fmt: bq.BlockFormat
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What one complete block ``[bs, Hkv, D]`` demoted to ``fmt`` reads as: K and V
+    rotated by the Hadamard matrix, quantized by ``kernels.block_quant``, dequantized and
+    rotated back (float32)."""
+    h = quant.hadamard(k.shape[-1])
+    kq = bq.quantize_keys(k.float()[None] @ h, fmt)
+    vq = bq.quantize_values(v.float()[None] @ h, fmt)
+    return (bq.dequantize_keys(*kq, fmt)[0] @ h.T, bq.dequantize_values(*vq, fmt)[0] @ h.T)
 
 
 @dataclass
@@ -42,8 +54,8 @@ def filled_arena(formats_of_pages: list[str], dtype: torch.dtype, block_size: in
     shape = (n, block_size, num_kv_heads, head_dim)
     kx = (torch.randn(shape, generator=gen) * 2).to(dtype)
     vx = torch.randn(shape, generator=gen).to(dtype)
-    k, ks = layout.allocate(num_frames, "cpu")
-    v, vs = layout.allocate(num_frames, "cpu")
+    k, ks = layout.allocate(num_frames, "cpu", "k")
+    v, vs = layout.allocate(num_frames, "cpu", "v")
     layout.views(k)["full"][:n] = kx
     layout.views(v)["full"][:n] = vx
     codes = [layout.code(i, 0, "full") for i in range(n)]
@@ -64,9 +76,9 @@ def filled_arena(formats_of_pages: list[str], dtype: torch.dtype, block_size: in
         codes[i] = layout.code(f, used[f], fmt)
         dst.append(codes[i])
         used[f] += 1
-    for arena, scales in ((k, ks), (v, vs)):
+    for kind, arena, scales in (("k", k, ks), ("v", v, vs)):
         mp.demote(layout, arena, scales, torch.tensor(src, dtype=torch.int64),
-                  torch.tensor(dst, dtype=torch.int64))
+                  torch.tensor(dst, dtype=torch.int64), kind)
     # Scrub the source frames: a demoted page must be read from its new place only.
     for i, fmt in enumerate(formats_of_pages):
         if fmt != "full":
@@ -74,7 +86,9 @@ def filled_arena(formats_of_pages: list[str], dtype: torch.dtype, block_size: in
             v[i].fill_(0x7F)
     k_want, v_want = kx.float().clone(), vx.float().clone()
     for i, fmt in enumerate(formats_of_pages):
-        if fmt != "full":
+        if fmt in bq.FORMATS:
+            k_want[i], v_want[i] = block_page_reads(kx[i], vx[i], bq.FORMATS[fmt])
+        elif fmt != "full":
             for want, x in ((k_want, kx), (v_want, vx)):
                 c, s = quant.quantize(x[i].float(), fmt)
                 want[i] = quant.dequantize(c, s, fmt)

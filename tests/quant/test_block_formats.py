@@ -32,15 +32,18 @@ def _fp16_up(x: np.float32) -> np.float16:
     return np.float16(np.clip(np.float32(x * _UP), np.float32(2.0 ** -14), np.float32(65504)))
 
 
-def _ref_family(groups: list[np.ndarray], bits: int
+def _ref_family(groups: list[np.ndarray], bits: int, pair_bits: int = 8
                 ) -> tuple[list[list[int]], list[list[int]], list[float]]:
     """One (block, head)'s groups -> (codes per group, (c, z) per group, [smax, zstep]),
-    scalar numpy float32 arithmetic as documented in kernels.block_quant."""
+    scalar numpy float32 arithmetic as documented in kernels.block_quant (pair codes of
+    ``pair_bits``: 8 -> 2^(-c/16), zero (z - 128); 6 -> 2^(-c/8), zero (z - 32))."""
     levels = np.float32((1 << bits) - 1)
-    table = bq.scale_table().numpy()
+    steps, zmax = {8: (16, 127), 6: (8, 31)}[pair_bits]
+    table = bq.scale_table(pair_bits).numpy()  # the factors both sides read
+    np.testing.assert_allclose(table, np.exp2(-np.arange(1 << pair_bits) / steps), rtol=1e-6)
     lo = [np.float32(g.min()) for g in groups]
     hi = [np.float32(g.max()) for g in groups]
-    zstep = _fp16_up(np.float32(max(abs(v) for v in lo) / np.float32(127)))
+    zstep = _fp16_up(np.float32(max(abs(v) for v in lo) / np.float32(zmax)))
     zs = np.float32(zstep)
     z = [int(np.floor(v / zs)) for v in lo]
     z = [k - 1 if np.float32(k) * zs > v else k for k, v in zip(z, lo, strict=True)]
@@ -48,13 +51,25 @@ def _ref_family(groups: list[np.ndarray], bits: int
     need = [np.float32(np.float32(h - o) / levels) for h, o in zip(hi, zero, strict=True)]
     smax = _fp16_up(max(need))
     sm = np.float32(smax)
-    c = [max(i for i in range(256) if np.float32(table[i] * sm) >= n) for n in need]
+    c = [max(i for i in range(1 << pair_bits) if np.float32(table[i] * sm) >= n) for n in need]
     codes = []
     for g, ci, o in zip(groups, c, zero, strict=True):
         scale = np.float32(table[ci] * sm)
         codes.append([int(np.clip(np.floor(np.float32(np.float32(np.float32(v) - o) / scale) +
                                            np.float32(0.5)), 0, levels)) for v in g])
-    return codes, [[ci, k + 128] for ci, k in zip(c, z, strict=True)], [float(smax), float(zstep)]
+    off = 1 << (pair_bits - 1)
+    return codes, [[ci, k + off] for ci, k in zip(c, z, strict=True)], [float(smax), float(zstep)]
+
+
+def _ref_pack_pairs6(pairs: list[list[int]]) -> list[list[int]]:
+    """(c, z) per channel, 6-bit codes -> 3 bytes per two channels, little-endian bits
+    c0 | z0 << 6 | c1 << 12 | z1 << 18."""
+    out = []
+    for j in range(0, len(pairs), 2):
+        (c0, z0), (c1, z1) = pairs[j], pairs[j + 1]
+        v = c0 | z0 << 6 | c1 << 12 | z1 << 18
+        out.append([v & 255, (v >> 8) & 255, v >> 16])
+    return out
 
 
 def _ref_pack(codes: list[int], bits: int) -> list[int]:
@@ -71,7 +86,10 @@ def test_key_codes_and_scales_match_the_scalar_reference_bit_for_bit(fmt):
     for n in range(2):
         for h in range(HKV):
             if fmt.keys_per_channel:
-                cc, pairs, sup = _ref_family([xn[n, :, h, c] for c in range(D)], fmt.key_bits)
+                cc, pairs, sup = _ref_family([xn[n, :, h, c] for c in range(D)], fmt.key_bits,
+                                             fmt.key_pair_bits)
+                if fmt.key_pair_bits == 6:
+                    pairs = _ref_pack_pairs6(pairs)
                 assert scales[n, h].tolist() == pairs
                 for t in range(BS):
                     row = [cc[c][t] for c in range(D)]
@@ -119,8 +137,10 @@ def test_per_channel_keys_follow_an_outlier_channel_better_than_per_token():
 
 def test_capacities_count_codes_and_amortised_scales():
     # head 64, block 16: 4-bit codes 32 B; per-channel (c, z) bytes over 16 tokens
-    # 64 * 2 / 16 = 8 B a token; per-token pairs 2 B; K and V supers 4 B each per block
-    assert bq.FORMATS["kivi4"].bytes_per_token_head(64, 16) == (32 + 8 + 32 + 2 + 0.5) / 2
+    # 64 * 2 / 16 = 8 B a token (kivi4's 12-bit pairs: 6 B); per-token pairs 2 B; K and V
+    # supers 4 B each per block
+    assert bq.FORMATS["kivi4"].bytes_per_token_head(64, 16) == (32 + 6 + 32 + 2 + 0.5) / 2
+    assert 128 / bq.FORMATS["kivi4"].bytes_per_token_head(64, 16) >= 3.5
     assert bq.FORMATS["k8v4"].bytes_per_token_head(64, 16) == (64 + 2 + 32 + 2 + 0.5) / 2
     assert bq.FORMATS["kivi2"].bytes_per_token_head(64, 16) == (16 + 8 + 16 + 2 + 0.5) / 2
     assert 128 / bq.FORMATS["kivi2"].bytes_per_token_head(64, 16) >= 6
@@ -128,6 +148,8 @@ def test_capacities_count_codes_and_amortised_scales():
         bq.FORMATS["kivi2"].packed_dim(2, 6)
     with pytest.raises(ValueError, match="unknown"):
         bq.block_format("int3")
+    with pytest.raises(ValueError, match="per-channel keys"):
+        bq.BlockFormat("x", 8, 4, keys_per_channel=False, rotate_keys=True, key_pair_bits=6)
 
 
 def _step(slots: list[int], table: list[list[int]], seq_lens: list[int],
