@@ -86,7 +86,7 @@ FORMAT_COLOURS = (
     "#9c755f", "#bab0ac", "#86bcb6", "#d37295", "#fabfd2", "#b6992d", "#499894", "#79706e",
 )
 
-QUANTIZED_FORMATS = ("fp8", "int8", "int4")
+QUANTIZED_FORMATS = S.QUANTIZED_KV_FORMATS
 
 
 def rgba(hex_colour: str, alpha: int = 255) -> tuple[int, int, int, int]:

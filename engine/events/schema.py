@@ -52,6 +52,8 @@ SEQ_STATUSES = ("waiting", "running", "swapped")
 FINISH_REASONS = ("stop", "length", "abort")
 PREEMPT_MODES = ("recompute", "swap")
 KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
+# The formats whose pages hold codes, not the model's dtype (the inspector's quantized hues)
+QUANTIZED_KV_FORMATS = ("fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
 
 # Event kinds. Names are the wire strings (each ``Event`` subclass below is tagged with one).
 TIER_INIT = "tier_init"

@@ -133,3 +133,11 @@ def test_age_mode_frames_update_incrementally_and_exactly(qtbot):  # noqa: ANN00
         for tier in ("gpu", "cpu"):
             assert np.array_equal(view.cells(tier), mode_codes(st, tier, "age")), (step, tier)
     assert full_draws == []  # every frame was incremental
+
+
+@pytest.mark.parametrize("fmt", S.QUANTIZED_KV_FORMATS)
+def test_every_quantized_format_gets_the_quantized_hues(fmt: str):
+    colours, labels = P.state_colours("gpu", fmt), P.state_labels("gpu", fmt)
+    assert colours[S.BLOCK_USED] == P.QUANT_USED and colours[S.BLOCK_SHARED] == P.QUANT_SHARED
+    assert labels[S.BLOCK_USED] == f"in use ({fmt})"
+    assert P.state_colours("gpu", "auto")[S.BLOCK_USED] == P.USED
