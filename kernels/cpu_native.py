@@ -109,7 +109,7 @@ def paged_decode_kernel() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [p, i64, i, p, p, i, p, p, i64, i64, p, p, i64, p, i, i, i, i, i,
-                   ctypes.c_float, p, i, i]
+                   ctypes.c_float, i64, p, i, i]
     return lib
 
 
@@ -124,9 +124,13 @@ def supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                  new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32,
+                 window: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [S, Hq, D] (float32 or bfloat16, read in place when
     each row's heads are contiguous) -> [S, Hq, D] in ``out_dtype`` (float32 or bfloat16).
+
+    ``window``: a sliding window of W >= 1 keys: each query attends only its sequence's last
+    W keys, and only the pages from the one holding the first of them are read.
 
     ``new_kv`` = (k, v, slots): each sequence's new key and value rows [S, Hkv, D] in the
     page dtype (heads contiguous; rows may be strided, as views into the fused qkv) and
@@ -138,6 +142,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     < num_blocks * block_size): the kernel trusts them. Caches as ``supports`` requires."""
     lib = paged_decode_kernel()
     assert lib is not None and block_tables.dtype == seq_lens.dtype == torch.int64
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     if q.dtype not in PAGE_DTYPES or not rows_of_contiguous_heads(q):
         q = q.to(torch.float32).contiguous()
     num_seqs, num_q_heads, head_dim = q.shape
@@ -156,7 +162,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), k_ptr, v_ptr, k_stride,
         v_stride, slots_ptr, block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), num_seqs, num_q_heads, k_cache.shape[2], head_dim,
-        k_cache.shape[1], scale, out.data_ptr(), int(out_dtype == torch.bfloat16),
+        k_cache.shape[1], scale, window or 0, out.data_ptr(), int(out_dtype == torch.bfloat16),
         torch.get_num_threads())
     if rc != 0:
         raise MemoryError("native CPU decode kernel could not allocate its scratch buffers")
