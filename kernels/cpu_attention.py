@@ -32,9 +32,10 @@ A rejected step raises ValueError before layer 0 writes anything.
 Sliding-window layers (``forward(..., window=W)``): decodes take the native decode kernel
 with the window (it reads only the pages from the one holding the window's first key: at
 most W / block_size + 1 of them, whatever the sequence's length), fused with the K/V write
-as above; on the torch path a decode gathers those same pages only, with masks that also
-hide keys before the window (built once per step and window). Prefills of a windowed layer
-take the torch path with window masks (the native prefill kernel takes no window).
+as above; prefills take the native prefill kernel with the window where it serves the
+pages (it skips the key blocks wholly before a query tile's window). On the torch path a
+decode gathers only the window's pages, with masks that also hide keys before the window
+(built once per step and window), and a prefill uses window masks.
 """
 
 from __future__ import annotations
@@ -276,16 +277,16 @@ class StepPlan:
     def _attend(self, q: torch.Tensor, kv: reference._Pages, scale: float,
                 given: tuple[torch.Tensor, torch.Tensor] | None,
                 window: int | None = None) -> torch.Tensor:
-        """``window``: a sliding-window layer's W. Its decodes take the native kernel with
-        the window where the pages allow (else the torch path with the window's pages and
-        masks); its prefills take the torch path with window masks."""
+        """``window``: a sliding-window layer's W. Its decodes and prefills take the native
+        kernels with the window where the pages allow (else the torch path with the
+        window's pages and masks)."""
         head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
         out = None
         # prefills the native kernel reads in place write q's dtype straight into out
         if self.native_prefill is None:
             self.native_prefill = bool(self.prefills) and kv.k_scale is None and \
                 cpu_native.supports_prefill(q, kv.k_cache, kv.v_cache)
-        native_prefill = self.native_prefill and window is None
+        native_prefill = self.native_prefill
         if not self.decode_only:
             out = torch.empty(q.shape, dtype=q.dtype if native_prefill else COMPUTE_DTYPE,
                               device=q.device)
@@ -324,7 +325,7 @@ class StepPlan:
                 out.index_copy_(0, rows, o.to(out.dtype))
         if native_prefill:
             cpu_native.paged_prefill(q, kv.k_cache, kv.v_cache, self.native_prefill_tables,
-                                     self.native_prefill_spans, scale, out)
+                                     self.native_prefill_spans, scale, out, window=window)
             return out  # already q's dtype
         for i, p in enumerate(self.prefills):
             visible = p.visible if window is None else self._window_prefill(window)[i]
