@@ -6,7 +6,9 @@ tokens each, float32 pages of 16 tokens, through the engine's CPU step plan
 attention, windowed through the native decode kernel, windowed through the torch path with
 window masks: the native kernel declined for that pass), and a decode step's attention
 total for the hybrid model vs the same model with every layer global. Only attention
-differs between the two: the matmuls are the same.
+differs between the two: the matmuls are the same. Then one prefill chunk of CHUNK tokens
+ending at CONTEXT (the rest cached), one windowed layer: the native prefill kernel with the
+window vs the torch path (SDPA over the gathered keys with a window mask), alternating.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_window_attention.py [--context 8192]
 """
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunk", type=int, default=512)
     args = ap.parse_args()
     torch.manual_seed(0)
     pages_per_seq = -(-args.context // BS)
@@ -80,6 +83,39 @@ def main() -> None:
     print(f"windowed layer: native kernel {m / w:.2f}x faster than the torch path")
     print(f"decode step attention, {LAYERS} layers: hybrid {hybrid:.1f} ms vs all global "
           f"{LAYERS * f:.1f} ms ({LAYERS * f / hybrid:.2f}x)")
+    prefill(args, k_cache, v_cache, tables[:1], nb)
+
+
+def prefill(args: argparse.Namespace, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            tables: torch.Tensor, nb: int) -> None:
+    """One windowed layer attending a prefill chunk after cached context: native vs torch."""
+    chunk = args.chunk
+    lens = torch.tensor([args.context], dtype=torch.int32)
+    cu = torch.tensor([0, chunk], dtype=torch.int32)
+    pos = torch.arange(args.context - chunk, args.context)
+    slots = tables[0, pos // BS].long() * BS + pos % BS
+    q = torch.randn(chunk, HQ, D)
+    k = torch.randn(chunk, HKV, D)
+    v = torch.randn(chunk, HKV, D)
+
+    def layer_ms() -> float:
+        plan = StepPlan(slots, tables, lens, cu, BS, nb)
+        plan.forward(q, k, v, k_cache, v_cache, D ** -0.5, window=WINDOW)  # masks built
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            plan.forward(q, k, v, k_cache, v_cache, D ** -0.5, window=WINDOW)
+        return (time.perf_counter() - t0) / args.reps * 1e3
+
+    native, masked = [], []
+    for _ in range(args.passes):
+        native.append(layer_ms())
+        with mock.patch.object(cpu_native, "supports_prefill", lambda q, kc, vc: False):
+            masked.append(layer_ms())
+    n, m = statistics.median(native), statistics.median(masked)
+    print(f"prefill chunk of {chunk} tokens ending at {args.context}, window {WINDOW}, one "
+          f"layer (load {os.getloadavg()[0]:.2f}): native kernel {n:.2f} ms "
+          f"(passes {', '.join(f'{x:.2f}' for x in native)}), torch path {m:.2f} ms "
+          f"(passes {', '.join(f'{x:.2f}' for x in masked)}): {m / n:.2f}x")
 
 if __name__ == "__main__":
     main()
