@@ -114,9 +114,9 @@ def _windowed_reference(b: PagedBatch, window: int) -> torch.Tensor:
                                      b.q.shape[2] ** -0.5, window=window)
 
 
-@pytest.mark.parametrize("shape", SHAPES[:4])
+@pytest.mark.parametrize("shape", SHAPES[:3])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("window", [1, 20, 32, 33, 100])
+@pytest.mark.parametrize("window", [1, 33, 100])
 def test_float32_prefill_with_a_window_equals_the_reference(shape, threads, window):
     """Sliding windows inside one key block, on a block edge and across blocks; fresh
     prompts and chunks after cached context longer and shorter than the window. Every page

@@ -128,8 +128,8 @@ def test_triton_prefill_window_matches_the_reference(window, device):
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,hkv,group", [(16, 2, 3), (64, 2, 4), (128, 1, 3)])
-@pytest.mark.parametrize("bs", [1, 6, 16])
-@pytest.mark.parametrize("window", [1, 7, 64, 300])
+@pytest.mark.parametrize("bs", [6, 16])
+@pytest.mark.parametrize("window", [1, 7, 300])
 def test_native_decode_window_reads_only_the_window_pages(dtype, d, hkv, group, bs, window):
     """The native decode kernel with a window equals the reference with it: sequences
     shorter and longer than W, GQA, head sizes of the portable and the AVX-512 loops, and
