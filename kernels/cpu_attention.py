@@ -29,11 +29,13 @@ Differences, all for speed on CPU:
 
 A rejected step raises ValueError before layer 0 writes anything.
 
-Sliding-window layers (``forward(..., window=W)``) take the torch path with masks that also
-hide keys before the window (built once per step and window); a decode gathers only the
-pages from the one holding its window's first key (at most W / block_size + 1 of them,
-whatever the sequence's length). The native kernels read every key of a sequence, so they
-serve only full-attention layers.
+Sliding-window layers (``forward(..., window=W)``): decodes take the native decode kernel
+with the window (it reads only the pages from the one holding the window's first key: at
+most W / block_size + 1 of them, whatever the sequence's length), fused with the K/V write
+as above; prefills take the native prefill kernel with the window where it serves the
+pages (it skips the key blocks wholly before a query tile's window). On the torch path a
+decode gathers only the window's pages, with masks that also hide keys before the window
+(built once per step and window), and a prefill uses window masks.
 """
 
 from __future__ import annotations
@@ -162,12 +164,11 @@ class StepPlan:
         # every group's pages, concatenated (clamped: the masks hide extras)
         return groups, torch.cat(group_pages), rows, unsort
 
-    def _window_masks(self, window: int
-                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-        """For a ``window``-token sliding window: each decode group's (pages, mask), the
-        pages from the first one holding a visible key, and each prefill's mask; built on
-        first use and kept for the step (every windowed layer shares them)."""
-        cache = self.__dict__.setdefault("_windows", {})
+    def _window_decode(self, window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For a ``window``-token sliding window on the torch path: each decode group's
+        (pages, mask), the pages from the first one holding a visible key; built on first
+        use and kept for the step (every windowed layer shares them)."""
+        cache = self.__dict__.setdefault("_window_decodes", {})
         if window not in cache:
             groups = self._torch_decode[0] if self.native_rows.numel() else []
             order = torch.argsort(self.native_lens, stable=True)  # as _torch_decode's
@@ -185,10 +186,17 @@ class StepPlan:
                 last = (lens - 1)[:, None]
                 mask = (keys <= last) & (keys > last - window)
                 decode.append((pages, mask[:, None, None, :]))
-            prefill = [reference.window_mask(torch.arange(p.end - p.start) + p.seq_len
-                                             - (p.end - p.start), p.seq_len, window)
-                       for p in self.prefills]
-            cache[window] = (decode, prefill)
+            cache[window] = decode
+        return cache[window]
+
+    def _window_prefill(self, window: int) -> list[torch.Tensor]:
+        """Each prefill's [q_len, seq_len] mask for a ``window``-token sliding window; built
+        on first use and kept for the step."""
+        cache = self.__dict__.setdefault("_window_prefills", {})
+        if window not in cache:
+            cache[window] = [reference.window_mask(torch.arange(p.end - p.start) + p.seq_len
+                                                   - (p.end - p.start), p.seq_len, window)
+                             for p in self.prefills]
         return cache[window]
 
     def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -212,22 +220,21 @@ class StepPlan:
         (``window``: a sliding-window layer's W); returns [T, Hq, D] in q's dtype."""
         if not self.shapes_checked:
             self._check_shapes(q, k, v, k_cache, v_cache, k_scale, v_scale)
-        if window is not None:
-            self._write(k, v, k_cache, v_cache, k_scale, v_scale)
-            return self._attend(q, reference._Pages(k_cache, v_cache, k_scale, v_scale), scale,
-                                None, self._window_masks(window))
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         if self._fused_decode(q, k, v, k_cache, v_cache, k_scale):
             # one native call writes the step's K/V rows and attends, reading q, k and v
             # where they lie (views into the fused qkv) and returning q's dtype
             return cpu_native.paged_decode(q, k_cache, v_cache, self.native_tables,
                                            self.native_lens, scale,
-                                           new_kv=(k, v, self.write_slots), out_dtype=q.dtype)
+                                           new_kv=(k, v, self.write_slots), out_dtype=q.dtype,
+                                           window=window)
         self._write(k, v, k_cache, v_cache, k_scale, v_scale)
         # fresh prefills may use k/v as given when the pages hold exactly these values
-        given = (k, v) if self.keep is None and k_cache.dtype == k.dtype and \
-            v_cache.dtype == v.dtype else None
+        given = (k, v) if window is None and self.keep is None and \
+            k_cache.dtype == k.dtype and v_cache.dtype == v.dtype else None
         return self._attend(q, reference._Pages(k_cache, v_cache, k_scale, v_scale), scale,
-                            given)
+                            given, window)
 
     def _fused_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -269,28 +276,27 @@ class StepPlan:
 
     def _attend(self, q: torch.Tensor, kv: reference._Pages, scale: float,
                 given: tuple[torch.Tensor, torch.Tensor] | None,
-                windowed: tuple[list[tuple[torch.Tensor, torch.Tensor]],
-                                list[torch.Tensor]] | None = None) -> torch.Tensor:
-        """``windowed``: a sliding-window layer's (decode groups' (pages, mask), prefill
-        masks), which replace the plain causal ones; such a layer never takes the native
-        kernels."""
+                window: int | None = None) -> torch.Tensor:
+        """``window``: a sliding-window layer's W. Its decodes and prefills take the native
+        kernels with the window where the pages allow (else the torch path with the
+        window's pages and masks)."""
         head_dim, num_kv_heads = q.shape[2], kv.num_kv_heads
         out = None
         # prefills the native kernel reads in place write q's dtype straight into out
         if self.native_prefill is None:
             self.native_prefill = bool(self.prefills) and kv.k_scale is None and \
                 cpu_native.supports_prefill(q, kv.k_cache, kv.v_cache)
-        native_prefill = self.native_prefill and windowed is None
+        native_prefill = self.native_prefill
         if not self.decode_only:
             out = torch.empty(q.shape, dtype=q.dtype if native_prefill else COMPUTE_DTYPE,
                               device=q.device)
         has_decodes = self.native_rows.numel() > 0
-        if has_decodes and windowed is None and kv.k_scale is None and \
-                cpu_native.supports(kv.k_cache, kv.v_cache):
+        if has_decodes and kv.k_scale is None and cpu_native.supports(kv.k_cache, kv.v_cache):
             o = cpu_native.paged_decode(q if self.decode_only else
                                         q.index_select(0, self.native_rows), kv.k_cache,
                                         kv.v_cache, self.native_tables, self.native_lens, scale,
-                                        out_dtype=COMPUTE_DTYPE if out is None else out.dtype)
+                                        out_dtype=COMPUTE_DTYPE if out is None else out.dtype,
+                                        window=window)
             if out is None:
                 out = o
             else:
@@ -305,7 +311,7 @@ class StepPlan:
                 # is still in cache when SDPA reads it; one gather for all groups measured
                 # slower (kernels docs, docs/BENCHMARKS.md)
                 group_pages, mask = (pages[g.page_lo:g.page_hi], g.visible) \
-                    if windowed is None else windowed[0][i]
+                    if window is None else self._window_decode(window)[i]
                 k, v = kv.gather(group_pages, COMPUTE_DTYPE)
                 k = k.view(shape).transpose(1, 2)  # [m, Hkv, L, D]
                 v = v.view(shape).transpose(1, 2)
@@ -319,10 +325,10 @@ class StepPlan:
                 out.index_copy_(0, rows, o.to(out.dtype))
         if native_prefill:
             cpu_native.paged_prefill(q, kv.k_cache, kv.v_cache, self.native_prefill_tables,
-                                     self.native_prefill_spans, scale, out)
+                                     self.native_prefill_spans, scale, out, window=window)
             return out  # already q's dtype
         for i, p in enumerate(self.prefills):
-            visible = p.visible if windowed is None else windowed[1][i]
+            visible = p.visible if window is None else self._window_prefill(window)[i]
             if given is not None and visible is None:  # fresh: its keys are its own rows
                 k = given[0][p.start:p.end].to(COMPUTE_DTYPE)
                 v = given[1][p.start:p.end].to(COMPUTE_DTYPE)

@@ -109,7 +109,7 @@ def paged_decode_kernel() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [p, i64, i, p, p, i, p, p, i64, i64, p, p, i64, p, i, i, i, i, i,
-                   ctypes.c_float, p, i, i]
+                   ctypes.c_float, i64, p, i, i]
     return lib
 
 
@@ -124,9 +124,13 @@ def supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                  new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32,
+                 window: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [S, Hq, D] (float32 or bfloat16, read in place when
     each row's heads are contiguous) -> [S, Hq, D] in ``out_dtype`` (float32 or bfloat16).
+
+    ``window``: a sliding window of W >= 1 keys: each query attends only its sequence's last
+    W keys, and only the pages from the one holding the first of them are read.
 
     ``new_kv`` = (k, v, slots): each sequence's new key and value rows [S, Hkv, D] in the
     page dtype (heads contiguous; rows may be strided, as views into the fused qkv) and
@@ -138,6 +142,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     < num_blocks * block_size): the kernel trusts them. Caches as ``supports`` requires."""
     lib = paged_decode_kernel()
     assert lib is not None and block_tables.dtype == seq_lens.dtype == torch.int64
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     if q.dtype not in PAGE_DTYPES or not rows_of_contiguous_heads(q):
         q = q.to(torch.float32).contiguous()
     num_seqs, num_q_heads, head_dim = q.shape
@@ -156,7 +162,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), k_ptr, v_ptr, k_stride,
         v_stride, slots_ptr, block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), num_seqs, num_q_heads, k_cache.shape[2], head_dim,
-        k_cache.shape[1], scale, out.data_ptr(), int(out_dtype == torch.bfloat16),
+        k_cache.shape[1], scale, window or 0, out.data_ptr(), int(out_dtype == torch.bfloat16),
         torch.get_num_threads())
     if rc != 0:
         raise MemoryError("native CPU decode kernel could not allocate its scratch buffers")
@@ -177,7 +183,8 @@ def paged_prefill_kernel() -> ctypes.CDLL | None:
     lib.kvscope_paged_prefill_supported.argtypes = [i, i]
     fn = lib.kvscope_paged_prefill
     fn.restype = i
-    fn.argtypes = [p, i64, p, p, i, p, i64, p, p, p, i, i, i, i, i, ctypes.c_float, p, i, i]
+    fn.argtypes = [p, i64, p, p, i, p, i64, p, p, p, i, i, i, i, i, ctypes.c_float, i64, p, i,
+                   i]
     return lib
 
 
@@ -199,9 +206,11 @@ def _prefill_builds_for(is_bf16: bool, head_dim: int) -> bool:
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, spans: torch.Tensor, scale: float,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, window: int | None = None) -> None:
     """Causal attention of each prefill's query rows over its keys in the pages, written
-    into those rows of ``out`` [T, Hq, D] (contiguous, float32 or bfloat16).
+    into those rows of ``out`` [T, Hq, D] (contiguous, float32 or bfloat16); ``window``: a
+    sliding window of W >= 1 keys (each query sees only the last W of its keys; key blocks
+    wholly before a sequence's first window are not read).
 
     ``spans`` [3, S] int64 contiguous: the prefills' first query rows, query row counts and
     key counts; prefill s's query i sees keys < keys - query rows + i + 1 (cached context,
@@ -213,13 +222,16 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert lib is not None and block_tables.dtype == spans.dtype == torch.int64
     assert spans.is_contiguous() and block_tables.is_contiguous()
     assert out.is_contiguous() and out.shape == q.shape and out.dtype in PAGE_DTYPES
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     starts, q_lens, seq_lens = spans
     rc = lib.kvscope_paged_prefill(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.stride(0),
         starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), spans.shape[1],
-        num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, out.data_ptr(),
+        num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, window or 0,
+        out.data_ptr(),
         int(out.dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("native CPU prefill kernel could not allocate its buffers" if rc == -1

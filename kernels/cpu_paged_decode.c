@@ -6,7 +6,8 @@
  * head_dim], contiguous; q [num_seqs, num_q_heads, head_dim] float32 or bfloat16, read in
  * place; block_tables [num_seqs, table_stride] int64; seq_lens [num_seqs] int64; out like q,
  * contiguous, float32 or bfloat16 (kvscope_paged_decode says more). Query head h reads
- * kv head h / (num_q_heads / num_kv_heads) (GQA). The caller validated every length and
+ * kv head h / (num_q_heads / num_kv_heads) (GQA). A sliding window (window > 0) starts each
+ * sequence's keys at len - window: the pages before the one holding that key are not read. The caller validated every length and
  * block id (kernels.cpu_attention.StepPlan does, once per step): this file trusts them.
  *
  * One task per sequence, split over OpenMP threads: a token's row (all kv heads) is read
@@ -182,6 +183,13 @@ static void store_output(const float *acc, const float *l, void *out, int out_is
     }
 }
 
+/* The first key a sequence of len keys attends: len - window with a sliding window of
+ * window keys (window > 0), else 0. Keys before it are never read, nor are the pages that
+ * hold only such keys (the tasks start at it, and a task reads the pages of its keys). */
+static inline int64_t first_key(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* A chunk of one sequence: keys [t0, t1); part indexes its partial results (-1: the
  * sequence is one chunk, normalized straight into out). */
 typedef struct {
@@ -191,7 +199,8 @@ typedef struct {
 
 /* q [num_seqs, num_q_heads, head_dim] float32 or bfloat16 (q_is_bf16), heads contiguous, rows
  * q_row_stride elements apart; out [num_seqs, num_q_heads, head_dim] contiguous, float32 or
- * bfloat16 (out_is_bf16). When k_new is not NULL, each sequence's new key and value rows
+ * bfloat16 (out_is_bf16). window > 0: a sliding window, each query attends only its
+ * sequence's last window keys; 0: every key. When k_new is not NULL, each sequence's new key and value rows
  * (num_kv_heads * head_dim contiguous elements of the page dtype, rows new_row_stride_k /
  * new_row_stride_v elements apart) are first written to its slot (slots[s], a flat
  * block * block_size + offset index), so the attention sees them. Returns 0, or -1 when a
@@ -202,7 +211,8 @@ int kvscope_paged_decode(const void *q, int64_t q_row_stride, int q_is_bf16, voi
                          const int64_t *slots, const int64_t *block_tables,
                          int64_t table_stride, const int64_t *seq_lens, int num_seqs,
                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                         float scale, void *out, int out_is_bf16, int num_threads) {
+                         float scale, int64_t window, void *out, int out_is_bf16,
+                         int num_threads) {
     const int64_t hd = (int64_t)num_q_heads * head_dim;
     const int64_t width = (int64_t)num_kv_heads * head_dim;
     const size_t elem = is_bf16 ? 2 : 4;
@@ -224,7 +234,7 @@ int kvscope_paged_decode(const void *q, int64_t q_row_stride, int q_is_bf16, voi
     const int want = num_seqs < num_threads ? (num_threads + num_seqs - 1) / num_seqs : 1;
     int64_t num_tasks = 0, num_parts = 0, max_len = 1;
     for (int s = 0; s < num_seqs; s++) {
-        int64_t c = seq_lens[s] / MIN_CHUNK;
+        int64_t c = (seq_lens[s] - first_key(seq_lens[s], window)) / MIN_CHUNK;
         c = c < want ? c : want;
         num_tasks += c > 1 ? c : 1;
         num_parts += c > 1 ? c : 0;
@@ -238,16 +248,16 @@ int kvscope_paged_decode(const void *q, int64_t q_row_stride, int q_is_bf16, voi
     }
     int64_t i = 0, part = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int64_t len = seq_lens[s];
+        const int64_t lo = first_key(seq_lens[s], window), len = seq_lens[s] - lo;
         int64_t c = len / MIN_CHUNK;
         c = c < want ? c : want;
         if (c <= 1) {
-            tasks[i++] = (Task){s, -1, 0, len};
+            tasks[i++] = (Task){s, -1, lo, lo + len};
             max_len = len > max_len ? len : max_len;
             continue;
         }
         for (int64_t j = 0; j < c; j++) {
-            tasks[i++] = (Task){s, (int)part++, len * j / c, len * (j + 1) / c};
+            tasks[i++] = (Task){s, (int)part++, lo + len * j / c, lo + len * (j + 1) / c};
             const int64_t n = len * (j + 1) / c - len * j / c;
             max_len = n > max_len ? n : max_len;
         }

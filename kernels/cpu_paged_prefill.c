@@ -7,7 +7,10 @@
  * heads contiguous, rows q_row_stride elements apart (views into the fused qkv are read in
  * place); out [T, num_q_heads, head_dim] contiguous, float32 or bfloat16. Prefill s owns
  * query rows q_starts[s] .. q_starts[s] + q_lens[s]; its query i (0-based in the chunk) sees
- * keys < seq_lens[s] - q_lens[s] + i + 1 (the context, then causal). Query head h reads kv
+ * keys < seq_lens[s] - q_lens[s] + i + 1 (the context, then causal); with a sliding window
+ * of window > 0 keys, only the last window of those (keys >= that bound - window): no key
+ * before a sequence's first query's window is read (nor packed), and a tile skips the key
+ * blocks wholly before its first query's window. Query head h reads kv
  * head h / (num_q_heads / num_kv_heads) (GQA). The caller validated every length and block
  * id (kernels.cpu_attention.StepPlan does, once per step): this file trusts them.
  *
@@ -200,34 +203,31 @@ static inline void pv_bf16(const uint32_t pw[RB][BK / 2], const uint32_t *vp,
 #endif /* HAVE_DP_BF16 */
 
 /* The online softmax of RB rows over one key block: s holds the raw scores, row r sees
- * the block's first n[r] keys. Updates each row's running max m and sum l, and writes corr
+ * the block's keys whose bits are set in vis[r] (a run of consecutive keys). Updates each row's running max m and sum l, and writes corr
  * (the factor for the row's output so far: exp(old max - new max); 1 for a row that sees no
  * key here, which keeps its state) and the weights exp(score - max): float32 in p, or
  * rounded to bfloat16 as pairs of consecutive keys in pw (as pv_bf16 reads them; the row
  * sum is then taken over the rounded weights). */
-static inline void softmax_rows(const float s[RB][BK], const int n[RB], float scale,
+static inline void softmax_rows(const float s[RB][BK], const uint32_t vis[RB], float scale,
                                 int is_bf16, float *m, float *l, float corr[RB],
                                 float p[RB][BK], uint32_t pw[RB][BK / 2]) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY), sc_v = _mm512_set1_ps(scale);
     __m512 x[RB][2];
     float mx[RB], diff[16] = {0};
     for (int r = 0; r < RB; r++) {
-        /* scaled scores, -inf past the row's last visible key (exp gives 0 there) */
-        const __mmask16 lo = n[r] >= 16 ? 0xFFFF : (__mmask16)((1u << n[r]) - 1);
-        const __mmask16 hi = n[r] >= 32   ? 0xFFFF
-                             : n[r] > 16 ? (__mmask16)((1u << (n[r] - 16)) - 1)
-                                         : 0;
+        /* scaled scores, -inf on every key the row does not see (exp gives 0 there) */
+        const __mmask16 lo = (__mmask16)(vis[r] & 0xFFFFu), hi = (__mmask16)(vis[r] >> 16);
         x[r][0] = _mm512_mask_mul_ps(ninf, lo, _mm512_loadu_ps(s[r]), sc_v);
         x[r][1] = _mm512_mask_mul_ps(ninf, hi, _mm512_loadu_ps(s[r] + 16), sc_v);
         const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x[r][0], x[r][1]));
-        mx[r] = n[r] == 0 || m[r] > block_max ? m[r] : block_max;
-        diff[r] = n[r] == 0 ? 0.0f : m[r] - mx[r]; /* -inf on a row's first keys: corr 0 */
+        mx[r] = vis[r] == 0 || m[r] > block_max ? m[r] : block_max;
+        diff[r] = vis[r] == 0 ? 0.0f : m[r] - mx[r]; /* -inf on a row's first keys: corr 0 */
     }
     float c[16];
     _mm512_storeu_ps(c, exp16(_mm512_loadu_ps(diff))); /* the RB corrections in one call */
     for (int r = 0; r < RB; r++) {
         corr[r] = c[r];
-        const __m512 mv = _mm512_set1_ps(n[r] == 0 ? 0.0f : mx[r]);
+        const __m512 mv = _mm512_set1_ps(vis[r] == 0 ? 0.0f : mx[r]);
         const __m512 e0 = exp16(_mm512_sub_ps(x[r][0], mv)),
                      e1 = exp16(_mm512_sub_ps(x[r][1], mv));
         float total;
@@ -248,7 +248,7 @@ static inline void softmax_rows(const float s[RB][BK], const int n[RB], float sc
             _mm512_storeu_ps(p[r] + 16, e1);
             total = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
         }
-        if (n[r] > 0) {
+        if (vis[r] != 0) {
             l[r] = l[r] * corr[r] + total;
             m[r] = mx[r];
         }
@@ -260,8 +260,14 @@ static inline void softmax_rows(const float s[RB][BK], const int n[RB], float sc
 typedef struct {
     const int64_t *table;
     int64_t seq_len, q_start, q_len;
-    int64_t packed; /* index of this sequence's first packed block (kv head 0, key block 0) */
-    int64_t key_blocks;
+    int64_t packed;     /* index of this sequence's first packed block (kv head 0, key block
+                           kb0) */
+    int64_t kb0;        /* its first packed key block: the one holding its first query's
+                           window's first key (0 without a window) */
+    int64_t key_blocks; /* packed per kv head: key blocks kb0 .. kb0 + key_blocks */
+    int64_t window;     /* > 0: a sliding window of this many keys; 0: none */
+    int64_t from;       /* its first query's window's first key: no key before it is read
+                           (packed as zeros, never visible) */
 } Seq;
 
 /* Key block kb of (sequence, kv head g) packed into kdst / vdst (layouts in the header). */
@@ -272,7 +278,7 @@ static void pack_block(const Seq *sq, int g, int64_t kb, const void *k_cache,
     const void *krow[BK], *vrow[BK];
     for (int j = 0; j < BK; j++) {
         const int64_t t = kb * BK + j;
-        if (t >= sq->seq_len) {
+        if (t >= sq->seq_len || t < sq->from) {
             krow[j] = vrow[j] = NULL;
             continue;
         }
@@ -319,7 +325,8 @@ typedef struct { /* one thread's scratch */
     void *q;     /* [rows][head_dim] of the page dtype */
     float *o;    /* [rows][head_dim] */
     float *m, *l;
-    int64_t *lim;
+    int64_t *lim; /* row r sees keys [first[r], lim[r]) */
+    int64_t *first;
 } Scratch;
 
 static void run_tile(const Tile *tl, const Seq *sq, const void *q, int64_t q_row_stride,
@@ -337,6 +344,7 @@ static void run_tile(const Tile *tl, const Seq *sq, const void *q, int64_t q_row
         const int rr = r < rows ? r : rows - 1;
         const int64_t i = tl->i0 + rr / group;
         sc->lim[r] = context + i + 1;
+        sc->first[r] = sq->window > 0 && sc->lim[r] > sq->window ? sc->lim[r] - sq->window : 0;
         char *dst = (char *)sc->q + (size_t)r * head_dim * elem;
         if (r < rows) {
             const int h = tl->kv_head * group + r % group;
@@ -352,13 +360,16 @@ static void run_tile(const Tile *tl, const Seq *sq, const void *q, int64_t q_row
     }
     memset(sc->o, 0, sizeof(float) * (size_t)padded * head_dim);
     const int64_t last_key = sc->lim[padded - 1];
-    const int64_t first = sq->packed + (int64_t)tl->kv_head * sq->key_blocks;
-    for (int64_t kb = 0; kb * BK < last_key; kb++) {
+    /* packed block of key block kb: first + kb (the sequence's packing starts at kb0) */
+    const int64_t first = sq->packed + (int64_t)tl->kv_head * sq->key_blocks - sq->kb0;
+    for (int64_t kb = sc->first[0] / BK; kb * BK < last_key; kb++) {
         const int64_t k0 = kb * BK;
         const char *kblock = (const char *)kpack + (first + kb) * block_elems * (int64_t)elem;
         const char *vblock = (const char *)vpack + (first + kb) * block_elems * (int64_t)elem;
         for (int r0 = 0; r0 < padded; r0 += RB) {
-            if (sc->lim[r0 + RB - 1] <= k0) continue; /* the whole group is masked here */
+            /* the whole group is masked here: every row's keys end before the block, or
+             * (windows) start after it; rows' bounds never decrease */
+            if (sc->lim[r0 + RB - 1] <= k0 || sc->first[r0] >= k0 + BK) continue;
             float s[RB][BK], p[RB][BK], corr[RB];
             uint32_t pw[RB][BK / 2];
 #if HAVE_DP_BF16
@@ -369,12 +380,16 @@ static void run_tile(const Tile *tl, const Seq *sq, const void *q, int64_t q_row
 #endif
                 qk_f32((const float *)sc->q + (int64_t)r0 * head_dim, (const float *)kblock,
                        head_dim, s);
-            int n[RB];
+            uint32_t vis[RB];
             for (int r = 0; r < RB; r++) {
-                const int64_t left = sc->lim[r0 + r] - k0;
-                n[r] = left >= BK ? BK : left <= 0 ? 0 : (int)left;
+                const int64_t hi = sc->lim[r0 + r] - k0, lo = sc->first[r0 + r] - k0;
+                const int n = hi >= BK ? BK : hi <= 0 ? 0 : (int)hi;
+                const int a = lo <= 0 ? 0 : lo >= BK ? BK : (int)lo;
+                /* keys [a, n) of the block (BK == 32 bits) */
+                vis[r] = a >= n ? 0u
+                                : (n == 32 ? 0xFFFFFFFFu : (1u << n) - 1u) & ~((1u << a) - 1u);
             }
-            softmax_rows(s, n, scale, is_bf16, sc->m + r0, sc->l + r0, corr, p, pw);
+            softmax_rows(s, vis, scale, is_bf16, sc->m + r0, sc->l + r0, corr, p, pw);
             float *o = sc->o + (int64_t)r0 * head_dim;
 #if HAVE_DP_BF16
             if (is_bf16)
@@ -415,7 +430,7 @@ int kvscope_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cac
                           int64_t table_stride, const int64_t *q_starts, const int64_t *q_lens,
                           const int64_t *seq_lens, int num_seqs, int num_q_heads,
                           int num_kv_heads, int head_dim, int block_size, float scale,
-                          void *out, int out_is_bf16, int num_threads) {
+                          int64_t window, void *out, int out_is_bf16, int num_threads) {
     if (!kvscope_paged_prefill_supported(is_bf16, head_dim)) return -2;
 #if HAVE_AVX512
     if (num_seqs <= 0) return 0;
@@ -429,7 +444,12 @@ int kvscope_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cac
         sq->seq_len = seq_lens[s];
         sq->q_start = q_starts[s];
         sq->q_len = q_lens[s];
-        sq->key_blocks = (sq->seq_len + BK - 1) / BK;
+        sq->window = window > 0 ? window : 0;
+        /* the first query sees keys from context + 1 - window on (a window's first key) */
+        const int64_t from = sq->seq_len - sq->q_len + 1 - sq->window;
+        sq->from = sq->window > 0 && from > 0 ? from : 0;
+        sq->kb0 = sq->from / BK;
+        sq->key_blocks = (sq->seq_len + BK - 1) / BK - sq->kb0;
         sq->packed = blocks;
         blocks += sq->key_blocks * num_kv_heads;
         num_tiles += (sq->q_len + BQ - 1) / BQ * num_kv_heads;
@@ -447,7 +467,10 @@ int kvscope_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cac
         for (int g = 0; g < num_kv_heads; g++)
             for (int64_t i0 = 0; i0 < seqs[s].q_len; i0 += BQ) {
                 const int64_t i1 = i0 + BQ < seqs[s].q_len ? i0 + BQ : seqs[s].q_len;
-                tiles[t++] = (Tile){s, g, i0, i1, seqs[s].seq_len - seqs[s].q_len + i1};
+                const int64_t end = seqs[s].seq_len - seqs[s].q_len + i1, /* keys seen */
+                    start = window > 0 && end - (i1 - i0) + 1 > window
+                                ? end - (i1 - i0) + 1 - window : 0;
+                tiles[t++] = (Tile){s, g, i0, i1, end - start};
             }
     qsort(tiles, (size_t)num_tiles, sizeof(Tile), by_cost_desc);
     const int rows = BQ * (num_q_heads / num_kv_heads) + RB;
@@ -457,8 +480,9 @@ int kvscope_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cac
         Scratch sc = {aligned_alloc(64, ((size_t)rows * head_dim * elem + 63) / 64 * 64),
                       malloc(sizeof(float) * (size_t)rows * head_dim),
                       malloc(sizeof(float) * (size_t)rows), malloc(sizeof(float) * (size_t)rows),
+                      malloc(sizeof(int64_t) * (size_t)rows),
                       malloc(sizeof(int64_t) * (size_t)rows)};
-        if (!sc.q || !sc.o || !sc.m || !sc.l || !sc.lim) {
+        if (!sc.q || !sc.o || !sc.m || !sc.l || !sc.lim || !sc.first) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -468,8 +492,8 @@ int kvscope_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cac
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < sq->key_blocks * num_kv_heads; b++) {
                 const int64_t at = sq->packed + b;
-                pack_block(sq, (int)(b / sq->key_blocks), b % sq->key_blocks, k_cache, v_cache,
-                           is_bf16, num_kv_heads, head_dim, block_size,
+                pack_block(sq, (int)(b / sq->key_blocks), sq->kb0 + b % sq->key_blocks, k_cache,
+                           v_cache, is_bf16, num_kv_heads, head_dim, block_size,
                            (char *)kpack + at * block_bytes, (char *)vpack + at * block_bytes);
             }
         }
@@ -481,14 +505,15 @@ int kvscope_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cac
             run_tile(&tiles[k], &seqs[tiles[k].seq], q, q_row_stride, kpack, vpack, is_bf16,
                      num_q_heads, num_kv_heads, head_dim, scale, out, out_is_bf16, &sc);
         }
-        free(sc.q), free(sc.o), free(sc.m), free(sc.l), free(sc.lim);
+        free(sc.q), free(sc.o), free(sc.m), free(sc.l), free(sc.lim), free(sc.first);
     }
     free(seqs), free(kpack), free(vpack), free(tiles);
     return failed ? -1 : 0;
 #else
     (void)q, (void)q_row_stride, (void)k_cache, (void)v_cache, (void)block_tables;
     (void)table_stride, (void)q_starts, (void)q_lens, (void)seq_lens, (void)num_seqs;
-    (void)num_q_heads, (void)num_kv_heads, (void)block_size, (void)scale, (void)out;
+    (void)num_q_heads, (void)num_kv_heads, (void)block_size, (void)scale, (void)window;
+    (void)out;
     (void)out_is_bf16, (void)num_threads;
     return -2;
 #endif

@@ -36,13 +36,14 @@ def _spans(b: PagedBatch) -> torch.Tensor:
     return torch.stack([cu[:-1], cu[1:] - cu[:-1], b.seq_lens.long()]).contiguous()
 
 
-def _run(b: PagedBatch, out_dtype: torch.dtype, threads: int) -> torch.Tensor:
+def _run(b: PagedBatch, out_dtype: torch.dtype, threads: int,
+         window: int | None = None) -> torch.Tensor:
     out = torch.full(b.q.shape, float("nan"), dtype=out_dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         cpu_native.paged_prefill(b.q, b.k_cache, b.v_cache, b.block_tables.long().contiguous(),
-                                 _spans(b), b.q.shape[2] ** -0.5, out)
+                                 _spans(b), b.q.shape[2] ** -0.5, out, window=window)
     finally:
         torch.set_num_threads(before)
     return out
@@ -107,11 +108,48 @@ def test_declines_what_it_cannot_read():
                                            pages[..., :16].contiguous())
 
 
+def _windowed_reference(b: PagedBatch, window: int) -> torch.Tensor:
+    return reference.paged_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
+                                     b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                                     b.q.shape[2] ** -0.5, window=window)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [1, 33, 100])
+def test_float32_prefill_with_a_window_equals_the_reference(shape, threads, window):
+    """Sliding windows inside one key block, on a block edge and across blocks; fresh
+    prompts and chunks after cached context longer and shorter than the window. Every page
+    wholly before a prefill's first query's window is NaN: one read of it would show."""
+    hq, hkv, d, bs = shape
+    _need(torch.float32, d)
+    b = make_batch([37, 300, 17, 64, 200], [37, 45, 1, 33, 130], hq, hkv, d, bs, seed=window)
+    want = _windowed_reference(b, window)
+    cu = b.cu_seqlens_q.long()
+    for s, n in enumerate(b.seq_lens.tolist()):
+        q_len = int(cu[s + 1] - cu[s])
+        before = max(n - q_len + 1 - window, 0) // bs  # pages wholly before the first window
+        b.k_cache[b.block_tables[s, :before].long()] = float("nan")
+        b.v_cache[b.block_tables[s, :before].long()] = float("nan")
+    got = _run(b, torch.float32, threads, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 40])
+def test_bfloat16_prefill_with_a_window_is_within_its_rounding(window):
+    _need(torch.bfloat16, 64)
+    b = make_batch([37, 300, 64], [37, 45, 33], 9, 3, 64, 16, dtype=torch.bfloat16, seed=2)
+    torch.testing.assert_close(_run(b, torch.float32, 2, window=window),
+                               _windowed_reference(b, window), rtol=0, atol=6e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_plan_takes_the_native_prefill(dtype, monkeypatch):
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_step_plan_takes_the_native_prefill(dtype, window, monkeypatch):
     """A mixed step at the model's head size (decodes, a chunk after cached context, a fresh
     prompt, a padding slot): StepPlan writes the pages and attends through the native prefill
-    kernel; outputs and pages match the reference, and the kernel was called."""
+    kernel, with a sliding-window layer's window too; outputs and pages match the reference,
+    and the kernel was called."""
     _need(dtype, 64)
     hq, hkv, d, bs, nb = 9, 3, 64, 16, 40
     g = torch.Generator().manual_seed(11)
@@ -141,11 +179,11 @@ def test_step_plan_takes_the_native_prefill(dtype, monkeypatch):
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     kc_ref, vc_ref = kc.clone(), vc.clone()
     plan = StepPlan(torch.tensor(slots), tables_t, lens_t, cu, bs, nb)
-    got = plan.forward(q, k, v, kc, vc, d ** -0.5)
+    got = plan.forward(q, k, v, kc, vc, d ** -0.5, window=window)
     assert calls, "the native prefill kernel was not used"
     reference.reshape_and_cache(k, v, kc_ref, vc_ref, torch.tensor(slots))
     want = reference.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), tables_t,
-                                     lens_t, cu, d ** -0.5)
+                                     lens_t, cu, d ** -0.5, window=window)
     assert got.dtype == dtype
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
