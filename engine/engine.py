@@ -40,7 +40,10 @@ from engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)
 
-IDLE_DISK_WAIT_S = 0.001  # an empty step waiting only for disk reads pauses this long
+# An empty step waiting only for disk reads blocks until they are all done, at most this
+# long (then steps, so arrived ones are filled and the prefetch wait bound is checked).
+# It blocks rather than polls: a polling engine thread starves the readers of the GIL.
+IDLE_DISK_WAIT_S = 0.02
 DISK_PERSIST_S = 30.0  # a graceful stop writes cached blocks to the disk tier for this long
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once (rows x vocab fp32)
 
@@ -329,7 +332,7 @@ class LLMEngine:
         if logits is not None:
             self._process(out, logits, touched)
         if out.is_empty and self.disk_io is not None and self.scheduler.waiting_for_disk:
-            time.sleep(IDLE_DISK_WAIT_S)  # nothing to run until reads arrive: no busy loop
+            self.disk_io.wait_reads(IDLE_DISK_WAIT_S)  # nothing to run until reads arrive
         self._close_step(time.perf_counter() - t0, out)
         return [self._output(req) for req in touched.values()
                 if req.finished or req.params.output_kind == RequestOutputKind.CUMULATIVE]

@@ -74,7 +74,10 @@ class AnalysisPanel(QWidget):
         legend = Legend()  # flows onto a second line when narrow, never over the rows
         legend.set_entries([(PHASE_COLOURS[k], "■", k, "") for k in PHASES]
                            + [(P.TEXT, "▲", "preemption", ""),
-                              (P.TEXT_DIM, "▬", "light strip: blocks held", "")])
+                              (P.TEXT_DIM, "▬", "light strip: blocks held", ""),
+                              (P.SERIES["prefetch"], "▬", "disk prefetch", ""),
+                              (P.SERIES["arrived"], "●", "arrived", ""),
+                              (P.SERIES["missed"], "✕", "gave up: recomputed", "")])
         self.phase_legend = legend
         head = QHBoxLayout()
         head.addWidget(self.search, 1)

@@ -7,9 +7,10 @@
    gracefully, a new one starts over its directory) kept (warm) or emptied (cold); absent
    (recomputed, no tiers). Each trial is a fresh engine over one loaded model; the modes
    alternate, ``--repeat`` rounds, best of each.
-2. The disk's own sequential read rate (one file of the 8k prefix's size, page cache
-   dropped, 4 MiB reads) beside the tier's achieved read rate in the disk trial (bytes
-   read / the reader thread's time, and bytes / the prefetch's wall time).
+2. The tier's achieved read rate in the disk trial (bytes read / the wall time reads were
+   in flight, and bytes / the request's TTFT) and, right after it, the disk's own
+   sequential read rate over as many bytes (one file, page cache dropped, 4 MiB reads):
+   side by side, under the same load (the best ratio of the rounds).
 3. A restart: the first ``--restart-requests`` requests of the demo workload's sessions
    (shared system prompts and documents) after an engine that served earlier sessions
    stopped, with its directory kept vs emptied: prefix hit rate and TTFT p50.
@@ -148,23 +149,32 @@ class Bench:
                 if mode != "device":
                     eng.cache.evict_cached()
                 if mode == "disk":
+                    # the whole prefix goes to disk: saves wait for room in the writer's
+                    # queue (as at a graceful stop) instead of being dropped
+                    eng.disk_io.persist_until = time.monotonic() + 600
                     eng.cache.pools["cpu"].evict()
                 if mode in ("host", "disk"):
                     eng.step()  # performs the copies, queues the writes
                 if mode == "disk":
                     assert eng.disk_io.drain(time.monotonic() + 600) == 0
+                    eng.disk_io.persist_until = None
+                    assert eng.disk_io.stats.dropped == 0, "the prefix did not all reach disk"
                     drop_page_cache(Path(eng.config.disk_cache_dir))
                     st = eng.disk_io.stats
-                    r0, s0 = st.bytes_read, st.read_s
+                    r0, s0 = st.bytes_read, st.read_busy_s
                 dt = self.finish(eng, "second", second)
                 m = eng.cache.metrics()
                 if mode == "disk":
                     st = eng.disk_io.stats
                     got = st.bytes_read - r0
                     assert m["host_hit_tokens"] > 0, "the disk trial hit nothing"
-                    rate = {"tier_read_bytes": got,
-                            "tier_reader_rate_mb_s": got / max(st.read_s - s0, 1e-9) / 1e6,
-                            "tier_wall_rate_mb_s": got / dt / 1e6}
+                    tier = got / max(st.read_busy_s - s0, 1e-9) / 1e6
+                    # the disk's own rate right after, over as many bytes (same load)
+                    seq = sequential_read_rate(self.root, got) / 1e6
+                    if tier / seq > rate.get("tier_vs_disk_rate", -1.0):
+                        rate = {"tier_read_bytes": got, "tier_reader_rate_mb_s": tier,
+                                "tier_wall_rate_mb_s": got / dt / 1e6,
+                                "disk_seq_read_mb_s": seq, "tier_vs_disk_rate": tier / seq}
                 best[mode] = min(best.get(mode, float("inf")), dt)
                 eng.close()
         out = {f"ttft_{k}_s": v for k, v in best.items()}
@@ -274,11 +284,9 @@ def run(args: argparse.Namespace) -> int:
                                "load_avg_start": os.getloadavg()[0]}
         for p in args.prefix:
             out[f"prefix_{p}"] = b.ttft(p)
-        biggest = max(args.prefix)
-        nbytes = -(-biggest // args.block_size) * b.per_block
-        out["disk_seq_read_mb_s"] = sequential_read_rate(root, max(nbytes, 64 << 20)) / 1e6
-        got = out[f"prefix_{biggest}"]
-        out["tier_vs_disk_rate"] = got["tier_reader_rate_mb_s"] / out["disk_seq_read_mb_s"]
+        got = out[f"prefix_{max(args.prefix)}"]
+        out["disk_seq_read_mb_s"] = got["disk_seq_read_mb_s"]
+        out["tier_vs_disk_rate"] = got["tier_vs_disk_rate"]
         out.update(b.restart())
         out.update(b.overhead())
         out["load_avg_end"] = os.getloadavg()[0]

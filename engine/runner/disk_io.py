@@ -4,9 +4,18 @@ The engine thread only ever enqueues. ``save`` copies one host block's bytes (ev
 per-block tensor's row, a memcpy) and queues the job (at most ``queue_blocks`` saves
 wait); a writer thread writes the file (engine.runner.disk_store). When the queue is
 full the block is dropped and counted (``dropped``): a slow disk costs cache hits,
-never engine time. ``load`` queues a read; a reader thread reads and verifies the file
-into a staging buffer, and ``install`` copies verified bytes into a host block on the
-engine thread (op FILL).
+never engine time. ``load`` queues a read; one of ``readers`` threads reads and verifies
+the file into a staging buffer, and ``install`` copies verified bytes into a host block on
+the engine thread (op FILL). Reads finish in any order but are handed on in the order
+they were started (an adopted block's parent must become host cache before it).
+
+Why several readers and ``wait_reads``: a read is a few blocking calls (open, read, crc32,
+close), each of which gives up the GIL and must take it back. While the engine thread runs
+Python (an idle step polling for arrivals), each take-back waits for the interpreter's
+switch interval, so one reader next to a busy engine thread got about a tenth of the
+disk's rate. The engine's idle wait therefore blocks in ``wait_reads`` (holding no GIL)
+instead of polling, and several readers keep several files in flight when the engine does
+compute.
 ``perform`` runs one ``DiskBatch`` of the cache manager's ops in order (SAVE, LOAD, FILL,
 DROP; deletes share the writer's queue, so a file is never deleted before an earlier
 write of it). Every job's outcome comes back through ``results``, keyed by the manager's
@@ -27,6 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +67,8 @@ class LoadJob:
     tokens: tuple[int, ...]
     data: memoryview | None = None  # the verified payload, or None: a miss
     seconds: float = 0.0
+    done: bool = False  # set by the reader after ``data``
+    buf: Any = None  # the read buffer ``data`` views (back to the pool once installed)
 
 
 @dataclass
@@ -69,11 +81,13 @@ class DiskIOStats:
     bytes_written: int = 0
     bytes_read: int = 0
     write_s: float = 0.0
-    read_s: float = 0.0
+    read_s: float = 0.0  # summed over reads (several run at once)
+    read_busy_s: float = 0.0  # wall time with at least one read in flight
     extra: dict[str, float] = field(default_factory=dict)
 
 
 _STOP = object()
+MAX_IDLE_BUFFERS = 64  # read buffers kept for reuse (64 x one block's file)
 
 
 def open_disk(directory: str, model: str, fmt_name: str, block_size: int,
@@ -89,7 +103,7 @@ def open_disk(directory: str, model: str, fmt_name: str, block_size: int,
 
 class DiskIO:
     def __init__(self, store: DiskStore, host_tensors: list[torch.Tensor],
-                 queue_blocks: int = 256) -> None:
+                 queue_blocks: int = 256, readers: int = 4) -> None:
         self.store = store
         self.host_tensors = host_tensors
         # bytes views of the host tensors: row y of tensor i is views[i][y]
@@ -105,14 +119,19 @@ class DiskIO:
         self._saves: queue.Queue = queue.Queue()  # saves (bounded by count) and drops
         self._loads: queue.Queue = queue.Queue()
         self._done: deque[tuple[int, int, bool]] = deque()  # (slot, hash, written?)
-        self._loaded: deque[LoadJob] = deque()
+        self._reads: deque[LoadJob] = deque()  # started reads in start order (engine thread)
+        self._read_cv = threading.Condition()  # guards the counters below and ``stats`` reads
+        self._unfinished = 0  # reads started and not done
+        self._reading = 0  # reads in progress right now (busy-time accounting)
+        self._busy_since = 0.0
+        self._buffers: list[Any] = []  # idle read buffers (reused: fresh pages cost zeroing)
         self._staged: dict[int, LoadJob] = {}  # arrived reads by slot, until FILLed
         self._idle = threading.Condition()
         self._pending_saves = 0
         self._threads = [threading.Thread(target=self._writer, name="kv-disk-writer",
-                                          daemon=True),
-                         threading.Thread(target=self._reader, name="kv-disk-reader",
                                           daemon=True)]
+        self._threads += [threading.Thread(target=self._reader, name=f"kv-disk-reader-{i}",
+                                           daemon=True) for i in range(max(1, readers))]
         for t in self._threads:
             t.start()
 
@@ -157,13 +176,25 @@ class DiskIO:
 
     def load(self, slot: int, h: int, parent: int, tokens: tuple[int, ...]) -> None:
         """Queue a read of block ``h``; its outcome comes back from ``take_loaded``."""
-        self._loads.put(LoadJob(slot, h, parent, tokens))
+        job = LoadJob(slot, h, parent, tokens)
+        with self._read_cv:
+            self._unfinished += 1
+        self._reads.append(job)
+        self._loads.put(job)
+
+    def wait_reads(self, timeout_s: float) -> bool:
+        """Block (holding no GIL) until every started read is done or ``timeout_s``
+        passes; True when none is left unfinished."""
+        with self._read_cv:
+            return self._read_cv.wait_for(lambda: self._unfinished == 0, timeout_s)
 
     def results(self) -> tuple[list[tuple[int, int, bool]], list[tuple[int, bool]], bool]:
         """What the cache manager's ``disk_results`` takes: finished saves, arrived reads
         (kept staged for this step's FILL ops; staged reads not filled by the next call
         are let go) and whether the store is disabled."""
         loaded = self.take_loaded()
+        for job in self._staged.values():  # not filled: let go
+            self._release(job)
         self._staged = {j.slot: j for j in loaded if j.data is not None}
         return self.take_done(), [(j.slot, j.data is not None) for j in loaded], \
             self.store.disabled
@@ -177,10 +208,12 @@ class DiskIO:
         return out
 
     def take_loaded(self) -> list[LoadJob]:
-        """Every read finished since the last call (``data`` None: a miss)."""
+        """The reads finished since the last call, in the order they were started (a read
+        done before an earlier one waits for it; ``data`` None: a miss)."""
         out = []
-        while self._loaded:
-            out.append(self._loaded.popleft())
+        reads = self._reads
+        while reads and reads[0].done:
+            out.append(reads.popleft())
         return out
 
     def install(self, job: LoadJob, host_block: int) -> None:
@@ -191,7 +224,15 @@ class DiskIO:
             n = v.shape[1]
             v[host_block].copy_(torch.frombuffer(data[off:off + n], dtype=torch.uint8))
             off += n
+        self._release(job)
 
+    def _release(self, job: LoadJob) -> None:
+        """Give ``job``'s read buffer back to the pool (its ``data`` is gone)."""
+        buf, job.buf, job.data = job.buf, None, None
+        if buf is not None:
+            with self._read_cv:
+                if len(self._buffers) < MAX_IDLE_BUFFERS:
+                    self._buffers.append(buf)
     def read_now(self, h: int, parent: int, tokens: tuple[int, ...],
                  host_block: int) -> bool:
         """Read block ``h`` into ``host_block`` on this thread (tests, benchmarks)."""
@@ -218,7 +259,8 @@ class DiskIO:
         appears only by its final rename)."""
         self._closing = True
         self._saves.put(_STOP)
-        self._loads.put(_STOP)
+        for _ in self._threads[1:]:
+            self._loads.put(_STOP)
         for t in self._threads:
             t.join(timeout=30)
 
@@ -257,16 +299,34 @@ class DiskIO:
             if job is _STOP:
                 return
             self._read(job)
-            self._loaded.append(job)
+            with self._read_cv:
+                job.done = True
+                self._unfinished -= 1
+                self._read_cv.notify_all()
 
     def _read(self, job: LoadJob) -> None:
         t0 = time.perf_counter()
-        job.data = self.store.read(job.hash, job.parent, job.tokens)
-        job.seconds = time.perf_counter() - t0
-        st = self.stats
-        st.read_s += job.seconds
-        if job.data is None:
-            st.load_misses += 1
-        else:
-            st.loaded += 1
-            st.bytes_read += len(job.data)
+        with self._read_cv:
+            if not self._reading:
+                self._busy_since = t0
+            self._reading += 1
+            job.buf = self._buffers.pop() if self._buffers else None
+        if job.buf is None:
+            job.buf = self.store.buffer()
+        job.data = self.store.read(job.hash, job.parent, job.tokens, job.buf)
+        t1 = time.perf_counter()
+        job.seconds = t1 - t0
+        with self._read_cv:
+            st = self.stats
+            self._reading -= 1
+            if not self._reading:
+                st.read_busy_s += t1 - self._busy_since
+            st.read_s += job.seconds
+            if job.data is None:
+                st.load_misses += 1
+                if len(self._buffers) < MAX_IDLE_BUFFERS:
+                    self._buffers.append(job.buf)
+                job.buf = None
+            else:
+                st.loaded += 1
+                st.bytes_read += len(job.data)

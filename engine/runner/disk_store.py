@@ -39,10 +39,13 @@ the payload and back.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import mmap
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +60,7 @@ HEADER = struct.Struct("<8sHH16sqqIQI")
 _CRC_SPAN = HEADER.size - 4  # the checksum covers the header fields before it
 MARKER = ".kvscope-disk-cache"
 SUFFIX = ".kv"
+ALIGN = 4096  # O_DIRECT reads: buffer address and length are multiples of this
 TMP_PREFIX = ".tmp-"
 
 
@@ -104,6 +108,7 @@ class DiskStore:
         self.file_bytes = file_bytes(block_size, payload_bytes)
         self.disabled = False
         self.error: str | None = None
+        self.direct = hasattr(os, "O_DIRECT")  # False after the filesystem refused it
         # counters
         self.written = 0
         self.read_ok = 0
@@ -111,6 +116,7 @@ class DiskStore:
         self.removed_foreign = 0
         self.bytes_written = 0
         self.bytes_read = 0
+        self._lock = threading.Lock()  # reads run on several threads: counters, disable
         self._open_dir()
 
     # ----------------------------------------------------------------- faults
@@ -130,10 +136,11 @@ class DiskStore:
 
     def disable(self, err: BaseException | str) -> None:
         """Stop using the tier (once, with one warning)."""
-        if self.disabled:
-            return
-        self.disabled = True
-        self.error = str(err)
+        with self._lock:
+            if self.disabled:
+                return
+            self.disabled = True
+            self.error = str(err)
         log.warning("disk KV tier at %s disabled: %s (serving continues without it)",
                     self.root, self.error)
 
@@ -195,17 +202,26 @@ class DiskStore:
             self.disable(e)
 
     # ------------------------------------------------------------------- read
-    def read(self, h: int, parent: int, tokens: Sequence[int]) -> memoryview | None:
-        """The payload of block ``h`` (a writable view, no copy) if its file is intact
-        and is exactly the block the caller expects (same parent hash and token ids);
-        else None (and a file that fails verification is removed)."""
+    def buffer(self) -> mmap.mmap:
+        """A read buffer: page-aligned (``O_DIRECT`` wants that) and longer than a file by
+        at least a byte (a longer file is torn). Callers reuse them: a fresh one costs
+        the kernel zeroing its pages."""
+        return mmap.mmap(-1, -(-(self.file_bytes + 1) // ALIGN) * ALIGN)
+
+    def read(self, h: int, parent: int, tokens: Sequence[int],
+             buf: mmap.mmap | bytearray | None = None) -> memoryview | None:
+        """The payload of block ``h`` (a view into ``buf``, or into a new buffer) if its
+        file is intact and is exactly the block the caller expects (same parent hash and
+        token ids); else None (and a file that fails verification is removed). Reads
+        bypass the page cache (``O_DIRECT``) where the filesystem allows: one copy less,
+        about half the CPU of a buffered read, and a read that comes from the disk."""
         if self.disabled:
             return None
         path = self.root / file_name(h)
+        if buf is None:
+            buf = self.buffer()
         try:
-            with open(path, "rb", buffering=0) as f:
-                buf = bytearray(self.file_bytes + 1)  # one more: a longer file is torn
-                n = f.readinto(buf)
+            n = self._read_file(path, buf)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -214,14 +230,47 @@ class DiskStore:
         data = memoryview(buf)[:n]
         got = self._verify(data)
         if got is None or got.hash != h:
-            self.read_bad += 1
+            with self._lock:
+                self.read_bad += 1
             self._drop(path)
             return None
         if got.parent != parent or got.tokens != tuple(tokens):
             return None  # another chain's block under a colliding hash: a miss
-        self.read_ok += 1
-        self.bytes_read += len(data)
+        with self._lock:
+            self.read_ok += 1
+            self.bytes_read += len(data)
         return data[HEADER.size + 4 * self.block_size:]
+
+    def _read_file(self, path: Path, buf: mmap.mmap | bytearray) -> int:
+        """Read the file at ``path`` into ``buf`` (up to its length); bytes read."""
+        if self.direct and isinstance(buf, mmap.mmap):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False  # this filesystem has no O_DIRECT (tmpfs)
+            else:
+                try:
+                    # one call: a direct read is short only at the end of the file
+                    return os.readv(fd, [buf])
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.direct = False  # the buffer or the device refused alignment
+                finally:
+                    os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            view, got = memoryview(buf), 0
+            while got < len(view):
+                n = os.readv(fd, [view[got:]])
+                if not n:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
 
     def _verify(self, data: bytes | memoryview, size: int | None = None) -> DiskEntry | None:
         """The entry a file's bytes describe, or None if they are not a whole, intact file

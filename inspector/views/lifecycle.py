@@ -4,7 +4,10 @@ Virtualised: ``paintEvent`` draws only the rows in view (a row is a few rectangl
 scrolling costs the same at 100 or 100k sequences. Each row shows its phases
 (engine.events.analysis.lifecycle.PHASES) coloured, a light strip whose height follows its
 block count,
-prefix-hit marks, preemption markers (hover: the cause), and at the end TTFT and TPOT.
+prefix-hit marks, preemption markers (hover: the cause), its disk prefetches (a band over
+the waiting phase from the reads' start to the last arrival, ending in a dot where they
+all arrived or a cross where the sequence gave up waiting and recomputed the rest; hover:
+blocks and wait), and at the end TTFT and TPOT.
 A top lane marks evictions (hover: their causes). The cursor step is a vertical line.
 
 Mouse: click a row selects its sequence everywhere (the model's selection); hover shows
@@ -168,6 +171,8 @@ class GanttCanvas(QWidget):
             p.fillRect(QRectF(x0, y + 2, max(1.0, x1 - x0), ROW_H - 4),
                        QColor(PHASE_COLOURS.get(ph.kind, P.TEXT_DIM)))
         self._paint_blocks(p, s, y, end_step)
+        for pf in s.prefetches:
+            self._paint_prefetch(p, pf, y, end_step)
         for pre in s.preemptions:
             x = self._x(pre.step)
             tri = QPolygonF([QPoint(int(x), int(y + 1)), QPoint(int(x - 4), int(y + 8)),
@@ -183,6 +188,31 @@ class GanttCanvas(QWidget):
         x = self._x(last) + 4
         p.drawText(QRectF(x, y, max(TAIL_W, self.width() - x), ROW_H),
                    Qt.AlignmentFlag.AlignVCenter, _tail(s))
+
+    def _paint_prefetch(self, p: QPainter, pf: L.PrefetchSpan, y: int, end_step: int) -> None:
+        """A band from the reads' start to their last arrival (or to now while in
+        flight, or to where the wait was given up), then the outcome's mark."""
+        if pf.outcome == L.ARRIVED and pf.arrive_step is not None:
+            b = pf.arrive_step  # reads are taken in at the start of a step
+        elif pf.end_step is not None:
+            b = pf.end_step
+        else:
+            b = end_step
+        a = pf.start_step
+        if b < self.step0 or a > self.step1:
+            return
+        x0, x1 = self._x(a), self._x(max(b, a + 1))
+        # on a dark backing, so it reads over the waiting and prefill colours alike
+        p.fillRect(QRectF(x0, y + 2, max(2.0, x1 - x0), 6), QColor(P.BG))
+        p.fillRect(QRectF(x0, y + 3, max(2.0, x1 - x0), 4), QColor(P.SERIES["prefetch"]))
+        if pf.outcome == L.ARRIVED:
+            p.setBrush(QColor(P.SERIES["arrived"]))
+            p.setPen(Qt.PenStyle.NoPen)
+            p.drawEllipse(QRectF(x1 - 3.5, y + 1.5, 7, 7))
+        elif pf.outcome == L.RECOMPUTED:
+            p.setPen(QPen(QColor(P.SERIES["missed"]), 2))
+            p.drawLine(int(x1 - 3), y + 2, int(x1 + 3), y + 8)
+            p.drawLine(int(x1 - 3), y + 8, int(x1 + 3), y + 2)
 
     def _paint_blocks(self, p: QPainter, s: L.SeqLife, y: int, end_step: int) -> None:
         """A light strip along the row's bottom whose height follows the block count."""
@@ -224,6 +254,10 @@ class GanttCanvas(QWidget):
             if ph.start_step <= step < end:
                 lines.append(f"{ph.kind}: steps {ph.start_step}–{end - 1}"
                              + (f" · {ph.detail}" if ph.detail else ""))
+        lines += [_prefetch_text(pf) for pf in s.prefetches
+                  if pf.start_step - self._slop() <= step
+                  <= (pf.end_step if pf.end_step is not None else idx.last_step + 1)
+                  + self._slop()]
         j = bisect.bisect_right([b for b, _ in s.blocks], step) - 1
         if j >= 0:
             lines.append(f"{s.blocks[j][1]} blocks at step {step}")
@@ -274,6 +308,26 @@ class GanttCanvas(QWidget):
             self.update()
         else:
             self.parent().scroll_by(-3 if dy > 0 else 3)
+
+
+def _prefetch_text(pf: L.PrefetchSpan) -> str:
+    """One tooltip line: what a prefetch read and how it ended."""
+    text = f"disk prefetch: {pf.blocks} block{'s' if pf.blocks != 1 else ''} from step " \
+           f"{pf.start_step}"
+    if pf.arrive_step is not None and pf.arrive_time is not None:
+        text += f", arrived by step {pf.arrive_step} " \
+                f"(+{(pf.arrive_time - pf.start_time) * 1e3:.0f} ms)"
+    if pf.missed:
+        text += f", {pf.missed} missed"
+    if pf.outcome == L.RECOMPUTED:
+        got = pf.arrived
+        text += f"; gave up after {pf.wait_s * 1e3:.0f} ms with {got} of {pf.blocks} " \
+                "arrived: the rest recomputed"
+    elif pf.outcome == L.LEFT:
+        text += "; the request left while waiting"
+    elif pf.outcome is None:
+        text += "; reads in flight"
+    return text
 
 
 def _tail(s: L.SeqLife) -> str:

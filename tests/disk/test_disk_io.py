@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from engine.cache.transfers import FILL, DiskOp
 from engine.runner.disk_io import DiskIO
 from engine.runner.disk_store import DiskStore, fingerprint
 from tests.waiting import HANG_S, wait_until
@@ -86,6 +87,44 @@ def test_drain_gives_up_at_its_deadline(tmp_path):
     try:
         io.save(0, 0, 1, 0, True, (0, 0, 0, 0))
         assert io.drain(time.monotonic()) == 1  # a deadline already passed
+    finally:
+        gate.set()
+        io.close()
+
+
+def test_reads_run_side_by_side_and_are_handed_on_in_start_order(tmp_path):
+    """Several readers: a read that finishes before an earlier one waits for it (an
+    adopted block's parent must become host cache first); ``wait_reads`` returns once
+    every read is done; read buffers are reused after the install."""
+    ts = host_tensors()
+    io = make(tmp_path, ts)
+    gate, first_started = threading.Event(), threading.Event()
+    real = io.store.read
+
+    def read(h, *a, **k):  # block 100's read does not move until the test lets it
+        if h == 100:
+            first_started.set()
+            gate.wait(HANG_S)
+        return real(h, *a, **k)
+
+    try:
+        for y in range(2):
+            assert io.save(y, y, 100 + y, 0, True, (y, 0, 0, 0))
+        assert io.drain(time.monotonic() + HANG_S) == 0
+        io.store.read = read
+        io.load(0, 100, 0, (0, 0, 0, 0))
+        assert first_started.wait(HANG_S)
+        io.load(1, 101, 0, (1, 0, 0, 0))
+        wait_until(lambda: io.stats.loaded == 1, "the second read, on another reader")
+        assert io.take_loaded() == [] and not io.wait_reads(0)
+        gate.set()
+        assert io.wait_reads(HANG_S)
+        done, arrived, disabled = io.results()
+        assert arrived == [(0, True), (1, True)] and not disabled
+        io.perform([DiskOp(FILL, 0, 100, host=4), DiskOp(FILL, 1, 101, host=5)])
+        for t in ts:
+            assert torch.equal(t[4:6].view(torch.uint8), t[0:2].view(torch.uint8))
+        assert len(io._buffers) == 2  # both buffers back for the next reads
     finally:
         gate.set()
         io.close()

@@ -51,11 +51,16 @@ def test_colliding_hash_with_other_tokens_or_parent_is_a_miss(tmp_path):
     assert s.read(11, 7, (1, 2, 3, 4)) is not None  # and the file is still served
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 @pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "flip_tokens",
                                     "truncate", "extend", "empty"])
-def test_damaged_file_is_a_miss_and_removed(tmp_path, damage):
+def test_damaged_file_is_a_miss_and_removed(tmp_path, damage, direct):
+    """Both read paths (O_DIRECT into an aligned buffer where the filesystem has it, and
+    buffered) verify the same way."""
     s = store(tmp_path)
-    s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    s.direct = direct and s.direct
+    assert s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    assert bytes(s.read(11, 7, (1, 2, 3, 4))) == b"".join(payload(0))
     path = tmp_path / D.file_name(11)
     data = bytearray(path.read_bytes())
     if damage == "flip_payload":

@@ -21,7 +21,8 @@ def synthetic_batches(n: int, seed: int = 0, **kw: Any) -> list[dict[str, Any]]:
 def disk_batches(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` step batches of a real cache manager with gpu, host and disk tiers (the disk
     side faked, tests.disk.fake_disk): prompts over a few shared prefixes spill to disk and
-    are prefetched back; stats carry each tier's block counts as the engine's do."""
+    are prefetched back (every fifth request gives its wait up at once and recomputes);
+    stats carry each tier's block counts as the engine's do."""
     import random
 
     from engine.cache import KVCacheManager
@@ -46,8 +47,10 @@ def disk_batches(n: int, seed: int = 0) -> list[dict[str, Any]]:
         still = []
         for sid, prompt in waiting:
             if m.prefetch(sid):
-                still.append((sid, prompt))
-                continue
+                if int(sid[1:]) % 5:
+                    still.append((sid, prompt))
+                    continue
+                m.give_up_prefetch(sid)
             hit = m.match_prefix(sid)
             if m.allocate_slots(sid, len(prompt) - hit) is None:
                 m.finish(sid, "abort")

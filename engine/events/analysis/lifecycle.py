@@ -6,7 +6,9 @@ cached per file). Torch-free; costs time in proportion to the events, not to the
 
 Per sequence (``SeqLife``): its phases (``PHASES``, run-length: a new phase starts only
 when an event changes what the sequence is doing), block count and prefix-hit tokens over
-time, preemptions with their causes, first-token and finish steps and times, TTFT, TPOT.
+time, preemptions with their causes, its disk prefetches (``PrefetchSpan``: reads started
+-> arrived, or the wait given up and the rest recomputed), first-token and finish steps
+and times, TTFT, TPOT.
 Per step (``steps``, columnar): gauges and per-step counts the range summary and the
 counter tracks read.
 
@@ -86,6 +88,39 @@ class Preemption:
     cause: dict[str, Any] | None
 
 
+# how a prefetch ended (PrefetchSpan.outcome)
+ARRIVED = "arrived"  # every read came back (intact or missed) before the sequence started
+RECOMPUTED = "recomputed"  # it started with reads outstanding: those blocks are recomputed
+LEFT = "left"  # it finished (aborted) while still waiting
+
+
+@dataclass
+class PrefetchSpan:
+    """One disk prefetch of a waiting sequence: ``blocks`` reads started at
+    ``start_step``; ``arrived``/``missed`` of them came back (``disk_load``), the last at
+    ``arrive_step``; it ends (``end_step``, ``outcome``) when the sequence starts
+    (``seq_start``) or finishes. A block the cache no longer needed when its read came
+    back is in neither count, so ``arrived + missed < blocks`` with outcome ``arrived``
+    cannot happen: such a prefetch reads as ``recomputed`` (what it did not get from
+    disk, it computed)."""
+
+    start_step: int
+    start_time: float
+    blocks: int
+    arrived: int = 0
+    missed: int = 0
+    arrive_step: int | None = None
+    arrive_time: float | None = None
+    end_step: int | None = None
+    end_time: float | None = None
+    outcome: str | None = None  # None while in flight
+
+    @property
+    def wait_s(self) -> float | None:
+        """How long the sequence waited for its reads (None while in flight)."""
+        return None if self.end_time is None else self.end_time - self.start_time
+
+
 @dataclass
 class SeqLife:
     seq_id: str
@@ -98,6 +133,7 @@ class SeqLife:
     blocks: list[tuple[int, int]] = field(default_factory=list)  # (step, blocks held)
     hits: list[tuple[int, int]] = field(default_factory=list)  # (step, cumulative hit tok)
     preemptions: list[Preemption] = field(default_factory=list)
+    prefetches: list[PrefetchSpan] = field(default_factory=list)
     first_token_step: int | None = None
     first_token_time: float | None = None
     finish_step: int | None = None
@@ -417,6 +453,32 @@ class LifecycleIndex:
         s = self.seqs[ev["seq"]]
         self._status(s, s.status, "running")
         s.status = "running"
+        self._end_prefetch(s, None)
+
+    def _end_prefetch(self, s: SeqLife, outcome: str | None) -> None:
+        """The sequence stopped waiting: its open prefetch ends now (``outcome`` None:
+        by what arrived)."""
+        pf = s.prefetches[-1] if s.prefetches else None
+        if pf is None or pf.outcome is not None:
+            return
+        if outcome is None:
+            outcome = ARRIVED if pf.arrived + pf.missed >= pf.blocks else RECOMPUTED
+        pf.end_step, pf.end_time, pf.outcome = self._step, self._t0, outcome
+
+    def _prefetch(self, ev: dict[str, Any]) -> None:
+        s = self.seqs[ev["seq"]]
+        self._end_prefetch(s, None)
+        s.prefetches.append(PrefetchSpan(self._step, self._t0, len(_ids(ev["src"]))))
+
+    def _disk_load(self, ev: dict[str, Any]) -> None:
+        s = self.seqs.get(ev["seq"])
+        if s is None or not s.prefetches:
+            return
+        pf = s.prefetches[-1]
+        pf.arrived += len(_ids(ev["src"]))
+        pf.missed += int(ev.get("missed", 0))
+        if pf.outcome is None:  # late reads of a given-up prefetch still become host cache
+            pf.arrive_step, pf.arrive_time = self._step, self._t0
 
     _seq_resume = _seq_start
 
@@ -574,6 +636,7 @@ class LifecycleIndex:
             s.output_tokens = max(0, s.high_water - s.prompt_tokens + 1) \
                 if s.first_token_step is not None else 0
         self._close_phase(s)
+        self._end_prefetch(s, LEFT)
         if s.phases:  # the last phase includes the finishing step
             s.phases[-1].end_step, s.phases[-1].end_time = self._step + 1, self._t_end
         s.finish_step, s.finish_time = self._step, self._t_end
@@ -593,7 +656,8 @@ _HANDLERS = {
     S.FREE: LifecycleIndex._free, S.FORK: LifecycleIndex._fork,
     S.SEQ_TOKENS: LifecycleIndex._seq_tokens, S.SEQ_PREEMPT: LifecycleIndex._seq_preempt,
     S.SWAP_OUT: LifecycleIndex._swap_out, S.SWAP_IN: LifecycleIndex._swap_in,
-    S.SEQ_FINISH: LifecycleIndex._seq_finish,
+    S.SEQ_FINISH: LifecycleIndex._seq_finish, S.PREFETCH: LifecycleIndex._prefetch,
+    S.DISK_LOAD: LifecycleIndex._disk_load,
 }
 
 def _given(value: int | None, default: int) -> int:
