@@ -13,10 +13,16 @@ import torch
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 
-# GGUF architectures that carry the Llama layout. llama.cpp permutes Q/K rows only for the
-# ones it converts through its LlamaModel (llama, mistral); Qwen2 keeps HF's row order.
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF architecture -> our ModelConfig.architecture. llama.cpp permutes Q/K rows only for
+# the ones it converts through its LlamaModel (llama, mistral); the others keep HF's order.
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+               "gemma3": "gemma3_text"}
 _PERMUTED_QK = {"llama", "mistral"}
+# llama.cpp's converter of Gemma 3 (text) windows every layer but each 6th, when its GGUF
+# names no pattern (llama.cpp's loader assumes the same), and writes no local RoPE base in
+# older files (its loader then uses 10000).
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_BASE = 10000.0
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -33,6 +39,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3's four norms a layer: llama.cpp names the one before the MLP ffn_norm (in Llama the
+# norm HF calls post_attention_layernorm) and the one after attention post_attention_norm.
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -85,8 +98,13 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     num_heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0)
                    or hidden // num_heads)
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = get("vocab_size", None)
-    if vocab is None:
+    if embed is not None and len(embed.shape) == 2:
+        # the embedding's rows are the model's vocabulary (llama.cpp trims Gemma 3's unused
+        # padding rows, so its metadata may name more)
+        vocab = int(embed.shape[1])
+    elif vocab is None:
         vocab = len(_field(reader, "tokenizer.ggml.tokens", path))
     rope_scaling = None
     scaling_type = get("rope.scaling.type", None)
@@ -104,6 +122,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
     window = get("attention.sliding_window", None)  # llama.cpp writes it where it applies
+    gemma = _gemma3(get, path, hidden, num_heads, head_dim, window) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=_GGUF_ARCHS[arch],
         num_layers=int(get("block_count")),
@@ -123,15 +142,50 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         eos_token_ids=eos_ids,
         sliding_window=None if window is None else int(window),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        **gemma,
     )
 
 
-def _hf_name(name: str) -> str | None:
+def _gemma3(get: Any, path: Path, hidden: int, num_heads: int, head_dim: int,
+            window: Any) -> dict[str, Any]:
+    """Gemma 3's fields as llama.cpp reads them from its GGUF: the windowed layers (every
+    `sliding_window_pattern`-th layer global, 6 when unnamed; none without a window), the
+    local RoPE base (``rope.freq_base_swa``, the global base and its scaling being the plain
+    keys), the logit soft-cap, and the attention scale, which GGUF does not carry: llama.cpp
+    uses 1/sqrt(head_dim), and 1/sqrt(hidden / heads) for the 62-layer 27B (the values of
+    every Gemma 3's ``query_pre_attn_scalar``)."""
+    if get("attn_logit_softcapping", None):
+        raise ModelLoadError(f"{path}: gemma3 with attention logit soft-capping is not "
+                             "supported")
+    layers = int(get("block_count"))
+    types = None
+    if window is not None:
+        pattern = get("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+        if isinstance(pattern, list):  # one flag a layer: True = windowed
+            windowed = [bool(p) for p in pattern]
+        else:
+            windowed = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1
+                        for i in range(layers)]
+        if len(windowed) != layers:
+            raise ModelLoadError(f"{path}: sliding_window_pattern names {len(windowed)} "
+                                 f"layers, the model has {layers}")
+        types = tuple("sliding_attention" if w else "full_attention" for w in windowed)
+    softcap = get("final_logit_softcapping", None)
+    return {
+        "layer_types": types,
+        "rope_local_theta": float(get("rope.freq_base_swa", _GEMMA3_LOCAL_BASE)),
+        "query_pre_attn_scalar": float(hidden // num_heads if layers == 62 else head_dim),
+        "final_logit_softcapping": None if not softcap else float(softcap),
+    }
+
+
+def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
 
 
@@ -146,13 +200,15 @@ def gguf_tensors(reader: Any, path: Path, config: ModelConfig,
     """Yield (HF name, tensor in `dtype`) for every tensor the forward uses.
 
     Unknown tensor names are skipped (a GGUF may carry extras); missing ones are caught by
-    the model's loader, which knows what it needs.
+    the model's loader, which knows what it needs. Gemma 3's norms come back as HF's w:
+    llama.cpp stores 1 + w, and the model adds the one again (in float32 the round trip is
+    exact for every stored value >= 0.5, Sterbenz).
     """
     import gguf
 
     arch = gguf_architecture(reader, path)
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         try:
@@ -170,6 +226,8 @@ def gguf_tensors(reader: Any, path: Path, config: ModelConfig,
             array = _unpermute(array, config.num_heads)
         elif arch in _PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = _unpermute(array, config.num_kv_heads)
+        elif arch == "gemma3" and t.name.endswith("norm.weight"):
+            array = array - np.float32(1.0)
         if not array.flags.writeable:  # F32 tensors come straight from the read-only memmap
             array = array.copy()
         yield name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)

@@ -5,6 +5,8 @@ cache, several blocks) identical to HF ``generate`` for 32 steps."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -147,3 +149,24 @@ def test_gemma3_final_logit_softcap_matches_transformers(tmp_path):
     ours = our_logits(model, PROMPT)
     assert float(ours.abs().max()) <= 0.5
     torch.testing.assert_close(ours, hf_logits(hf, PROMPT), atol=2e-5, rtol=0)
+
+
+def test_gemma3_gguf_matches_safetensors(tmp_path):
+    """Gemma 3 written as llama.cpp's converter writes it (arch gemma3: norms stored as 1 + w,
+    its four norm names, the global base with its linear scaling and the local base in the
+    metadata, the window, the soft-cap, tied embeddings) loads to the config and logits of the
+    same model from safetensors, and decodes HF's greedy tokens past the window."""
+    hf = tiny_hf_model("gemma3_text", seed=16, query_pre_attn_scalar=16,
+                       final_logit_softcapping=2.0)
+    path = write_tiny_gguf(hf, tmp_path / "gemma3.gguf", arch="gemma3")
+    model, _, config = load_model(path)
+    from_hf, _, hf_config = load_model(save_hf(hf, tmp_path / "hf"))
+    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)  # GGUF's is a float32
+    assert dataclasses.replace(config, bos_token_id=hf_config.bos_token_id,
+                               eos_token_ids=hf_config.eos_token_ids,
+                               rms_norm_eps=hf_config.rms_norm_eps) == hf_config
+    assert model.lm_head is model.embed
+    ours = our_logits(model, PROMPT)
+    torch.testing.assert_close(ours, our_logits(from_hf, PROMPT), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours, hf_logits(hf, PROMPT), atol=5e-5, rtol=0)
+    assert engine_greedy(path, PROMPT, STEPS) == hf_greedy(hf, PROMPT, STEPS)

@@ -69,8 +69,9 @@ def byte_tokens() -> list[str]:
 
 def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
                     drop: tuple[str, ...] = (), tie: bool = True) -> Path:
-    """Write `model` (a tiny HF Llama) as a GGUF file. `drop` omits GGUF tensors by name;
-    `qtype` ("F32" | "F16") is used for the 2-D weight matrices."""
+    """Write `model` (a tiny HF Llama, Qwen2/3 or Gemma 3 text) as a GGUF file of llama.cpp's
+    `arch`. `drop` omits GGUF tensors by name; `qtype` ("F32" | "F16") is used for the 2-D
+    weight matrices."""
     import gguf
 
     cfg = model.config
@@ -83,10 +84,24 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if arch == "gemma3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    gemma = arch == "gemma3"
+    rope = cfg.rope_parameters
+    if gemma:  # as llama.cpp's converter: the global layers' base and scaling, the local base
+        rope = cfg.rope_parameters["full_attention"]
+        writer.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]
+                                            ["rope_theta"]))
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (but for the 27B)
+        assert cfg.query_pre_attn_scalar == head_dim, "not expressible in a gemma3 GGUF"
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     tokens = byte_tokens() + ["<|im_start|>", "<|im_end|>", "Ġt"]
@@ -104,6 +119,8 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     def add(name: str, array: np.ndarray) -> None:
         if name in drop:
             return
+        if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
+            array = array + np.float32(1.0)
         if array.ndim == 2 and qtype == "F16":
             array = array.astype(np.float16)
         writer.add_tensor(name, np.ascontiguousarray(array))
@@ -121,10 +138,15 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if gemma:  # four norms a layer, as llama.cpp names them
+            add(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+            add(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
+            add(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+        else:
+            add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         add(f"blk.{i}.attn_q.weight", qk(sd[p + "self_attn.q_proj.weight"], heads))
         add(f"blk.{i}.attn_k.weight", qk(sd[p + "self_attn.k_proj.weight"], kv_heads))
-        if p + "self_attn.q_norm.weight" in sd:  # Qwen3
+        if p + "self_attn.q_norm.weight" in sd:  # Qwen3, Gemma 3
             add(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
             add(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
         add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
