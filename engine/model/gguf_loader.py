@@ -3,6 +3,7 @@ tokenizer metadata. Every failure becomes a ModelLoadError naming the file (and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from engine.model.errors import ModelLoadError
 # GGUF architecture -> our ModelConfig.architecture. llama.cpp permutes Q/K rows only for
 # the ones it converts through its LlamaModel (llama, mistral); the others keep HF's order.
 _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-               "gemma3": "gemma3_text"}
+               "gemma3": "gemma3_text", "phi3": "phi3"}
 _PERMUTED_QK = {"llama", "mistral"}
 # llama.cpp's converter of Gemma 3 (text) windows every layer but each 6th, when its GGUF
 # names no pattern (llama.cpp's loader assumes the same), and writes no local RoPE base in
@@ -47,6 +48,13 @@ _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3 keeps HF's fused q/k/v and gate/up (gate rows first) under llama.cpp's names.
+_PHI3_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items()
+                     if not k.startswith(("attn_q.", "attn_k.", "attn_v.", "ffn_gate."))} | {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -96,7 +104,9 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0)
+    rope_dims = int(get("rope.dimension_count", 0))
+    # Phi-3 writes no key_length, and its rope.dimension_count is the rotated part only.
+    head_dim = int(get("attention.key_length", 0) or (0 if arch == "phi3" else rope_dims)
                    or hidden // num_heads)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = get("vocab_size", None)
@@ -122,6 +132,9 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
     bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
     window = get("attention.sliding_window", None)  # llama.cpp writes it where it applies
+    window = window or None  # 0: none (llama.cpp's Phi-3 converter writes 0 for Phi-4)
+    if arch == "phi3":
+        rope_scaling = _phi3_longrope(reader, path, get, rope_dims or head_dim)
     gemma = _gemma3(get, path, hidden, num_heads, head_dim, window) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=_GGUF_ARCHS[arch],
@@ -142,8 +155,42 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         eos_token_ids=eos_ids,
         sliding_window=None if window is None else int(window),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        rotary_dim=rope_dims if arch == "phi3" and 0 < rope_dims < head_dim else None,
         **gemma,
     )
+
+
+def _phi3_longrope(reader: Any, path: Path, get: Any, rope_dims: int
+                   ) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: the factors as the tensors
+    rope_factors_long/short (present only for a LongRoPE model), the pretraining length in
+    rope.scaling.original_context_length and the cos/sin scale in rope.scaling.attn_factor;
+    the factor is the context length over the pretraining length, as transformers derives
+    it."""
+    import gguf
+
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if not factors:
+        return None
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for kind in ("long", "short"):
+        t = factors.get(f"rope_factors_{kind}.weight")
+        if t is None:
+            raise ModelLoadError(f"{path}: LongRoPE needs tensor 'rope_factors_{kind}.weight'")
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
+        if values.size != rope_dims // 2:
+            raise ModelLoadError(f"{path}: tensor 'rope_factors_{kind}.weight' holds "
+                                 f"{values.size} factors, expected {rope_dims // 2}")
+        scaling[f"{kind}_factor"] = values.reshape(-1).tolist()
+    original = int(get("rope.scaling.original_context_length"))
+    factor = int(get("context_length")) / original
+    attention_factor = get("rope.scaling.attn_factor", None)
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else \
+            math.sqrt(1 + math.log(factor) / math.log(original))
+    scaling.update(original_max_position_embeddings=original, factor=float(factor),
+                   attention_factor=float(attention_factor))
+    return scaling
 
 
 def _gemma3(get: Any, path: Path, hidden: int, num_heads: int, head_dim: int,
@@ -182,7 +229,7 @@ def _gemma3(get: Any, path: Path, hidden: int, num_heads: int, head_dim: int,
 def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    layer_names = _ARCH_LAYER_NAMES.get(arch) or _LAYER_NAMES
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"

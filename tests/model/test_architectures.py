@@ -101,6 +101,29 @@ def test_phi4_mini_partial_rotary_and_longrope_match_transformers(tmp_path):
     check_parity(hf, path)  # 40 + 32 tokens: inside the pretraining length (short factors)
 
 
+def test_phi4_mini_gguf_matches_safetensors(tmp_path):
+    """Phi-4-mini's shape written as llama.cpp's converter writes it (arch phi3: fused
+    attn_qkv and ffn_up, rope.dimension_count the rotated part, LongRoPE factors as the
+    rope_factors_long/short tensors, window 0 for none): the config and logits of the same
+    model from safetensors, and HF's greedy tokens."""
+    hf = tiny_hf_model("phi3", seed=17, **_phi4_mini_like())
+    path = write_tiny_gguf(hf, tmp_path / "phi4.gguf", arch="phi3")
+    model, _, config = load_model(path)
+    from_hf, _, hf_config = load_model(save_hf(hf, tmp_path / "hf"))
+    assert config.rotary_dim == 12 and config.sliding_window is None
+    assert config.rope_scaling.keys() == hf_config.rope_scaling.keys()
+    for key, value in hf_config.rope_scaling.items():  # GGUF's factors are float32
+        assert config.rope_scaling[key] == (value if key == "rope_type" else
+                                            pytest.approx(value, rel=1e-6)), key
+    assert dataclasses.replace(config, bos_token_id=hf_config.bos_token_id,
+                               eos_token_ids=hf_config.eos_token_ids,
+                               rms_norm_eps=hf_config.rms_norm_eps,
+                               rope_scaling=hf_config.rope_scaling) == hf_config
+    ours = our_logits(model, PROMPT)
+    torch.testing.assert_close(ours, our_logits(from_hf, PROMPT), atol=1e-6, rtol=0)
+    assert engine_greedy(path, PROMPT, STEPS) == hf_greedy(hf, PROMPT, STEPS)
+
+
 def test_longrope_long_factors_past_the_pretraining_length():
     """Past original_max_position_embeddings the long factors apply: our cos/sin equal
     transformers' at those positions (its rotary embedding switches on the max position)."""

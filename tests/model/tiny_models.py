@@ -3,6 +3,7 @@ and GGUF files laid out the way llama.cpp writes them (Q/K rows permuted for its
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +102,22 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
         # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (but for the 27B)
         assert cfg.query_pre_attn_scalar == head_dim, "not expressible in a gemma3 GGUF"
+    if arch == "phi3":  # as llama.cpp's converter: rotated dims, window 0 for none, LongRoPE
+        rotary = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) \
+            // cfg.num_attention_heads
+        writer.add_rope_dimension_count(rotary)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        original = rope.get("original_max_position_embeddings",
+                            cfg.original_max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight",
+                              np.asarray(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight",
+                              np.asarray(rope["short_factor"], dtype=np.float32))
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -144,6 +161,12 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
             add(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
         else:
             add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if arch == "phi3":  # q/k/v and gate/up stay fused, as HF holds them
+            add(f"blk.{i}.attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
+            add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+            add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
+            add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+            continue
         add(f"blk.{i}.attn_q.weight", qk(sd[p + "self_attn.q_proj.weight"], heads))
         add(f"blk.{i}.attn_k.weight", qk(sd[p + "self_attn.k_proj.weight"], kv_heads))
         if p + "self_attn.q_norm.weight" in sd:  # Qwen3, Gemma 3
