@@ -89,6 +89,7 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     gemma = arch == "gemma3"
+    rope_factors: dict[str, np.ndarray] = {}  # Phi-3's LongRoPE factors, as tensors
     rope = cfg.rope_parameters
     if gemma:  # as llama.cpp's converter: the global layers' base and scaling, the local base
         rope = cfg.rope_parameters["full_attention"]
@@ -114,10 +115,9 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
             scale = cfg.max_position_embeddings / original
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
-            writer.add_tensor("rope_factors_long.weight",
-                              np.asarray(rope["long_factor"], dtype=np.float32))
-            writer.add_tensor("rope_factors_short.weight",
-                              np.asarray(rope["short_factor"], dtype=np.float32))
+            rope_factors = {f"rope_factors_{kind}.weight":
+                            np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+                            for kind in ("long", "short")}
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -147,6 +147,8 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     def qk(w: np.ndarray, n: int) -> np.ndarray:
         return _llamacpp_permute(w, n) if permuted else w
 
+    for name, factors in rope_factors.items():
+        add(name, factors)
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
     if not tie:
