@@ -5,6 +5,8 @@ cache, several blocks) identical to HF ``generate`` for 32 steps."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,6 +101,29 @@ def test_phi4_mini_partial_rotary_and_longrope_match_transformers(tmp_path):
     check_parity(hf, path)  # 40 + 32 tokens: inside the pretraining length (short factors)
 
 
+def test_phi4_mini_gguf_matches_safetensors(tmp_path):
+    """Phi-4-mini's shape written as llama.cpp's converter writes it (arch phi3: fused
+    attn_qkv and ffn_up, rope.dimension_count the rotated part, LongRoPE factors as the
+    rope_factors_long/short tensors, window 0 for none): the config and logits of the same
+    model from safetensors, and HF's greedy tokens."""
+    hf = tiny_hf_model("phi3", seed=17, **_phi4_mini_like())
+    path = write_tiny_gguf(hf, tmp_path / "phi4.gguf", arch="phi3")
+    model, _, config = load_model(path)
+    from_hf, _, hf_config = load_model(save_hf(hf, tmp_path / "hf"))
+    assert config.rotary_dim == 12 and config.sliding_window is None
+    assert config.rope_scaling.keys() == hf_config.rope_scaling.keys()
+    for key, value in hf_config.rope_scaling.items():  # GGUF's factors are float32
+        assert config.rope_scaling[key] == (value if key == "rope_type" else
+                                            pytest.approx(value, rel=1e-6)), key
+    assert dataclasses.replace(config, bos_token_id=hf_config.bos_token_id,
+                               eos_token_ids=hf_config.eos_token_ids,
+                               rms_norm_eps=hf_config.rms_norm_eps,
+                               rope_scaling=hf_config.rope_scaling) == hf_config
+    ours = our_logits(model, PROMPT)
+    torch.testing.assert_close(ours, our_logits(from_hf, PROMPT), atol=1e-6, rtol=0)
+    assert engine_greedy(path, PROMPT, STEPS) == hf_greedy(hf, PROMPT, STEPS)
+
+
 def test_longrope_long_factors_past_the_pretraining_length():
     """Past original_max_position_embeddings the long factors apply: our cos/sin equal
     transformers' at those positions (its rotary embedding switches on the max position)."""
@@ -147,3 +172,24 @@ def test_gemma3_final_logit_softcap_matches_transformers(tmp_path):
     ours = our_logits(model, PROMPT)
     assert float(ours.abs().max()) <= 0.5
     torch.testing.assert_close(ours, hf_logits(hf, PROMPT), atol=2e-5, rtol=0)
+
+
+def test_gemma3_gguf_matches_safetensors(tmp_path):
+    """Gemma 3 written as llama.cpp's converter writes it (arch gemma3: norms stored as 1 + w,
+    its four norm names, the global base with its linear scaling and the local base in the
+    metadata, the window, the soft-cap, tied embeddings) loads to the config and logits of the
+    same model from safetensors, and decodes HF's greedy tokens past the window."""
+    hf = tiny_hf_model("gemma3_text", seed=16, query_pre_attn_scalar=16,
+                       final_logit_softcapping=2.0)
+    path = write_tiny_gguf(hf, tmp_path / "gemma3.gguf", arch="gemma3")
+    model, _, config = load_model(path)
+    from_hf, _, hf_config = load_model(save_hf(hf, tmp_path / "hf"))
+    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)  # GGUF's is a float32
+    assert dataclasses.replace(config, bos_token_id=hf_config.bos_token_id,
+                               eos_token_ids=hf_config.eos_token_ids,
+                               rms_norm_eps=hf_config.rms_norm_eps) == hf_config
+    assert model.lm_head is model.embed
+    ours = our_logits(model, PROMPT)
+    torch.testing.assert_close(ours, our_logits(from_hf, PROMPT), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours, hf_logits(hf, PROMPT), atol=5e-5, rtol=0)
+    assert engine_greedy(path, PROMPT, STEPS) == hf_greedy(hf, PROMPT, STEPS)

@@ -59,6 +59,19 @@ def test_gguf_missing_tensor(tmp_path, tiny_llama):
         load_model(path)
 
 
+def test_gguf_longrope_without_its_short_factors(tmp_path):
+    rotary = 16  # head_dim 64 / 4: every dim rotated, one factor per pair
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0] * (rotary // 2), "long_factor": [2.0] * (rotary // 2)}
+    hf = tiny_hf_model("phi3", original_max_position_embeddings=128, rope_parameters=rope,
+                       num_hidden_layers=1)
+    path = write_tiny_gguf(hf, tmp_path / "phi.gguf", arch="phi3",
+                           drop=("rope_factors_short.weight",))
+    with pytest.raises(ModelLoadError, match=r"phi.gguf: LongRoPE needs tensor "
+                                             r"'rope_factors_short.weight'"):
+        load_model(path)
+
+
 def test_hf_unsupported_architecture(tmp_path, tiny_llama):
     save_hf(tiny_llama, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

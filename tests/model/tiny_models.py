@@ -3,6 +3,7 @@ and GGUF files laid out the way llama.cpp writes them (Q/K rows permuted for its
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -69,8 +70,9 @@ def byte_tokens() -> list[str]:
 
 def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
                     drop: tuple[str, ...] = (), tie: bool = True) -> Path:
-    """Write `model` (a tiny HF Llama) as a GGUF file. `drop` omits GGUF tensors by name;
-    `qtype` ("F32" | "F16") is used for the 2-D weight matrices."""
+    """Write `model` (a tiny HF Llama, Qwen2/3 or Gemma 3 text) as a GGUF file of llama.cpp's
+    `arch`. `drop` omits GGUF tensors by name; `qtype` ("F32" | "F16") is used for the 2-D
+    weight matrices."""
     import gguf
 
     cfg = model.config
@@ -83,10 +85,40 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if arch == "gemma3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    gemma = arch == "gemma3"
+    rope_factors: dict[str, np.ndarray] = {}  # Phi-3's LongRoPE factors, as tensors
+    rope = cfg.rope_parameters
+    if gemma:  # as llama.cpp's converter: the global layers' base and scaling, the local base
+        rope = cfg.rope_parameters["full_attention"]
+        writer.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]
+                                            ["rope_theta"]))
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (but for the 27B)
+        assert cfg.query_pre_attn_scalar == head_dim, "not expressible in a gemma3 GGUF"
+    if arch == "phi3":  # as llama.cpp's converter: rotated dims, window 0 for none, LongRoPE
+        rotary = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) \
+            // cfg.num_attention_heads
+        writer.add_rope_dimension_count(rotary)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        original = rope.get("original_max_position_embeddings",
+                            cfg.original_max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            rope_factors = {f"rope_factors_{kind}.weight":
+                            np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+                            for kind in ("long", "short")}
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     tokens = byte_tokens() + ["<|im_start|>", "<|im_end|>", "Ġt"]
@@ -104,6 +136,8 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     def add(name: str, array: np.ndarray) -> None:
         if name in drop:
             return
+        if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
+            array = array + np.float32(1.0)
         if array.ndim == 2 and qtype == "F16":
             array = array.astype(np.float16)
         writer.add_tensor(name, np.ascontiguousarray(array))
@@ -113,6 +147,8 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     def qk(w: np.ndarray, n: int) -> np.ndarray:
         return _llamacpp_permute(w, n) if permuted else w
 
+    for name, factors in rope_factors.items():
+        add(name, factors)
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
     if not tie:
@@ -121,10 +157,21 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if gemma:  # four norms a layer, as llama.cpp names them
+            add(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+            add(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
+            add(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+        else:
+            add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if arch == "phi3":  # q/k/v and gate/up stay fused, as HF holds them
+            add(f"blk.{i}.attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
+            add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+            add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
+            add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+            continue
         add(f"blk.{i}.attn_q.weight", qk(sd[p + "self_attn.q_proj.weight"], heads))
         add(f"blk.{i}.attn_k.weight", qk(sd[p + "self_attn.k_proj.weight"], kv_heads))
-        if p + "self_attn.q_norm.weight" in sd:  # Qwen3
+        if p + "self_attn.q_norm.weight" in sd:  # Qwen3, Gemma 3
             add(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
             add(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
         add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
