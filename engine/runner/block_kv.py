@@ -13,9 +13,10 @@ Limits: a block freed by the cache manager while incomplete (a finished or preem
 sequence) keeps its row until its id is written again from offset 0; rows grow on
 demand, at most one per block. Swapping to a host tier is not supported for these formats
 (the residual rows would have to travel with their blocks): ``EngineConfig`` refuses the
-combination. CPU only: the Triton and native float kernels do not read these pages; a
-decode-only step reads them with kernels/cpu_block_decode.c (codes in place), any other
-step with the torch path (dequantized gathers + SDPA, the reference).
+combination. A decode-only step reads the codes in place: on the CPU with
+kernels/cpu_block_decode.c, on a GPU with kernels/triton_block_decode.py; any other step
+(prefill, mixed, chunked) takes the torch path (dequantized gathers + SDPA, the reference).
+The native float kernels and kernels/triton_attention.py do not read these pages.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class StepWrites:
 class BlockPagedAttention:
     """The AttentionBackend over block-quantized pages: write the step's K/V into the
     residual window, quantize the blocks it completes, attend (decode-only steps: the C
-    kernel where it builds; else the CPU step plan's torch path)."""
+    kernel where it builds, on a GPU the Triton one; else the step plan's torch path)."""
 
     def __init__(self, kv: BlockKV, scale: float, head_dim: int) -> None:
         self.kv, self.scale = kv, scale
@@ -139,6 +140,16 @@ class BlockPagedAttention:
         # keeps those in torch around the C reader (scripts/bench_block_decode.py's "-split"
         # variants measure the difference).
         self.fused = True
+
+    @staticmethod
+    def _triton_decode(q: torch.Tensor, pages: bq.BlockLayer) -> bool:
+        """Decode steps on a GPU read the codes in place with kernels/triton_block_decode.py
+        (its ``supports``); anything else takes the torch path."""
+        if q.device.type != "cuda":
+            return False
+        from kernels import triton_block_decode
+
+        return triton_block_decode.supports(q, pages)
 
     def _plan(self) -> tuple[StepPlan, StepWrites]:
         b = self.batch
@@ -178,6 +189,11 @@ class BlockPagedAttention:
         if plan.decode_only and cpu_block_decode.supports(q, pages):
             out = cpu_block_decode.block_decode(q, pages, plan.native_tables, plan.native_lens,
                                                 self.scale).to(q.dtype)
+        elif plan.decode_only and self._triton_decode(q, pages):
+            from kernels import triton_block_decode  # imports triton: CUDA steps only
+
+            out = triton_block_decode.block_decode(q, pages, plan.native_tables,
+                                                   plan.native_lens, self.scale)
         else:
             given = (k, v) if plan.keep is None else None
             out = plan._attend(q, pages, self.scale, given)
