@@ -40,12 +40,11 @@ def _dequant_tile(codes_ptr, scales_ptr, supers_ptr, table_ptr, page, within, he
                   ZERO_OFFSET: tl.constexpr):
     """[BLOCK_N, BLOCK_D] float32 elements of the keys (or values) ``is_code`` selects, from
     their codes and scale pairs; 0 elsewhere."""
-    PER: tl.constexpr = 8 // BITS
     mask2 = is_code[:, None] & dm[None, :]
     d64 = offs_d.to(tl.int64)
     row = page * stride_cb + within * stride_cs + head * stride_ch
-    byte = tl.load(codes_ptr + row[:, None] + (d64 // PER)[None, :], mask=mask2, other=0)
-    code = (byte.to(tl.int32) >> ((offs_d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+    byte = tl.load(codes_ptr + row[:, None] + (d64 // (8 // BITS))[None, :], mask=mask2, other=0)
+    code = (byte.to(tl.int32) >> ((offs_d % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)
     sup = supers_ptr + page * stride_pb + head * stride_ph
     smax = tl.load(sup, mask=is_code, other=0.0).to(tl.float32)
     zstep = tl.load(sup + 1, mask=is_code, other=0.0).to(tl.float32)

@@ -57,3 +57,20 @@ def test_triton_block_decode_equals_the_torch_reference(name, device):
         torch.testing.assert_close(got.double(),
                                    _reference(q, layer, tables, lens, D ** -0.5),
                                    atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_queries_and_residual_rows(device):
+    """A bf16 model: q, out and the residual rows in bf16 (on a GPU: bf16 tl.dot over the
+    dequantized tiles), within bf16's rounding of the float64 reference."""
+    from kernels import triton_block_decode
+
+    layer = _layer(bq.FORMATS["k8v4"], seed=2, device=device)
+    layer.residual_k = layer.residual_k.bfloat16()
+    layer.residual_v = layer.residual_v.bfloat16()
+    tables = torch.tensor([[7, 11, 2, 0]], dtype=torch.int64, device=device)
+    lens = torch.tensor([27], dtype=torch.int64, device=device)
+    q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3)).to(device)
+    got = triton_block_decode.block_decode(q.bfloat16(), layer, tables, lens, D ** -0.5)
+    assert got.dtype == torch.bfloat16
+    want = _reference(q.bfloat16().float(), layer, tables, lens, D ** -0.5)
+    torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
