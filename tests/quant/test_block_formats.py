@@ -199,30 +199,31 @@ def test_residual_window_then_block_codes_through_prefill_and_decode(name):
     _prefill_then_decodes(name, BlockPagedAttention)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU pages under the Triton interpreter; "
-                    "a GPU runs the kernel compiled in tests/kernels/test_triton_block_decode.py")
-def test_decode_steps_on_a_gpu_take_the_triton_kernel(monkeypatch):
-    """The dispatch a GPU takes (kernels/triton_block_decode.py for every decode step, the
-    torch path for the prefill), here under the Triton interpreter: same answers."""
-    from kernels import cpu_block_decode, triton_block_decode
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU pages under the Triton interpreter; a GPU runs the kernel "
+                    "compiled in tests/kernels/test_triton_block_attention.py")
+def test_steps_on_a_gpu_take_the_triton_kernel(monkeypatch):
+    """The dispatch a GPU takes (kernels/triton_block_attention.py for the prefill and every
+    decode step), here under the Triton interpreter: same answers."""
+    from kernels import cpu_block_decode, triton_block_attention
 
     calls = []
-    kernel = triton_block_decode.block_decode
+    kernel = triton_block_attention.block_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(triton_block_decode, "block_decode", counted)
+    monkeypatch.setattr(triton_block_attention, "block_attention", counted)
     monkeypatch.setattr(cpu_block_decode, "supports", lambda q, pages: False)
 
     class OnGpu(BlockPagedAttention):
         @staticmethod
-        def _triton_decode(q, pages):
+        def _on_triton(q, pages):
             return True
 
     _prefill_then_decodes("kivi4", OnGpu)
-    assert len(calls) == 7  # every decode step
+    assert len(calls) == 8  # the prefill and every decode step
 
 
 def _prefill_then_decodes(name: str, backend: type[BlockPagedAttention]) -> None:

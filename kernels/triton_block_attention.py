@@ -1,9 +1,11 @@
-"""Triton decode attention over block-quantized pages (``kernels.block_quant``: kivi4, k8v4,
-kivi2), reading codes, scale pairs and the residual window in place.
+"""Triton paged attention over block-quantized pages (``kernels.block_quant``: kivi4, k8v4,
+kivi2): decode, prefill with cached context and chunked prefill, reading codes, scale
+pairs and the residual window in place.
 
-One program per (sequence, KV head): the GROUP query heads sharing that KV head are the
-rows of one tile (as ``kernels.triton_attention``'s decode). Each tile of BLOCK_N key
-positions looks up its page per key through the block table, then per key:
+Grid (sequence, KV head, query tile): a tile is BLOCK_Q query tokens x the GROUP query
+heads that share the KV head (a decode: one token, its GROUP heads), so each K/V tile is
+dequantized once for all of them; a row sees keys <= context_len + its token. Each tile
+of BLOCK_N key positions looks up its page per key through the block table, then per key:
 
 - the page's residual row ``slot_of[page]``; a key whose block is still in the residual
   window (row >= 0) is read from it at full precision, every other key from its codes;
@@ -16,10 +18,11 @@ positions looks up its page per key through the block table, then per key:
   dequantized element is the same float32 value as ``bq.dequantize_*`` computes.
 
 Softmax runs online in base 2 in float32. Invariants kept by the caller (as
-``kernels.cpu_block_decode``): q and out are in the pages' (rotated) basis; every sequence's
-length fits its table row and every used block id is < num_blocks (ids outside it read as
-masked keys, never out of bounds). Not split over the context (split-K): one program walks
-a whole sequence, which fills a GPU only with enough sequences x KV heads.
+``kernels.cpu_block_decode``): q and out are in the pages' (rotated) basis; the queries'
+own K/V are already in the pages; every sequence's length fits its table row and every
+used block id is < num_blocks (ids outside it read as zero keys, never out of bounds).
+Not split over the context (split-K): one program walks a whole sequence, which fills a
+GPU only with enough sequences x KV heads x query tiles.
 """
 
 from __future__ import annotations
@@ -75,38 +78,53 @@ def _dequant_tile(codes_ptr, scales_ptr, supers_ptr, table_ptr, page, within, he
 
 
 @triton.jit
-def _block_decode_kernel(
-    q_ptr, out_ptr, tables_ptr, lens_ptr, slot_ptr, scale_log2, num_blocks, block_size,
+def _block_attention_kernel(
+    q_ptr, out_ptr, tables_ptr, lens_ptr, cu_ptr, slot_ptr, scale_log2, num_blocks,
+    block_size,
     kc_ptr, ks_ptr, kp_ptr, k_table_ptr, vc_ptr, vs_ptr, vp_ptr, v_table_ptr, rk_ptr, rv_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_ti,
     stride_kcb, stride_kcs, stride_kch, stride_ksb, stride_kss, stride_ksh, stride_ksd,
     stride_kpb, stride_kph,
     stride_vcb, stride_vcs, stride_vch, stride_vsb, stride_vss, stride_vsh,
     stride_vpb, stride_vph, stride_rb, stride_rs, stride_rh,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-    KBITS: tl.constexpr, VBITS: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
-    K_PAIR6: tl.constexpr, K_ZERO: tl.constexpr, V_ZERO: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    K_PER_CHANNEL: tl.constexpr, K_PAIR6: tl.constexpr, K_ZERO: tl.constexpr,
+    V_ZERO: tl.constexpr,
 ):
+    """Grid (sequence, KV head, query tile): BLOCK_Q query tokens x GROUP heads = the rows;
+    a row sees keys <= context_len + its token (a decode: its whole sequence)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
+    tile_q = tl.program_id(2) * BLOCK_Q
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    if tile_q >= q_len:
+        return
     head64 = kv_head.to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
-    rows = tl.arange(0, BLOCK_G)
-    heads = kv_head * GROUP + rows
+    context_len = seq_len - q_len
+    rows = tl.arange(0, BLOCK_M)
+    token = tile_q + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
     offs_d = tl.arange(0, BLOCK_D)
     dm = offs_d < HEAD_DIM
-    io_mask = (rows < GROUP)[:, None] & dm[None, :]
-    q_off = b.to(tl.int64) * stride_qt + heads.to(tl.int64) * stride_qh
+    io_mask = row_mask[:, None] & dm[None, :]
+    q_rows = (q_start + token).to(tl.int64)
+    q_off = q_rows * stride_qt + heads.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
     q = q.to(tl.float32)
-    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + _NEG_BIG
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    visible_upto = context_len + token  # inclusive
+    kv_end = context_len + tl.minimum(tile_q + BLOCK_Q, q_len)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG_BIG
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row = tables_ptr + b.to(tl.int64) * stride_tb
-    for start_n in range(0, seq_len, BLOCK_N):
+    for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        in_range = offs_n < seq_len
+        in_range = offs_n < kv_end
         page = tl.load(table_row + (offs_n // block_size).to(tl.int64) * stride_ti,
                        mask=in_range, other=0)
         valid = in_range & (page >= 0) & (page < num_blocks)
@@ -134,7 +152,8 @@ def _block_decode_kernel(
         else:
             s = tl.dot(q.to(q_ptr.dtype.element_ty),
                        tl.trans(k.to(q_ptr.dtype.element_ty))).to(tl.float32)
-        s = tl.where(in_range[None, :], s * scale_log2, float("-inf"))
+        keep = in_range[None, :] & (offs_n[None, :] <= visible_upto[:, None])
+        s = tl.where(keep, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -147,7 +166,7 @@ def _block_decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    o_off = b.to(tl.int64) * stride_ot + heads.to(tl.int64) * stride_oh
+    o_off = q_rows * stride_ot + heads.to(tl.int64) * stride_oh
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=io_mask)
 
@@ -176,20 +195,37 @@ def block_decode(q: torch.Tensor, pages: bq.BlockLayer, block_tables: torch.Tens
     """One query token per sequence: q ``[S, Hq, D]`` (pages' basis) -> ``[S, Hq, D]`` in
     q's dtype, attending over each sequence's ``seq_lens`` keys in its ``block_tables`` row
     (same contract as ``kernels.cpu_block_decode.block_decode`` without ``model_basis``)."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=q.device)
+    return block_attention(q, pages, block_tables, seq_lens, cu, scale, max_q_len=1)
+
+
+def block_attention(q: torch.Tensor, pages: bq.BlockLayer, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float, *,
+                    max_q_len: int | None = None) -> torch.Tensor:
+    """Causal paged attention of ``q [T, Hq, D]`` (pages' basis; sequence b's queries are
+    rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``, its last ones: prefill with cached
+    context, chunked prefill and decode alike) over the block-quantized ``pages``; the
+    queries' own K/V must already be in the pages (the residual window). ``max_q_len``:
+    the longest q_len, else read from ``cu_seqlens_q`` (one device sync)."""
     fmt = pages.fmt
-    num_seqs, num_heads, head_dim = q.shape
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
     if q.stride(2) != 1:
         q = q.contiguous()
-    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
-        raise ValueError(f"{num_seqs} queries, block_tables {tuple(block_tables.shape)}, "
-                         f"seq_lens {tuple(seq_lens.shape)}")
+    if seq_lens.shape[0] != num_seqs or cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)}, seq_lens "
+                         f"{tuple(seq_lens.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}")
     hkv = pages.num_kv_heads
     if num_heads % hkv:
         raise ValueError(f"{num_heads} query heads over {hkv} KV heads")
     out = torch.empty_like(q)
-    if num_seqs == 0:
+    if num_seqs == 0 or num_tokens == 0:
         return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // hkv
+    rows = 16 if _INTERPRET else 64
+    block_q = 1 if max_q_len == 1 else max(1, rows // group)
     ks, kc, kp = pages.k_scales, pages.k_codes, pages.k_supers
     vs, vc, vp = pages.v_scales, pages.v_codes, pages.v_supers
     rk = pages.residual_k
@@ -197,16 +233,18 @@ def block_decode(q: torch.Tensor, pages: bq.BlockLayer, block_tables: torch.Tens
     ks_strides = (ks.stride(0), 0, ks.stride(1), ks.stride(2)) if fmt.keys_per_channel else \
         (ks.stride(0), ks.stride(1), ks.stride(2), 0)
     upcast = _INTERPRET or q.dtype == torch.float32
-    _block_decode_kernel[(num_seqs, hkv)](
-        q, out, block_tables, seq_lens, pages.slot_of, scale * LOG2E, pages.num_blocks,
-        pages.block_size, kc, ks, kp, _table(fmt.key_pair_bits, q.device), vc, vs, vp,
-        _table(8, q.device), rk, pages.residual_v,
+    grid = (num_seqs, hkv, triton.cdiv(max_q_len, block_q))
+    _block_attention_kernel[grid](
+        q, out, block_tables, seq_lens, cu_seqlens_q, pages.slot_of, scale * LOG2E,
+        pages.num_blocks, pages.block_size, kc, ks, kp, _table(fmt.key_pair_bits, q.device),
+        vc, vs, vp, _table(8, q.device), rk, pages.residual_v,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), *ks_strides, kp.stride(0), kp.stride(1),
         vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
         vp.stride(0), vp.stride(1), rk.stride(0), rk.stride(1), rk.stride(2),
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_Q=block_q,
+        BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),
         BLOCK_N=16 if _INTERPRET else 64, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         UPCAST=upcast, KBITS=fmt.key_bits, VBITS=fmt.value_bits,
         K_PER_CHANNEL=fmt.keys_per_channel, K_PAIR6=fmt.key_pair_bits == 6,
