@@ -9,7 +9,8 @@ target GPUTarget("cuda", 90, 32), driving each kernel through its ordinary Pytho
 launcher with CPU tensors: a stand-in driver names the target, and every launch is turned
 into a warm-up (compile, never run). Cases: every page format (bf16/fp16/fp32 pages, fp8,
 int8, int4) x decode with one and several splits and prefill with cached context, the
-cache write, copy-on-write, and the mixed-precision arena.
+cache write, copy-on-write, the mixed-precision arena, and decode and prefill over the
+block-quantized formats (kivi4, k8v4, kivi2).
 
     python scripts/triton_sm90_check.py [--quick]
 
@@ -103,6 +104,23 @@ def _attention_case(fmt: str, dtype: torch.dtype, q_lens: list[int], num_splits:
                                v_scales=kv.v_scales if per_token else None)
 
 
+def _block_case(fmt: str, dtype: torch.dtype, q_lens: list[int], head_dim: int = 128) -> None:
+    """Attention over block-quantized pages (kernels/triton_block_attention.py): decode
+    when every q_len is 1, else prefill with cached context."""
+    from engine.runner.block_kv import BlockKV
+    from kernels import triton_block_attention
+    from kernels.block_quant import block_format
+
+    hq, hkv, block_size = 32, 8, 16
+    kv = BlockKV(block_format(fmt), 1, 8, block_size, hkv, head_dim, dtype,
+                 torch.device("cpu"))
+    tables = torch.arange(8, dtype=torch.int64).view(2, 4)
+    cu = torch.tensor([0, *q_lens]).cumsum(0)
+    q = torch.randn(int(cu[-1]), hq, head_dim).to(dtype)
+    triton_block_attention.block_attention(q, kv.layers[0], tables,
+                                           torch.tensor([50, 64], dtype=torch.int64), cu, 0.088)
+
+
 def cases(quick: bool) -> dict[str, Callable[[], None]]:
     if quick:  # the split-K decode with its reduction, and the quantized prefill
         return {"auto/bfloat16 decode, 4 splits":
@@ -120,6 +138,12 @@ def cases(quick: bool) -> dict[str, Callable[[], None]]:
             lambda f=fmt, d=dtype: _attention_case(f, d, [7, 19], None)
         out[f"{name} decode, 1 split, head_dim 64"] = \
             lambda f=fmt, d=dtype: _attention_case(f, d, [1, 1], 1, head_dim=64)
+    for fmt in ("kivi4", "k8v4", "kivi2"):
+        for dtype in (torch.bfloat16, torch.float32):
+            name = f"{fmt}/{str(dtype).split('.')[-1]}"
+            out[f"{name} block decode"] = lambda f=fmt, d=dtype: _block_case(f, d, [1, 1])
+            out[f"{name} block prefill + context"] = \
+                lambda f=fmt, d=dtype: _block_case(f, d, [9, 30])
     return out
 
 

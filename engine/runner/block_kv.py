@@ -13,9 +13,11 @@ Limits: a block freed by the cache manager while incomplete (a finished or preem
 sequence) keeps its row until its id is written again from offset 0; rows grow on
 demand, at most one per block. Swapping to a host tier is not supported for these formats
 (the residual rows would have to travel with their blocks): ``EngineConfig`` refuses the
-combination. CPU only: the Triton and native float kernels do not read these pages; a
-decode-only step reads them with kernels/cpu_block_decode.c (codes in place), any other
-step with the torch path (dequantized gathers + SDPA, the reference).
+combination. On the CPU a decode-only step reads the codes in place with
+kernels/cpu_block_decode.c and any other step (prefill, mixed, chunked) takes the torch
+path (dequantized gathers + SDPA, the reference); on a GPU every step reads them with
+kernels/triton_block_attention.py (decode and prefill with cached context alike). The native
+float kernels and kernels/triton_attention.py do not read these pages.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ class StepWrites:
 class BlockPagedAttention:
     """The AttentionBackend over block-quantized pages: write the step's K/V into the
     residual window, quantize the blocks it completes, attend (decode-only steps: the C
-    kernel where it builds; else the CPU step plan's torch path)."""
+    kernel where it builds; else the step plan's torch path; on a GPU the Triton kernel
+    for every step)."""
 
     def __init__(self, kv: BlockKV, scale: float, head_dim: int) -> None:
         self.kv, self.scale = kv, scale
@@ -139,6 +142,17 @@ class BlockPagedAttention:
         # keeps those in torch around the C reader (scripts/bench_block_decode.py's "-split"
         # variants measure the difference).
         self.fused = True
+
+    @staticmethod
+    def _on_triton(q: torch.Tensor, pages: bq.BlockLayer) -> bool:
+        """Steps on a GPU (every query with a slot) read the codes in place with
+        kernels/triton_block_attention.py (its ``supports``); anything else takes the torch
+        path."""
+        if q.device.type != "cuda":
+            return False
+        from kernels import triton_block_attention
+
+        return triton_block_attention.supports(q, pages)
 
     def _plan(self) -> tuple[StepPlan, StepWrites]:
         b = self.batch
@@ -178,6 +192,12 @@ class BlockPagedAttention:
         if plan.decode_only and cpu_block_decode.supports(q, pages):
             out = cpu_block_decode.block_decode(q, pages, plan.native_tables, plan.native_lens,
                                                 self.scale).to(q.dtype)
+        elif plan.keep is None and self._on_triton(q, pages):
+            from kernels import triton_block_attention  # imports triton: CUDA steps only
+
+            b = self.batch
+            out = triton_block_attention.block_attention(q, pages, b.block_tables, b.seq_lens,
+                                                      b.cu_seqlens_q, self.scale)
         else:
             given = (k, v) if plan.keep is None else None
             out = plan._attend(q, pages, self.scale, given)

@@ -196,9 +196,40 @@ def test_residual_window_then_block_codes_through_prefill_and_decode(name):
     """One sequence: a 13-token prefill (block 0 complete, block 1 in the residual), then
     decodes across the next block boundary; every step's attention equals dense attention
     over exact residual tokens and dequantized complete blocks (the rotation cancels)."""
+    _prefill_then_decodes(name, BlockPagedAttention)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU pages under the Triton interpreter; a GPU runs the kernel "
+                    "compiled in tests/kernels/test_triton_block_attention.py")
+def test_steps_on_a_gpu_take_the_triton_kernel(monkeypatch):
+    """The dispatch a GPU takes (kernels/triton_block_attention.py for the prefill and every
+    decode step), here under the Triton interpreter: same answers."""
+    from kernels import cpu_block_decode, triton_block_attention
+
+    calls = []
+    kernel = triton_block_attention.block_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_block_attention, "block_attention", counted)
+    monkeypatch.setattr(cpu_block_decode, "supports", lambda q, pages: False)
+
+    class OnGpu(BlockPagedAttention):
+        @staticmethod
+        def _on_triton(q, pages):
+            return True
+
+    _prefill_then_decodes("kivi4", OnGpu)
+    assert len(calls) == 8  # the prefill and every decode step
+
+
+def _prefill_then_decodes(name: str, backend: type[BlockPagedAttention]) -> None:
     fmt = bq.FORMATS[name]
     kv = BlockKV(fmt, 1, 6, BS, HKV, D, torch.float32, torch.device("cpu"))
-    attn = BlockPagedAttention(kv, D ** -0.5, D)
+    attn = backend(kv, D ** -0.5, D)
     table = [[4, 1, 3]]  # the sequence's blocks, out of order in the pool
     g = torch.Generator().manual_seed(5)
     total = 20
