@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@bash scripts/apt_deps.sh $(APT_LIBS)
 	@test -x $(PY) || python3 -m venv .venv
 	@# torch first, pinned: a plain `torch` requirement would pull the multi-GB CUDA build.
-	$(PIP) install -q --no-compile --disable-pip-version-check "torch==$$(grep -i '^torch==' constraints.txt | cut -d= -f3)"
-	$(PIP) install -q --no-compile --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PIP) install -q --disable-pip-version-check "torch==$$(grep -i '^torch==' constraints.txt | cut -d= -f3)"
+	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@rm -f .venv/.installed-* && touch $(STAMP)
 
 # ~3.4 GB and ~3-8 minutes once (cached by the stamps, like .venv). vLLM itself installs
@@ -33,13 +33,13 @@ VLLM_BASE := $(VLLM_VENV)/.vllm-$(shell echo $(VLLM_PIN) | sha256sum | cut -c1-1
 
 $(VLLM_BASE):
 	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --no-compile --disable-pip-version-check "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "$(VLLM_PIN)"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	@rm -f $(VLLM_VENV)/.vllm-* && touch $(VLLM_BASE)
 
 $(VLLM_STAMP): pyproject.toml $(VLLM_BASE) $(STAMP)
 	@# kvscope's light base install (no Qt, no torch of ours) with the plugin's entry point
-	$(VLLM_VENV)/bin/pip install -q --no-compile --disable-pip-version-check -e .
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -e .
 	@rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
 
 test:
