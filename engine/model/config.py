@@ -159,7 +159,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
-            rope_scaling = _longrope(rope_scaling, cfg)
+            rope_scaling = longrope_parameters(rope_scaling, cfg)
         return ModelConfig(
             architecture=model_type,
             num_layers=int(cfg["num_hidden_layers"]),
@@ -189,7 +189,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: {exc}") from exc
 
 
-def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+def longrope_parameters(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     """LongRoPE's parameters made explicit, as transformers derives them: the pretraining
     length (``original_max_position_embeddings``), and the cos/sin scale
     ``attention_factor`` (from ``factor``, by default max_position_embeddings over the

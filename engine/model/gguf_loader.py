@@ -3,7 +3,6 @@ tokenizer metadata. Every failure becomes a ModelLoadError naming the file (and 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, longrope_parameters
 from engine.model.errors import ModelLoadError
 
 # GGUF architecture -> our ModelConfig.architecture. llama.cpp permutes Q/K rows only for
@@ -182,15 +181,12 @@ def _phi3_longrope(reader: Any, path: Path, get: Any, rope_dims: int
             raise ModelLoadError(f"{path}: tensor 'rope_factors_{kind}.weight' holds "
                                  f"{values.size} factors, expected {rope_dims // 2}")
         scaling[f"{kind}_factor"] = values.reshape(-1).tolist()
-    original = int(get("rope.scaling.original_context_length"))
-    factor = int(get("context_length")) / original
+    scaling["original_max_position_embeddings"] = int(
+        get("rope.scaling.original_context_length"))
     attention_factor = get("rope.scaling.attn_factor", None)
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else \
-            math.sqrt(1 + math.log(factor) / math.log(original))
-    scaling.update(original_max_position_embeddings=original, factor=float(factor),
-                   attention_factor=float(attention_factor))
-    return scaling
+    if attention_factor is not None:
+        scaling["attention_factor"] = float(attention_factor)
+    return longrope_parameters(scaling, {"max_position_embeddings": int(get("context_length"))})
 
 
 def _gemma3(get: Any, path: Path, hidden: int, num_heads: int, head_dim: int,

@@ -10,52 +10,27 @@ import torch
 
 from kernels import block_quant as bq
 from kernels import cpu_block_decode, quant
+from tests.kernels.block_pages import HKV, HQ, block_layer, reference_decode
 
 pytestmark = pytest.mark.skipif(cpu_block_decode.kernel() is None,
                                 reason="no C compiler: the torch path is the only one")
 
-BS, HKV, HQ, D, NB = 8, 2, 6, 64, 12
-
-
-def _layer(fmt: bq.BlockFormat, seed: int) -> bq.BlockLayer:
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(NB, BS, HKV, D, generator=g)
-    k[..., 7] *= 15.0  # an outlier channel
-    k[..., 9] += 6.0
-    v = torch.randn(NB, BS, HKV, D, generator=g)
-    slot_of = torch.full((NB,), -1, dtype=torch.int64)
-    slot_of[[2, 7]] = torch.tensor([1, 0])  # two blocks still in the residual window
-    return bq.BlockLayer(fmt, *bq.quantize_keys(k, fmt), *bq.quantize_values(v, fmt),
-                         torch.randn(2, BS, HKV, D, generator=g),
-                         torch.randn(2, BS, HKV, D, generator=g), slot_of)
-
-
-def _reference(q: torch.Tensor, layer: bq.BlockLayer, tables: torch.Tensor,
-               lens: torch.Tensor, scale: float) -> torch.Tensor:
-    outs = []
-    for s in range(q.shape[0]):
-        n = int(lens[s])
-        k, v = layer.gather(tables[s, : (n + BS - 1) // BS], torch.float32)
-        k = k.flatten(0, 1)[:n].double().repeat_interleave(HQ // HKV, 1)
-        v = v.flatten(0, 1)[:n].double().repeat_interleave(HQ // HKV, 1)
-        p = (torch.einsum("hd,khd->hk", q[s].double(), k) * scale).softmax(-1)
-        outs.append(torch.einsum("hk,khd->hd", p, v))
-    return torch.stack(outs)
+D = 64
 
 
 @pytest.mark.parametrize("name", list(bq.FORMATS))
 def test_native_decode_equals_the_torch_reference(name):
-    layer = _layer(bq.FORMATS[name], seed=len(name))
+    layer = block_layer(bq.FORMATS[name], seed=len(name), head_dim=D)
     tables = torch.tensor([[3, 2, 9, 0], [7, 11, 5, 1], [4, 6, 8, 10]], dtype=torch.int64)
     lens = torch.tensor([19, 32, 1], dtype=torch.int64)  # a partial block, full, one token
     q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(1))
     got = cpu_block_decode.block_decode(q, layer, tables, lens, D ** -0.5)
-    torch.testing.assert_close(got.double(), _reference(q, layer, tables, lens, D ** -0.5),
+    torch.testing.assert_close(got.double(), reference_decode(q, layer, tables, lens, D ** -0.5),
                                atol=2e-5, rtol=1e-4)
 
 
 def test_supports_only_float32_contiguous_pages():
-    layer = _layer(bq.FORMATS["kivi4"], seed=0)
+    layer = block_layer(bq.FORMATS["kivi4"], seed=0, head_dim=D)
     q = torch.randn(1, HQ, D)
     assert cpu_block_decode.supports(q, layer)
     assert not cpu_block_decode.supports(q.bfloat16(), layer)
@@ -68,7 +43,7 @@ def test_model_basis_call_writes_the_residual_rows_and_rotates_as_torch_does(nam
     """``model_basis`` + ``new``: the kernel's own Hadamard transforms and residual writes
     equal rotating and writing in torch, then calling it in the pages' basis."""
     fmt = bq.FORMATS[name]
-    layer, twin = _layer(fmt, seed=3), _layer(fmt, seed=3)
+    layer, twin = block_layer(fmt, seed=3, head_dim=D), block_layer(fmt, seed=3, head_dim=D)
     tables = torch.tensor([[3, 2, 9, 0], [7, 11, 5, 1]], dtype=torch.int64)
     lens = torch.tensor([20, 27], dtype=torch.int64)  # block 9: offset 3 of row 1 ...
     rows, offsets = torch.tensor([1, 0]), torch.tensor([3, 2])  # ... block 5: row 0, off 2

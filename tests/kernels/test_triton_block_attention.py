@@ -10,42 +10,16 @@ import pytest
 import torch
 
 from kernels import block_quant as bq
+from tests.kernels.block_pages import BS, HKV, HQ, block_layer, reference_decode
 
-BS, HKV, HQ, D, NB = 8, 2, 6, 32, 12
-
-
-def _layer(fmt: bq.BlockFormat, seed: int, device: str) -> bq.BlockLayer:
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(NB, BS, HKV, D, generator=g)
-    k[..., 7] *= 15.0  # an outlier channel
-    k[..., 9] += 6.0
-    v = torch.randn(NB, BS, HKV, D, generator=g)
-    slot_of = torch.full((NB,), -1, dtype=torch.int64)
-    slot_of[[2, 7]] = torch.tensor([1, 0])  # two blocks still in the residual window
-    tensors = (*bq.quantize_keys(k, fmt), *bq.quantize_values(v, fmt),
-               torch.randn(2, BS, HKV, D, generator=g), torch.randn(2, BS, HKV, D, generator=g),
-               slot_of)
-    return bq.BlockLayer(fmt, *(t.to(device) for t in tensors))
-
-
-def _reference(q: torch.Tensor, layer: bq.BlockLayer, tables: torch.Tensor,
-               lens: torch.Tensor, scale: float) -> torch.Tensor:
-    outs = []
-    for s in range(q.shape[0]):
-        n = int(lens[s])
-        k, v = layer.gather(tables[s, : (n + BS - 1) // BS], torch.float32)
-        k = k.flatten(0, 1)[:n].double().repeat_interleave(HQ // HKV, 1)
-        v = v.flatten(0, 1)[:n].double().repeat_interleave(HQ // HKV, 1)
-        p = (torch.einsum("hd,khd->hk", q[s].double(), k) * scale).softmax(-1)
-        outs.append(torch.einsum("hk,khd->hd", p, v))
-    return torch.stack(outs)
+D = 32
 
 
 @pytest.mark.parametrize("name", list(bq.FORMATS))
 def test_decode_equals_the_torch_reference(name, device):
     from kernels import triton_block_attention
 
-    layer = _layer(bq.FORMATS[name], seed=len(name), device=device)
+    layer = block_layer(bq.FORMATS[name], seed=len(name), head_dim=D, device=device)
     tables = torch.tensor([[3, 2, 9, 0], [7, 11, 5, 1], [4, 6, 8, 10]], dtype=torch.int32,
                           device=device)
     # a partial last block (in the residual window: block 9 is not, block 2 is), four
@@ -55,7 +29,7 @@ def test_decode_equals_the_torch_reference(name, device):
         q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(1)).to(device)
         got = triton_block_attention.block_decode(q, layer, tables, lens, D ** -0.5)
         torch.testing.assert_close(got.double(),
-                                   _reference(q, layer, tables, lens, D ** -0.5),
+                                   reference_decode(q, layer, tables, lens, D ** -0.5),
                                    atol=2e-5, rtol=1e-4)
 
 
@@ -64,7 +38,7 @@ def test_bf16_queries_and_residual_rows(device):
     dequantized tiles), within bf16's rounding of the float64 reference."""
     from kernels import triton_block_attention
 
-    layer = _layer(bq.FORMATS["k8v4"], seed=2, device=device)
+    layer = block_layer(bq.FORMATS["k8v4"], seed=2, head_dim=D, device=device)
     layer.residual_k = layer.residual_k.bfloat16()
     layer.residual_v = layer.residual_v.bfloat16()
     tables = torch.tensor([[7, 11, 2, 0]], dtype=torch.int64, device=device)
@@ -72,7 +46,7 @@ def test_bf16_queries_and_residual_rows(device):
     q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3)).to(device)
     got = triton_block_attention.block_decode(q.bfloat16(), layer, tables, lens, D ** -0.5)
     assert got.dtype == torch.bfloat16
-    want = _reference(q.bfloat16().float(), layer, tables, lens, D ** -0.5)
+    want = reference_decode(q.bfloat16().float(), layer, tables, lens, D ** -0.5)
     torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
 
 
@@ -83,7 +57,7 @@ def test_prefill_with_cached_context_equals_the_torch_reference(name, device):
     tokens x GQA heads."""
     from kernels import triton_block_attention
 
-    layer = _layer(bq.FORMATS[name], seed=7, device=device)
+    layer = block_layer(bq.FORMATS[name], seed=7, head_dim=D, device=device)
     tables = torch.tensor([[3, 2, 9, 0], [7, 11, 5, 1], [4, 6, 8, 10]], dtype=torch.int32,
                           device=device)
     q_lens, lens = [7, 1, 11], [19, 30, 11]
