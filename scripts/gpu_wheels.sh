@@ -18,11 +18,15 @@ PY=${PY:-.venv/bin/python}
 # What `engine` imports at run time and the device image lacks (KINDS.md's package list),
 # with their own missing requirements. typing-extensions is carried because pydantic needs a
 # recent one and the image's version is not known ahead.
-PACKAGES=(pyzmq zstandard gguf fastapi starlette uvicorn pydantic pydantic-core
+PACKAGES=(msgspec pyzmq zstandard gguf fastapi starlette uvicorn pydantic pydantic-core
           annotated-types typing-inspection typing-extensions opentelemetry-api)
 # In the device image already (KINDS.md, 2026-11-17): requirements that need no wheel.
 ON_DEVICE="numpy pyyaml tqdm anyio h11 click httpx idna sniffio annotated-doc requests
-           sentencepiece typing-extensions"
+           sentencepiece typing-extensions msgpack prometheus-client safetensors tokenizers
+           jinja2 matplotlib torch"
+# kvscope's own requirements that are deliberately not carried: llguidance is imported only
+# by a constrained request, which no section sends.
+NOT_CARRIED="llguidance"
 
 version_of() {  # the version this venv runs (pip's normalised name)
   "$PY" -m pip show "$1" 2>/dev/null | awk '/^Version:/ {print $2}'
@@ -45,8 +49,8 @@ echo "gpu_wheels: downloading ${specs[*]}"
   -d "$DEST" "${specs[@]}"
 
 # One version of each (two stop the whole install there), and every requirement covered.
-"$PY" - "$DEST" "$ON_DEVICE" <<'EOF'
-import re, sys, zipfile
+"$PY" - "$DEST" "$ON_DEVICE" "$NOT_CARRIED" <<'EOF'
+import re, sys, tomllib, zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -72,6 +76,14 @@ for whl in sorted(dest.glob("*.whl")):
                 req = Requirement(line.split(":", 1)[1].strip())
                 if req.marker is None or req.marker.evaluate(DEVICE):
                     needs.setdefault(norm(req.name), []).append(name)
+# kvscope's own run-time requirements (the base install and the engine extra) count too:
+# a missing one fails every section that imports the engine (msgspec once did).
+project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+not_carried = set(sys.argv[3].split())
+for spec in [*project["dependencies"], *project["optional-dependencies"]["engine"]]:
+    name = norm(Requirement(spec).name)
+    if name not in not_carried:
+        needs.setdefault(name, []).append("kvscope")
 missing = {r: by for r, by in needs.items() if r not in carried and r not in on_device}
 if missing:
     sys.exit(f"gpu_wheels: requirements neither carried nor on the device: {missing}")
