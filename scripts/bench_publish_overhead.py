@@ -1,6 +1,6 @@
 """Publishing overhead on a real engine step: the same seeded workload on two LLMEngines
 sharing one loaded model, one with events off, one publishing on loopback AND recording,
-stepped alternately so both see the same machine load. Prints mean step times and the
+stepped alternately so both see the same machine load. Prints median step times and the
 overhead; `kvscope bench events` measures the stream itself.
 
     .venv/bin/python scripts/bench_publish_overhead.py [--requests 24] [--threads 1]
@@ -13,9 +13,12 @@ import argparse
 import json
 import random
 import socket
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,14 +34,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WARMUP_PAIRS = 2  # first step pairs left out: each engine's first prefill and captures
+
+
+def time_alternating(engines: dict[str, Any], until: float | None = None,
+                     clock: Callable[[], float] = time.perf_counter,
+                     settle: Callable[[str, Any], None] | None = None) -> list[dict[str, float]]:
+    """Step the engines in pairs until all are done (or ``until``, after a whole pair); the
+    order inside a pair alternates (off-on, on-off, ...) so neither engine always pays for
+    what the process does once (a Triton kernel's first compile, a lazy import) or always
+    runs on a cache the other warmed. Returns one dict of step seconds per pair in which
+    every engine stepped; ``settle(name, engine)`` runs inside the timed region after a
+    step (the events-on engine's stream thread finishing that step's batch)."""
+    names = list(engines)
+    pairs: list[dict[str, float]] = []
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        if until is not None and clock() >= until:
+            break
+        order = names if len(pairs) % 2 == 0 else names[::-1]
+        pair: dict[str, float] = {}
+        for name in order:
+            eng = engines[name]
+            if eng.has_unfinished_requests():
+                t = clock()
+                eng.step()  # returns after the sampled ids reached the host
+                if settle is not None:
+                    settle(name, eng)
+                pair[name] = clock() - t
+        if len(pair) == len(names):
+            pairs.append(pair)
+    return pairs
+
+
+def overhead_of(pairs: list[dict[str, float]], warmup: int = WARMUP_PAIRS) -> dict[str, float]:
+    """The on engine's cost over the off one: the median over step pairs of the relative
+    difference (robust to a one-off compile or capture landing in one engine's step), beside
+    the ratio of the totals. The first ``warmup`` pairs are left out when enough remain."""
+    timed = pairs[warmup:] if len(pairs) > 2 * warmup else pairs
+    off = [p["off"] for p in timed]
+    on = [p["on"] for p in timed]
+    rel = [(b - a) / a for a, b in zip(off, on, strict=True) if a > 0]
+    return {
+        "pairs": len(timed), "warmup_pairs": len(pairs) - len(timed),
+        "step_ms_off": round(statistics.median(off) * 1e3, 3),
+        "step_ms_on": round(statistics.median(on) * 1e3, 3),
+        "overhead_pct": round(100 * statistics.median(rel), 2),
+        "overhead_total_pct": round(100 * (sum(on) - sum(off)) / sum(off), 2),
+    }
+
+
 def measure_overhead(loaded, requests: int, max_tokens: int, device: str = "cpu",
                      dtype: str | torch.dtype = "auto", vocab_low: int = 100,
                      num_blocks: int = 512, until: float | None = None) -> dict:
     """Step an events-off and an events-on engine (sharing ``loaded``) alternately over the
-    same seeded requests; mean step times, the overhead and the events/s at the on-engine's
-    step rate. Also what scripts/gpu_check.py runs on the device. With ``until`` (a
-    time.perf_counter() value) the alternation stops there, after a pair of steps, so both
-    engines have run the same steps."""
+    same seeded requests (``time_alternating``); median step times, the overhead
+    (``overhead_of``) and the events/s at the on-engine's step rate. Also what
+    scripts/gpu_check.py runs on the device. With ``until`` (a time.perf_counter() value)
+    the alternation stops there, after a pair of steps, so both engines have run the same
+    steps."""
     vocab = loaded[2].vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab_low, min(40000, vocab - 1))
@@ -57,30 +110,20 @@ def measure_overhead(loaded, requests: int, max_tokens: int, device: str = "cpu"
         for eng in engines.values():
             for i, ids in enumerate(prompts):
                 eng.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
-        times: dict[str, list[float]] = {k: [] for k in engines}
-        events = 0
-        while any(e.has_unfinished_requests() for e in engines.values()):
-            if until is not None and time.perf_counter() >= until:
-                break
-            for name, eng in engines.items():
-                if eng.has_unfinished_requests():
-                    t = time.perf_counter()
-                    eng.step()  # returns after the sampled ids reached the host
-                    if name == "on":  # charge the stream thread's work to the step
-                        eng.events.wait_idle(30)
-                    times[name].append(time.perf_counter() - t)
+
+        def settle(name: str, eng: LLMEngine) -> None:
+            if name == "on":  # charge the stream thread's work to the step
+                eng.events.wait_idle(30)
+
+        pairs = time_alternating(engines, until, settle=settle)
         on = engines["on"]
         on.events.wait_idle(30)
         events = sum(on.events.kind_counts.values())
         for eng in engines.values():
             eng.close()
-    off_mean = sum(times["off"]) / len(times["off"])
-    on_mean = sum(times["on"]) / len(times["on"])
     return {
-        "steps": len(times["on"]), "events": events, "requests": requests,
-        "step_ms_off": round(off_mean * 1e3, 3), "step_ms_on": round(on_mean * 1e3, 3),
-        "overhead_pct": round(100 * (on_mean - off_mean) / off_mean, 2),
-        "events_per_s_at_step_rate": round(events / sum(times["on"]), 1),
+        "steps": len(pairs), "events": events, "requests": requests, **overhead_of(pairs),
+        "events_per_s_at_step_rate": round(events / sum(p["on"] for p in pairs), 1),
     }
 
 
