@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import reference, swap_runs
 from kernels.backend import force_backend, select_backend
 
 __all__ = ["reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks",
@@ -91,6 +91,21 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy pages ``src[m[i, 0]] -> dst[m[i, 1]]`` between devices (GPU <-> CPU) in one batched
-    gather + transfer + scatter. The same torch code serves both backends: a copy engine job,
-    not a kernel."""
-    reference.swap_blocks(src, dst, block_mapping)
+    gather + transfer + scatter (``reference.swap_blocks``, its meaning). Between a GPU and
+    pinned host pages whose host ids run in mostly consecutive spans, one copy per span
+    (``kernels.swap_runs``). Copy engine work, not a kernel: the same torch code on every
+    backend."""
+    mapping = reference.checked_swap_mapping(src, dst, block_mapping)
+    if mapping is None:
+        return
+    if src.device.type == "cuda" and dst.device.type == "cpu" and dst.is_pinned():
+        spans = swap_runs.runs(mapping[:, 1])
+        if swap_runs.worth_it(spans, len(mapping)):
+            swap_runs.to_host(reference.raw(src), reference.raw(dst), mapping[:, 0], spans)
+            return
+    if src.device.type == "cpu" and dst.device.type == "cuda" and src.is_pinned():
+        spans = swap_runs.runs(mapping[:, 0])
+        if swap_runs.worth_it(spans, len(mapping)):
+            swap_runs.to_device(reference.raw(src), reference.raw(dst), mapping[:, 1], spans)
+            return
+    reference.swap_blocks(src, dst, mapping)

@@ -267,13 +267,28 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         validate.check_index_range("block_mapping", block_mapping, cache.shape[0])
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
     for cache in tensors:
-        raw = _raw(cache)
-        raw.index_copy_(0, dst, raw.index_select(0, src))
+        pages = raw(cache)
+        pages.index_copy_(0, dst, pages.index_select(0, src))
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw(t: torch.Tensor) -> torch.Tensor:
     """fp8 pages as bytes: torch has no CPU index_copy_ for float8 (copying is dtype-blind)."""
     return t.view(torch.uint8) if t.dtype == quant.FP8_DTYPE else t
+
+
+def checked_swap_mapping(src: torch.Tensor, dst: torch.Tensor,
+                         block_mapping: torch.Tensor) -> torch.Tensor | None:
+    """``swap_blocks``' checks: the mapping as int64 on the host, or None when it is empty."""
+    validate.check_block_mapping(block_mapping)
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
+                         f"{dst.dtype} must have the same page shape and dtype")
+    if block_mapping.numel() == 0:
+        return None
+    mapping = block_mapping.cpu().long()
+    validate.check_index_range("block_mapping[:, 0]", mapping[:, 0], src.shape[0])
+    validate.check_index_range("block_mapping[:, 1]", mapping[:, 1], dst.shape[0])
+    return mapping
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -284,18 +299,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     upload runs at full PCIe/NVLink speed. Call once per cache tensor (K and V of a layer),
     and once per per-token scale tensor of int8/int4 pages: scales travel with the block.
     """
-    validate.check_block_mapping(block_mapping)
-    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
-                         f"{dst.dtype} must have the same page shape and dtype")
-    if block_mapping.numel() == 0:
+    mapping = checked_swap_mapping(src, dst, block_mapping)
+    if mapping is None:
         return
-    mapping = block_mapping.cpu().long()
-    validate.check_index_range("block_mapping[:, 0]", mapping[:, 0], src.shape[0])
-    validate.check_index_range("block_mapping[:, 1]", mapping[:, 1], dst.shape[0])
     src_idx = mapping[:, 0].to(src.device)
     dst_idx = mapping[:, 1].to(dst.device)
-    src, dst = _raw(src), _raw(dst)
+    src, dst = raw(src), raw(dst)
     if src.device.type == "cpu" and dst.device.type == "cuda":
         staged = torch.empty((len(mapping), *src.shape[1:]), dtype=src.dtype, pin_memory=True)
         torch.index_select(src, 0, src_idx, out=staged)
