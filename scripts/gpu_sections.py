@@ -526,9 +526,12 @@ def section_attention(ctx: Context) -> dict:
                                               row["int8"]["kv_bytes"], 2)
     done = [r for r in rows if "int8" in r]
     big = [r for r in done if r["batch"] >= 32 and r["context"] >= 4096]
+    sweep = [] if truncated else _split_sweep(ctx, formats, batches[0], contexts[0], hkv, d,
+                                              block, hq, scale, bw)
     r: dict[str, Any] = {
         "shapes": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": block},
         "copy_tb_s": round(bw / 1e12, 3), "rows": rows, "truncated": truncated,
+        "split_sweep": sweep,
         "goal": "bf16 pages >= 85% of copy bandwidth at batch >= 32, context >= 4k; int8 "
                 "pages' speedup over bf16 >= 85% of their byte ratio"}
     if big:
@@ -542,6 +545,42 @@ def section_attention(ctx: Context) -> dict:
         f"{x['int8']['byte_ratio']}x bytes" for x in done) + (
         " (of copy bw); truncated by the budget" if truncated else " (of copy bw)")
     return r
+
+
+def _split_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: int,
+                 block: int, hq: int, scale: float, bw: float) -> list[dict]:
+    """Decode time by split count at the smallest batch and context (where the first H200
+    run was furthest from the copy bandwidth: 74% at B32 x 4k with the default 3 splits):
+    whether the split heuristic (kernels.triton_attention.default_num_splits) is the gap."""
+    import kernels
+    from kernels.triton_attention import default_num_splits
+
+    q = torch.randn(batch, hq, d, device=ctx.device, dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
+    out = torch.empty_like(q)
+    block_n = 16 if ctx.smoke else 64
+    default = default_num_splits(ctx.device, batch, hkv, context, block_n)
+    counts = sorted({1, default, 2 * default, 4 * default, max(1, context // (4 * block_n)),
+                     max(1, context // (2 * block_n))})
+    rows = []
+    for fmt in formats:
+        kv, tables, kv_bytes = _paged_case(ctx, fmt, batch, context, hkv, d, block)
+        scales = {"k_scale": kv.k_scales[0] if kv.k_scales else None,
+                  "v_scale": kv.v_scales[0] if kv.v_scales else None}
+        args = (q, kv.k_caches[0], kv.v_caches[0], tables, seq_lens, cu, scale)
+        for n in counts:
+            if ctx.over():
+                break
+            with kernels.force_backend("triton"):
+                ms = bench_ms(ctx, lambda args=args, n=n, scales=scales: kernels.paged_attention(
+                    *args, out=out, num_splits=n, **scales))
+            rows.append({"format": fmt, "batch": batch, "context": context, "splits": n,
+                         "default": n == default, "ms": round(ms, 4),
+                         "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)})
+        del kv, tables, args
+        ctx.release()
+    return rows
 
 
 def _sdpa_row(ctx, q, kv, tables, context, scale, kv_bytes, bw, F) -> dict:
