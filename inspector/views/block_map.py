@@ -99,7 +99,8 @@ def mode_codes(state: KVState, tier: str, mode: str,
     if mode == "state":
         return state_codes(state, tier, idx)
     if mode == "owner":
-        state.resolve_owners(tier)
+        if idx is None or (t.owner[idx] == state.ORPHAN).any():  # the blocks asked for
+            state.resolve_owners(tier)  # (a full pass over 4M owners costs ~5 ms)
         codes = state.block_codes(tier, idx)
         own = col(t.owner)
         slots = (own % _OWNER_SLOTS).astype(np.uint8)
@@ -220,6 +221,8 @@ def format_block(info: dict[str, Any]) -> str:
 class _TierPanel:
     """One tier's title, view box and image."""
 
+    FULL_REDRAW = 1 << 16  # an age frame moving more blocks than this redraws the tier
+
     def __init__(self, layout: pg.GraphicsLayout, col: int, tier: str) -> None:
         self.tier = tier
         self.title = layout.addLabel("", row=0, col=col, color=P.TEXT, size="10pt")
@@ -310,6 +313,10 @@ class _TierPanel:
                 self.age.add(idx, t.touched)
         if mode == "age":
             idx = np.concatenate([idx, self.age.crossing(prev[3], st.step, t.touched)])
+            if idx.size > max(self.FULL_REDRAW, self.num_blocks // 4):
+                # many blocks of one step move bucket together: whole arrays are cheaper
+                self.codes = mode_codes(st, name, mode)
+                return None
         if idx.size:
             self.codes[idx] = self.base[idx] if mode == "state" else mode_codes(
                 st, name, mode, idx)
