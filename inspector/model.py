@@ -37,6 +37,8 @@ class InspectorModel(QObject):
         self.frame = 0  # bumps on every set_state, so views can skip unchanged redraws
         self.lifecycle = LifecycleIndex()  # live sources grow it (replay: the recording's)
         self.highlight: dict[str, list[int]] | None = None  # e.g. a prefix-tree node
+        self._owners_key: tuple | None = None  # _owners' cache: the selected block's holders
+        self._owners_of: list[str] = []
 
     def set_highlight(self, blocks: dict[str, list[int]] | None) -> None:
         """Blocks to keep bright (per tier), over any selection; None: back to normal."""
@@ -107,9 +109,22 @@ class InspectorModel(QObject):
         if self.selected_block is not None:
             btier, b = self.selected_block
             out: list[int] = [b] if btier == tier else []
-            for sid in st.owners(btier, b):
+            for sid in self._owners(btier, b):
                 s = st.seqs[sid]
                 if s.tier == tier:
                     out.extend(s.block_table)
             return out
         return None
+
+    def _owners(self, tier: str, block: int) -> list[str]:
+        """``state.owners(tier, block)``, a scan of every sequence, remembered while the
+        block is unchanged: a table takes or drops a block only by changing its ref
+        count, which stamps the block's last-change step (``touched``). Keyed on the
+        sequence dict too (a replay's seek builds a new one; live frames patch theirs)."""
+        st = self.state
+        t = st.tiers.get(tier)
+        stamp = int(t.touched[block]) if t is not None and 0 <= block < t.num_blocks else None
+        key = (id(st.seqs), tier, block, stamp)
+        if key != self._owners_key:
+            self._owners_key, self._owners_of = key, st.owners(tier, block)
+        return self._owners_of

@@ -4,10 +4,10 @@
     QT_QPA_PLATFORM=offscreen .venv/bin/python scripts/bench_inspector.py [--frames N]
         [--gpu-blocks 1048576] [--cpu-blocks 4194304] [--seek-steps 36000] [--no-seek]
 
-A frame is what the live source does per 30 Hz tick after the subscriber thread applied
-a step: the frame hand-over (``KVState.clone(reuse=)``), the map's refresh (mode codes,
-``ImageItem.setImage`` of changed tiers) and a synchronous repaint of the map widget.
-Prints numbers; asserts nothing.
+A frame is what the live source does per 30 Hz tick after the subscriber thread decoded
+and applied a step: the frame hand-over (``KVState.clone(reuse=)``), the map's refresh
+(the changed blocks' mode codes and the selection's cells, ``ImageItem.setImage``) and a
+synchronous repaint of the map widget. Prints numbers; asserts nothing.
 """
 
 from __future__ import annotations
@@ -99,52 +99,72 @@ def stream_batch(st: KVState, frame: int, host: bool) -> dict:
 
 
 def bench_map(gpu_blocks: int, cpu_blocks: int, frames: int) -> None:
-    """Every colour mode at ``gpu_blocks`` + ``cpu_blocks`` while events stream: per frame,
-    one step's batch is applied to the mirror (as the subscriber thread does), the live
-    source's frame hand-over (``clone(reuse=)`` of the mirror), the map's refresh and a
-    synchronous repaint. Host tier static, then touched every frame."""
+    """Every colour mode at ``gpu_blocks`` + ``cpu_blocks`` while events stream, with no
+    selection and with a running sequence selected: per frame, one step's batch goes
+    through the wire codec (protocol 3: a bulk step would decode to columns; this mix,
+    ~25 ids per event, stays below the bulk threshold and travels as events) and is
+    applied to the mirror (the subscriber thread's work), then the live source's frame
+    hand-over (``clone(reuse=)`` of the mirror), the map's refresh and a synchronous
+    repaint (the GUI thread's). Host tier static, then touched every frame."""
     from PySide6.QtWidgets import QApplication
 
+    from engine.events.wire import codec as C
     from inspector import theme
     from inspector.model import InspectorModel
     from inspector.views.block_map import MODES, BlockMapView
 
     app = QApplication.instance() or QApplication([])
     theme.apply(app)
+    codec = C.Codec()
     t0 = time.perf_counter()
     mirror = big_state(gpu_blocks, cpu_blocks)
     print(f"block map: {gpu_blocks:,} GPU + {cpu_blocks:,} CPU blocks (built in "
           f"{time.perf_counter() - t0:.1f} s), {frames} frames per case, view 1000x700 px, "
-          f"offscreen; one step of events applied before each frame")
-    print(f"{'mode':<10} {'host tier':<16} {'apply ms':>9} {'frame ms':>9} "
-          f"{'(clone/refresh/paint)':>24} {'fps':>7}")
+          f"offscreen; one step of events decoded and applied before each frame; "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':<10} {'host tier':<8} {'selected':<9} {'decode':>7} {'apply':>6} "
+          f"{'clone':>6} {'refresh':>8} {'paint':>6} {'frame ms':>9} {'fps':>6} "
+          f"{'fps w/ apply':>13}")
     model = InspectorModel()
     view = BlockMapView(model)
     view.resize(1000, 700)
     view.show()
     model.set_state(mirror.clone())
     app.processEvents()
-    frame_no = 0
+    frame_no = as_columns = 0
     for mode in MODES:
         view.colour_by.setCurrentText(mode)
         for host in (False, True):
-            app.processEvents()
-            rows = []
-            for _ in range(frames):
-                frame_no += 1
-                batch = stream_batch(mirror, frame_no, host)
-                t0 = time.perf_counter()
-                mirror.apply(batch)
-                t1 = time.perf_counter()
-                model.set_state(mirror.clone(reuse=model.state))  # refreshes the map
-                t2 = time.perf_counter()
-                view.canvas.viewport().repaint()
-                t3 = time.perf_counter()
-                rows.append((t1 - t0, t3 - t1, t2 - t1, t3 - t2))
-            med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
-            label = "changes" if host else "static"
-            print(f"{mode:<10} {label:<16} {med[0]:>9.1f} {med[1]:>9.1f} "
-                  f"{'':>4}{med[2]:>9.1f} / {med[3]:>6.1f} {1e3 / med[1]:>7.1f}", flush=True)
+            for selected in (None, "s5"):  # s5: a running sequence (decodes every step)
+                model.select_seq(selected)
+                app.processEvents()
+                rows = []
+                for _ in range(frames):
+                    frame_no += 1
+                    batch = stream_batch(mirror, frame_no, host)
+                    data = codec.encode(C.make_batch("bench", frame_no, batch["step"], 0.0,
+                                                     batch["events"]))
+                    t0 = time.perf_counter()
+                    msg = codec.decode(data)
+                    t1 = time.perf_counter()
+                    as_columns += "columns" in msg
+                    mirror.apply(msg)
+                    t2 = time.perf_counter()
+                    frame = mirror.clone(reuse=model.state)
+                    t3 = time.perf_counter()
+                    model.set_state(frame)  # refreshes the map
+                    t4 = time.perf_counter()
+                    view.canvas.viewport().repaint()
+                    t5 = time.perf_counter()
+                    rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t2))
+                med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(6)]
+                print(f"{mode:<10} {'changes' if host else 'static':<8} "
+                      f"{'sequence' if selected else '-':<9} {med[0]:>7.1f} {med[1]:>6.1f} "
+                      f"{med[2]:>6.1f} {med[3]:>8.1f} {med[4]:>6.1f} {med[5]:>9.1f} "
+                      f"{1e3 / med[5]:>6.1f} {1e3 / (med[0] + med[1] + med[5]):>13.1f}",
+                      flush=True)
+    print(f"steps that travelled as columns (protocol 3): {as_columns} of {frame_no}; "
+          f"left by the columnar apply to the per-event reference: {mirror.columns_refused}")
     view.close()
 
 

@@ -18,8 +18,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from engine.cache.hashing import chain_hashes
+from engine.events import columns as C
 from engine.events import schema as S
+from engine.events.columns import StepColumns
 from engine.events.schema import ProtocolError
 from engine.events.state import unpack_ids
 
@@ -47,7 +51,13 @@ class PrefixIndex:
                 self.count[h] += 1
 
     def on_batch(self, batch: dict[str, Any], state: Any) -> None:
-        """Re-read the blocks this (already applied) batch touched."""
+        """Re-read the blocks this (already applied) batch touched. A batch holding
+        ``columns`` (protocol 3, decoded) is read from them: its block ids are one array,
+        each block re-read once (``_on_columns``); the same result as from its events."""
+        cols = batch.get("columns")
+        if isinstance(cols, StepColumns):
+            self._on_columns(cols, state)
+            return
         events = batch.get("events")
         if not isinstance(events, list):
             self.rebuild(state)
@@ -69,6 +79,32 @@ class PrefixIndex:
                         for b in blocks:
                             if isinstance(b, int) and 0 <= b < tier.num_blocks:
                                 self._sync(name, b, tier.hashes.get(b))
+
+    def _on_columns(self, cols: StepColumns, state: Any) -> None:
+        """``on_batch`` of a batch in columns: the hot events' ids (but seq_tokens', which
+        index sequence names) and the other events' block lists, deduplicated, re-read
+        from the mirror's hash columns in every tier, as the per-event path does."""
+        parts = [cols.ids[cols.kind[np.repeat(np.arange(len(cols.kind)), np.diff(cols.off))]
+                          != C.SEQ_TOKENS]]
+        for ev in cols.others:
+            if not isinstance(ev, dict) or ev.get("kind") == S.TIER_INIT:
+                self.rebuild(state)
+                return
+            for key in _BLOCK_LISTS:
+                if key in ev:
+                    try:
+                        ids = unpack_ids(ev[key])
+                    except ProtocolError:
+                        self.rebuild(state)
+                        return
+                    parts.append(np.array([b for b in ids if isinstance(b, int)],
+                                          dtype=np.int64))
+        blocks = np.unique(np.concatenate(parts).astype(np.int64, copy=False))
+        for name, tier in state.tiers.items():
+            b = blocks[(blocks >= 0) & (blocks < tier.num_blocks)]
+            hashed, values, big = tier.hashed_c.np[b], tier.hash_c.np[b], tier.big_hashes
+            for blk, held, h in zip(b.tolist(), hashed.tolist(), values.tolist(), strict=True):
+                self._sync(name, blk, (big.get(blk, h) if big else h) if held else None)
 
     def _sync(self, tier: str, block: int, h: int | None) -> None:
         key = (tier, block)

@@ -50,6 +50,7 @@ _DIM[: P.DIM_OFFSET] += P.DIM_OFFSET
 _DIM[P.OWNER_BASE: P.OWNER_DIM_BASE] += P.OWNER_DIM_BASE - P.OWNER_BASE
 _DIM[P.RAMP_BASE: P.RAMP_DIM_BASE] += P.RAMP_LEN
 _DIM[P.FORMAT_BASE: P.FORMAT_DIM_BASE] += P.FORMAT_LEN
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
 # Colour modes: what a cell's colour says about its block.
 MODES = ("state", "owner", "ref count", "format", "age")
@@ -98,7 +99,8 @@ def mode_codes(state: KVState, tier: str, mode: str,
     if mode == "state":
         return state_codes(state, tier, idx)
     if mode == "owner":
-        state.resolve_owners(tier)
+        if idx is None or (t.owner[idx] == state.ORPHAN).any():  # the blocks asked for
+            state.resolve_owners(tier)  # (a full pass over 4M owners costs ~5 ms)
         codes = state.block_codes(tier, idx)
         own = col(t.owner)
         slots = (own % _OWNER_SLOTS).astype(np.uint8)
@@ -219,6 +221,8 @@ def format_block(info: dict[str, Any]) -> str:
 class _TierPanel:
     """One tier's title, view box and image."""
 
+    FULL_REDRAW = 1 << 16  # an age frame moving more blocks than this redraws the tier
+
     def __init__(self, layout: pg.GraphicsLayout, col: int, tier: str) -> None:
         self.tier = tier
         self.title = layout.addLabel("", row=0, col=col, color=P.TEXT, size="10pt")
@@ -234,11 +238,17 @@ class _TierPanel:
         self.width = 1
         self.num_blocks = -1
         self.fmt = ""
-        self.cells = np.zeros((1, 1), dtype=np.uint8)
+        self.cells = np.zeros((1, 1), dtype=np.uint8)  # drawn: codes with the selection
         self.base = np.zeros(0, dtype=np.uint8)  # KVState.block_codes of the frame drawn
+        self.codes = np.zeros(0, dtype=np.uint8)  # mode_codes of the frame drawn (undimmed)
         self.counts = np.zeros(4, dtype=np.int64)  # blocks per state code, same frame
-        self.draw_key: tuple | None = None  # what the drawn image shows (see refresh)
+        self.draw_key: tuple | None = None  # the frame ``codes`` show (see update_codes)
         self.age: AgeIndex | None = None  # age mode: blocks by last-change step
+        # the selection drawn: while one is active (``lit`` not None) every block outside
+        # ``lit_ids`` is dimmed; ``selected`` is the selected block's cell
+        self.lit: np.ndarray | None = None  # bool per block, True at lit_ids
+        self.lit_ids = _NO_BLOCKS
+        self.selected: int | None = None
 
     def configure(self, num_blocks: int, block_size: int, fmt: str) -> None:
         if (num_blocks, fmt) == (self.num_blocks, self.fmt):
@@ -264,17 +274,115 @@ class _TierPanel:
                             autoDownsample=False)
         self.view.setRange(xRange=(0, self.width), yRange=(0, rows), padding=0.02)
 
-    def draw_cells(self, blocks: np.ndarray, codes: np.ndarray) -> None:
-        """Redraw only ``blocks`` (their codes given; no highlight/selection active)."""
-        self.cells.reshape(-1)[blocks] = codes
-        self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
-                            autoDownsample=False)
-        if self.grid is not None:
-            self.grid.update()
+    def update_codes(self, st: KVState, mode: str) -> np.ndarray | None:
+        """Bring ``codes`` (and ``base``, ``counts``) to frame ``st`` in ``mode``; returns
+        the blocks whose code may have changed, or None when the whole tier was redone.
 
-    def draw(self, codes: np.ndarray) -> None:
-        flat = self.cells.reshape(-1)
-        flat[: codes.size] = codes
+        Incremental when ``st``'s tier is the object drawn last, brought up to date in
+        place by ``KVState.clone(reuse=)`` (its ``changed_since`` names the blocks copied),
+        in the same mode: then only those blocks (plus, in age mode, the blocks whose
+        age bucket moves) are recomputed. A 4M-block tier that did not change costs
+        nothing."""
+        name = self.tier
+        t = st.tiers[name]
+        key = (id(t), t.version, mode, st.step if mode == "age" else None)
+        prev, changed = self.draw_key, t.changed_since
+        if key == prev:
+            return _NO_BLOCKS
+        self.draw_key = key
+        same = prev is not None and prev[0] == key[0] and prev[2] == mode
+        if same and prev[1] != t.version and (changed is None or changed[0] != prev[1]):
+            same = False  # changed, but not by one in-place refresh from the frame drawn
+        if same and mode == "age" and not (self.age is not None
+                                           and 0 <= st.step - prev[3] <= AgeIndex.MAX_STEPS):
+            same = False
+        if not same:
+            self.base = state_codes(st, name)
+            self.counts = np.bincount(self.base, minlength=8)
+            self.codes = self.base.copy() if mode == "state" else mode_codes(st, name, mode)
+            self.age = AgeIndex(t.touched) if mode == "age" else None
+            return None
+        idx = _NO_BLOCKS
+        if prev[1] != t.version:
+            idx = np.unique(changed[1])
+            new_base = state_codes(st, name, idx)
+            self.counts += np.bincount(new_base, minlength=8) - np.bincount(
+                self.base[idx], minlength=8)
+            self.base[idx] = new_base
+            if mode == "age":
+                self.age.add(idx, t.touched)
+        if mode == "age":
+            idx = np.concatenate([idx, self.age.crossing(prev[3], st.step, t.touched)])
+            if idx.size > max(self.FULL_REDRAW, self.num_blocks // 4):
+                # many blocks of one step move bucket together: whole arrays are cheaper
+                self.codes = mode_codes(st, name, mode)
+                return None
+        if idx.size:
+            self.codes[idx] = self.base[idx] if mode == "state" else mode_codes(
+                st, name, mode, idx)
+        return idx
+
+    def show(self, highlight: list[int] | None, selected: int | None,
+             changed: np.ndarray | None) -> None:
+        """Draw ``codes`` with the selection: ``highlight`` the blocks kept bright while
+        the rest dims (None: nothing dims), ``selected`` the selected block's cell.
+        ``changed``: the blocks whose code changed (``update_codes``; None: all). Only
+        those and the blocks the selection's change touches are rewritten."""
+        if selected is not None and not 0 <= selected < self.num_blocks:
+            selected = None
+        if changed is None or (highlight is None) != (self.lit is None):
+            self._set_lit(highlight)
+            self.selected = selected
+            self.draw()
+            return
+        parts = [changed]
+        if highlight is not None:
+            ids = np.asarray(highlight, dtype=np.int64)
+            if not np.array_equal(ids, self.lit_ids):
+                parts += [self.lit_ids, ids]
+                self._set_lit(ids)
+        if selected != self.selected:
+            parts.append(np.array([b for b in (self.selected, selected) if b is not None],
+                                  dtype=np.int64))
+            self.selected = selected
+        blocks = np.concatenate(parts) if len(parts) > 1 else changed
+        if blocks.size:
+            self.draw_cells(np.unique(blocks) if len(parts) > 1 else blocks)
+
+    def _set_lit(self, highlight: list[int] | np.ndarray | None) -> None:
+        if highlight is None:
+            self.lit, self.lit_ids = None, _NO_BLOCKS
+            return
+        if self.lit is None or self.lit.size != self.num_blocks:
+            self.lit = np.zeros(self.num_blocks, dtype=bool)
+        else:
+            self.lit[self.lit_ids] = False
+        self.lit_ids = np.asarray(highlight, dtype=np.int64)
+        self.lit[self.lit_ids] = True
+
+    def draw_cells(self, blocks: np.ndarray) -> None:
+        """Redraw only ``blocks`` (the same cells ``draw`` would give them)."""
+        c = self.codes[blocks]
+        if self.lit is not None:
+            c = np.where(self.lit[blocks], c, _DIM[c])
+        if self.selected is not None:
+            c[blocks == self.selected] = P.CODE_SELECTED
+        self.cells.reshape(-1)[blocks] = c
+        self._upload()
+
+    def draw(self) -> None:
+        """Redraw every cell from ``codes`` and the selection (no array allocated)."""
+        flat = self.cells.reshape(-1)[: self.num_blocks]
+        if self.lit is None:
+            flat[:] = self.codes
+        else:
+            np.take(_DIM, self.codes, out=flat)
+            flat[self.lit_ids] = self.codes[self.lit_ids]
+        if self.selected is not None:
+            flat[self.selected] = P.CODE_SELECTED
+        self._upload()
+
+    def _upload(self) -> None:
         self.image.setImage(self.cells, autoLevels=False, levels=(0, P.LUT_SIZE),
                             autoDownsample=False)
         if self.grid is not None:
@@ -326,12 +434,7 @@ class BlockMapView(QWidget):
         self.canvas.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.canvas.scene().sigMouseClicked.connect(self._on_mouse_clicked)
         model.state_changed.connect(self.refresh)
-        self._selection_version = 0  # bumps on every selection/highlight change
-        model.selection_changed.connect(self._on_selection)
-
-    def _on_selection(self) -> None:
-        self._selection_version += 1
-        self.refresh()
+        model.selection_changed.connect(self.refresh)
 
     @property
     def mode(self) -> str:
@@ -345,9 +448,11 @@ class BlockMapView(QWidget):
 
     # ------------------------------------------------------------- drawing
     def refresh(self) -> None:
-        """Redraw the tiers that changed. A tier is redrawn only when its KVState tier
-        (object and version), the mode, the selection or (age mode) the step changed, so
-        an unchanged 4M-block host tier costs nothing per frame."""
+        """Redraw what changed: per tier, the blocks the frame changed (``update_codes``)
+        and the cells the selection's change touches (``show``). An unchanged 4M-block
+        host tier costs nothing per frame, a selection held while events stream costs
+        the blocks that changed, and the result always equals ``cell_codes`` of the
+        frame (tests/inspector/test_block_map_modes.py)."""
         st = self.model.state
         key = tuple((n, t.num_blocks, t.format, len(t.format_names) > 1)
                     for n, t in sorted(st.tiers.items()))
@@ -355,57 +460,13 @@ class BlockMapView(QWidget):
             self._rebuild(st)
             self._layout_key = key
         sel, mode = self.model.selected_block, self.mode
-        selecting = (self.model.selected_seq is not None or sel is not None
-                     or self.model.highlight is not None)
         counts: dict[str, np.ndarray] = {}
         for name, panel in self.panels.items():
             t = st.tiers[name]
             panel.configure(t.num_blocks, t.block_size, t.format)
-            draw_key = (id(t), t.version, mode, st.step if mode == "age" else None,
-                        (id(st), self._selection_version) if selecting else None)
-            changed = t.changed_since
-            prev = panel.draw_key
-            if (mode == "age" and not selecting and prev is not None and prev[2] == "age"
-                    and panel.age is not None and prev[0] == draw_key[0]
-                    and 0 <= st.step - prev[3] <= AgeIndex.MAX_STEPS
-                    and (prev[1] == t.version
-                         or (changed is not None and changed[0] == prev[1]))):
-                # age mode, a later step: the changed blocks and the bucket crossings
-                moved = np.zeros(0, dtype=np.int64)
-                if prev[1] != t.version:
-                    moved = np.unique(changed[1])
-                    new_base = state_codes(st, name, moved)
-                    panel.counts = panel.counts - np.bincount(
-                        panel.base[moved], minlength=8) + np.bincount(new_base, minlength=8)
-                    panel.base[moved] = new_base
-                    panel.age.add(moved, t.touched)
-                idx = np.concatenate([moved, panel.age.crossing(prev[3], st.step, t.touched)])
-                if idx.size:
-                    panel.draw_cells(idx, mode_codes(st, name, mode, idx))
-                panel.draw_key = draw_key
-            elif (not selecting and panel.draw_key is not None and changed is not None
-                    and draw_key[0] == panel.draw_key[0] and draw_key[2:] == panel.draw_key[2:]
-                    and changed[0] == panel.draw_key[1]):
-                # the same tier object, brought up to date in place: redraw what changed
-                idx = np.unique(changed[1])
-                new_base = state_codes(st, name, idx)
-                panel.counts = panel.counts - np.bincount(panel.base[idx], minlength=8) \
-                    + np.bincount(new_base, minlength=8)
-                panel.base[idx] = new_base
-                panel.draw_cells(idx, new_base if mode == "state"
-                                 else mode_codes(st, name, mode, idx))
-                panel.draw_key = draw_key
-            elif draw_key != panel.draw_key:
-                base = state_codes(st, name)
-                panel.base = base
-                panel.counts = np.bincount(base, minlength=8)
-                codes = base.copy() if mode == "state" else mode_codes(st, name, mode)
-                panel.age = AgeIndex(t.touched) if mode == "age" else None
-                panel.draw(cell_codes(
-                    st, name, mode=mode, highlight=self.model.highlighted_blocks(name),
-                    selected=sel[1] if sel is not None and sel[0] == name else None,
-                    codes=codes))
-                panel.draw_key = draw_key
+            changed = panel.update_codes(st, mode)
+            panel.show(self.model.highlighted_blocks(name),
+                       sel[1] if sel is not None and sel[0] == name else None, changed)
             counts[name] = panel.counts
         self._update_legend_counts(counts)
 

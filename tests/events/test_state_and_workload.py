@@ -115,12 +115,15 @@ def test_clone_reusing_the_last_frame_equals_a_full_clone():
     one (shared unchanged parts, changed blocks copied in place), yet equals a full copy;
     the mirror never shares anything with a frame."""
     _, bs = batches(9, 170)
-    st, frame, frames = KVState(), None, []
+    # twin: the same stream in a second mirror, cloned in full for the reference (a full
+    # clone of st itself would make the next frame a full copy, not the in-place path)
+    st, twin, frame, frames = KVState(), KVState(), None, []
     for i, b in enumerate(bs[:160]):
         st.apply(b)
+        twin.apply(b)
         if i % 3 == 0:
             frame = st.clone(reuse=frame)
-            full = st.clone()
+            full = twin.clone()
             assert frame.canonical() == full.canonical() == st.canonical()
             assert _full(frame) == _full(full)
             frames.append((frame, frame.canonical()))
@@ -128,3 +131,4 @@ def test_clone_reusing_the_last_frame_equals_a_full_clone():
     for b in bs[160:]:
         st.apply(b)
     assert last.canonical() == canon != st.canonical()
+    assert st.clone(reuse=last).canonical() == st.canonical()

@@ -10,7 +10,13 @@ from engine.events import KVState
 from engine.events import schema as S
 from inspector import palette as P
 from inspector.model import InspectorModel
-from inspector.views.block_map import MODES, BlockMapView, mode_codes
+from inspector.views.block_map import (
+    MODES,
+    BlockMapView,
+    cell_codes,
+    mode_codes,
+    state_codes,
+)
 
 
 def small_state() -> KVState:
@@ -82,9 +88,9 @@ def test_map_redraws_only_changed_tiers(qtbot):  # noqa: ANN001
     draws: list[str] = []
     for name, panel in view.panels.items():
         real, real_cells = panel.draw, panel.draw_cells
-        panel.draw = lambda codes, name=name, real=real: (draws.append(name), real(codes))
-        panel.draw_cells = lambda blocks, codes, name=name, real=real_cells: (
-            draws.append(name), real(blocks, codes))
+        panel.draw = lambda name=name, real=real: (draws.append(name), real())
+        panel.draw_cells = lambda blocks, name=name, real=real_cells: (
+            draws.append(name), real(blocks))
     view.refresh()
     assert draws == []  # nothing changed since set_state drew it
     st.apply({"v": 2, "step": 42, "events": [
@@ -122,7 +128,7 @@ def test_age_mode_frames_update_incrementally_and_exactly(qtbot):  # noqa: ANN00
     full_draws = []
     for panel in view.panels.values():
         real = panel.draw
-        panel.draw = lambda codes, real=real: (full_draws.append(1), real(codes))
+        panel.draw = lambda real=real: (full_draws.append(1), real())
     for step in range(1, 70):
         events = [{"kind": "seq_add", "seq": f"s{step}"},
                   {"kind": "alloc", "tier": "gpu", "seq": f"s{step}", "blocks": [step % 64]},
@@ -141,3 +147,109 @@ def test_every_quantized_format_gets_the_quantized_hues(fmt: str):
     assert colours[S.BLOCK_USED] == P.QUANT_USED and colours[S.BLOCK_SHARED] == P.QUANT_SHARED
     assert labels[S.BLOCK_USED] == f"in use ({fmt})"
     assert P.state_colours("gpu", "auto")[S.BLOCK_USED] == P.USED
+
+
+def _reference_cells(model: InspectorModel, twin: KVState, tier: str, mode: str) -> np.ndarray:
+    """The map's cells drawn from scratch: ``cell_codes`` of a copy of ``twin`` (a second
+    mirror of the same stream: cloning the live mirror itself would end its incremental
+    hand-over), with the model's selection read against that copy."""
+    ref = InspectorModel()
+    ref.state = twin.clone()
+    ref.selected_seq, ref.selected_block = model.selected_seq, model.selected_block
+    ref.highlight = model.highlight
+    sel = model.selected_block
+    return cell_codes(ref.state, tier, mode=mode, highlight=ref.highlighted_blocks(tier),
+                      selected=sel[1] if sel is not None and sel[0] == tier else None)
+
+
+def _quantize_some(st: KVState, step: int) -> list[dict]:
+    """A ``quantize`` of up to 4 held GPU blocks (some steps): the demoted codes."""
+    if step % 25 or "gpu" not in st.tiers:
+        return []
+    held = np.flatnonzero(st.tiers["gpu"].ref > 0)[:: 7][:4].tolist()
+    return [{"kind": "quantize", "tier": "gpu", "blocks": held, "format": "int8"}] if held else []
+
+
+@pytest.mark.parametrize("stream", ["events", "columns"])
+def test_incremental_frames_equal_a_full_redraw(qtbot, stream: str):  # noqa: ANN001
+    """The live path (one step applied, ``clone(reuse=)``, the map redraws only what
+    changed) draws exactly what a full recompute of the frame draws: after every step of
+    a random stream, in every colour mode, with a sequence, a block or a highlight
+    selected or nothing; and it redraws whole tiers only when the mode or the dimming
+    switches."""
+    import random
+
+    from engine.bench.events import bulk_batches
+    from engine.events.wire import codec as C
+    from tests.inspector.batches import synthetic_batches
+
+    if stream == "events":
+        batches = synthetic_batches(160, seed=5, gpu_blocks=512, cpu_blocks=128,
+                                    max_running=12, arrival_rate=0.9)
+    else:  # bulk steps as the wire carries them: decoded protocol-3 columns
+        codec = C.Codec()
+        batches = [codec.decode(codec.encode(C.make_batch("e", i + 1, i, float(i), ev, s)))
+                   for i, (ev, s) in enumerate(bulk_batches(
+                       60, blocks_per_seq=64, live=6, num_blocks=2048))]
+        assert sum("columns" in b for b in batches) > 30
+    model = InspectorModel()
+    view = BlockMapView(model)
+    qtbot.addWidget(view)
+    mirror, twin = KVState(), KVState()
+    rng = random.Random(7)
+    full: list[str] = []
+    partial: list[int] = []
+    seen: set[tuple[str, str]] = set()  # (mode, what is selected) of the frames checked
+    for i, batch in enumerate(batches):
+        if stream == "events":
+            batch = {**batch, "events": batch["events"] + _quantize_some(mirror, i)}
+        mirror.apply(batch)
+        twin.apply(batch)
+        if i % 7 == 3:  # every mode in turn, a few frames each
+            view.colour_by.setCurrentText(MODES[(i // 7) % len(MODES)])
+        if i > 2 and rng.random() < 0.3:  # a new selection, often straight from another
+            pick, seqs = rng.random(), sorted(mirror.seqs)
+            if pick < 0.4 and seqs:
+                model.set_highlight(None)
+                model.select_seq(rng.choice(seqs))
+            elif pick < 0.6:
+                model.set_highlight(None)
+                model.select_seq(None)
+                model.select_block("gpu", rng.randrange(mirror.tiers["gpu"].num_blocks))
+            elif pick < 0.8:
+                model.set_highlight({"gpu": rng.sample(
+                    range(mirror.tiers["gpu"].num_blocks), 5)})
+            elif pick < 0.9:  # under a highlight: the selected cell moves, nothing else
+                model.select_block("gpu", rng.randrange(mirror.tiers["gpu"].num_blocks))
+            else:
+                model.set_highlight(None)
+                model.select_seq(None)
+                model.select_block(None)
+        for n, p in view.panels.items():  # count whole-tier redraws of this frame
+            if getattr(p, "_counted", False):
+                continue
+            real, real_cells = p.draw, p.draw_cells
+            p.draw = lambda n=n, real=real: (full.append(n), real())
+            p.draw_cells = lambda blocks, real=real_cells: (partial.append(1), real(blocks))
+            p._counted = True
+        full.clear()
+        before = {n: (id(p), p.lit is None, view.mode,
+                      id(model.state.tiers.get(n))) for n, p in view.panels.items()}
+        model.set_state(mirror.clone(reuse=model.state if i else None))
+        seen.add((view.mode, "highlight" if model.highlight else "seq" if model.selected_seq
+                  else "block" if model.selected_block else "none"))
+        for tier in mirror.tiers:
+            assert np.array_equal(view.cells(tier), _reference_cells(
+                model, twin, tier, view.mode)), (i, tier, view.mode)
+            assert np.array_equal(view.panels[tier].counts, np.bincount(  # the legend's
+                state_codes(twin, tier), minlength=8)), (i, tier)
+            was = before.get(tier)
+            if tier in full and was is not None and i > 2:
+                p = view.panels[tier]
+                assert (was[0] != id(p) or was[1] != (p.lit is None) or was[2] != view.mode
+                        or was[3] != id(model.state.tiers[tier])), (i, tier)
+    assert {m for m, _ in seen} == set(MODES)
+    assert len(partial) > len(batches) // 2  # most frames took the incremental path
+    assert {w for _, w in seen} == {"none", "seq", "block", "highlight"}
+    if stream == "events":
+        assert len(mirror.tiers["gpu"].format_names) > 1  # the quantize steps applied

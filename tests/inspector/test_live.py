@@ -196,3 +196,57 @@ def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN00
 def test_malformed_endpoint_is_a_clear_error(endpoint, window):  # noqa: ANN001
     with pytest.raises(InspectError, match="cannot connect to"):
         LiveSource(endpoint, window.model)
+
+
+def test_column_frames_reach_the_view_as_the_per_event_path_draws_them(qapp, qtbot):  # noqa: ANN001
+    """Protocol 3 into the live inspector: a bulk step arrives as one frame of columns,
+    the subscriber's mirror applies it with arrays (never handing it to the per-event
+    reference), and what the view shows (state, block map, event log) equals the same
+    stream applied event by event."""
+    from engine.events import KVState
+    from engine.events.analysis.lifecycle import LifecycleIndex
+    from inspector.model import InspectorModel
+    from inspector.views.block_map import BlockMapView, cell_codes
+    from tests.events.test_wire_v3 import bulk
+
+    batches = bulk(8)
+    truth = KVState()  # the reference: every batch applied event by event
+    model = InspectorModel()
+    view = BlockMapView(model)
+    qtbot.addWidget(view)
+    with EventStream("tcp://127.0.0.1:0", engine_lock=threading.Lock(),
+                     snapshot_fn=lambda: truth.snapshot()) as stream:
+        live = LiveSource(stream.endpoint, model, snapshot_endpoint=stream.snapshot_endpoint)
+        seen: list[bool] = []  # per batch applied: it came as columns
+        keep = live.sub.on_apply
+        live.sub.on_apply = lambda b, s: (seen.append("columns" in b), keep(b, s))
+        live.start()
+        try:
+            qtbot.waitUntil(lambda: joined(live), timeout=HANG_MS)
+            for b in batches:
+                with stream.engine_lock:
+                    truth.apply({k: v for k, v in b.items() if k != "columns"})
+                    for ev in b["events"]:
+                        stream.sink.emit(**ev)
+                    stream.end_step(b["step"], b["stats"])
+            last = batches[-1]["step"]  # the frame shown holds the last step
+            qtbot.waitUntil(lambda: (live.tick(), model.state.step == last)[1],
+                            timeout=HANG_MS)
+        finally:
+            live.stop()
+    assert sum(seen) >= len(batches) - 1, seen  # bulk steps: all but the first as columns
+    assert live.sub.state.columns_refused == 0
+    assert model.state.canonical() == truth.canonical()
+    for mode in ("state", "owner", "age"):
+        view.set_mode(mode)
+        assert (view.cells("gpu") == cell_codes(truth, "gpu", mode=mode)).all(), mode
+    # the log and the lifecycle read the frames' events: the same as the reference's
+    ref_life = LifecycleIndex()
+    for b in batches:
+        ref_life.add(b)
+    assert sorted(model.lifecycle.seqs) == sorted(ref_life.seqs)
+    assert model.lifecycle.totals == ref_life.totals
+    assert {sid: (s.status, s.blocks) for sid, s in model.lifecycle.seqs.items()} == {
+        sid: (s.status, s.blocks) for sid, s in ref_life.seqs.items()}
+    assert [ev["kind"] for _, ev in model.events][-5:] == [
+        ev["kind"] for ev in batches[-1]["events"]][-5:]

@@ -99,3 +99,28 @@ def test_parse_replica() -> None:
             assert "URL[,EVENTS" in str(e)
         else:
             raise AssertionError(bad)
+
+
+def test_index_from_column_frames_equals_the_per_event_index(monkeypatch) -> None:  # noqa: ANN001
+    """Protocol 3: fed the decoded column frames (every hot step as columns), the index
+    equals the one fed the same steps' events, and the mirror, after every batch."""
+    from engine.events import state_columns
+    from engine.events.wire import codec as C
+
+    monkeypatch.setattr(state_columns, "SMALL_RUN", 0)  # every step with ids as columns
+    monkeypatch.setattr(state_columns, "BULK_IDS", 0)
+    codec = C.Codec()
+    cache, sink = SyntheticCache(seed=4, gpu_blocks=64, cpu_blocks=32), ListSink()
+    state, cols_index, ev_index = KVState(), PrefixIndex(), PrefixIndex()
+    n_cols = 0
+    for step in range(300):
+        stats = cache.step(sink)
+        batch = codec.decode(codec.encode(C.make_batch("e", step + 1, step, 0.0, sink.drain(),
+                                                       stats)))
+        n_cols += "columns" in batch
+        state.apply(batch)
+        cols_index.on_batch(batch, state)
+        ev_index.on_batch({k: v for k, v in batch.items() if k != "columns"}, state)
+        assert cols_index.by_block == ev_index.by_block, f"step {step}"
+        assert dict(cols_index.count) == dict(ev_index.count) == _mirror_counts(state)
+    assert n_cols > 250
