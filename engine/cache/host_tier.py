@@ -25,6 +25,10 @@ content, not a block: a copy between tiers keeps its entry, and the gpu reuses t
 serial when it stores a content the host still holds, so a prefix chain verified block by
 block stays valid when its blocks are spread over both tiers.
 
+One HostTier moves the blocks of one cache group: group 0 (``BlockPool.group`` of
+``gpu``); a hybrid cache's window group has its own (``move_out``/``move_in`` of its held
+window blocks, events naming group 1; engine.cache.window_group), without write-back.
+
 NOTE: orders are sequential in meaning (transfers.plan_rounds batches them safely). A
 sequence's blocks are all computed when it is swapped out or evicted: the scheduler only
 picks victims that were not scheduled in the current step.

@@ -35,8 +35,19 @@ holds the blocks covering its last W tokens, ``first_kept(k * bs - 1) .. k - 1``
 entries before them are ``RELEASED``. The longest such k is found from the right, each
 block looked up once (as vLLM scans for ``cdiv(W - 1, block_size)`` contiguous blocks).
 
-Limits (the cache manager refuses them with a window group): the cpu and disk tiers, kv
-demotion.
+Swap (the manager's ``window_host``, an engine.cache.host_tier.HostTier over ``pool`` and
+``host``): the window blocks get their own host pool, not a share of group 0's, for the
+reason they have their own gpu pool: a host block is a copy of one gpu page, and a window
+page holds the windowed layers only (a group-0 page the others), so one host pool for both
+would size every host block for all layers and leave most of each empty. A preempted
+sequence moves its held window blocks (released entries stay ``RELEASED``) to ``host``
+and back, alongside its group-0 table; while it is swapped (``tier`` "cpu") its held
+entries are ``host`` blocks (``pool_of``). The host pool is swap space only: no
+write-back and no host hits (a host hit would need the window blocks of the prefix's last
+W tokens on the host too), so a copy's index entry there serves only to share a content
+swapped out twice.
+
+Limits (the cache manager refuses them with a window group): the disk tier, kv demotion.
 """
 
 from __future__ import annotations
