@@ -71,13 +71,22 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
+        # Per-token formats (fp8, int8, int4) work with windows: both cache groups take
+        # them (docs/kv-cache.md). What the other two lack, named in their refusals:
         if mc.windowed and config.kv_demotion:
             raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-demotion is "
-                             "not supported with them (the mixed-page kernels take no window)")
+                             "not supported with them yet: the mixed-precision arena's "
+                             "attention takes no window, and its demotion policy and frames "
+                             "cover one pool, not the hybrid cache's window group; use "
+                             "--kv-cache-dtype fp8, int8 or int4 (both groups take them)")
         if mc.windowed and config.kv_cache_dtype in BLOCK_KV_CACHE_DTYPES:
             raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-cache-dtype "
-                             f"{config.kv_cache_dtype} is not supported with them (the "
-                             "block-quantized pages' attention takes no window)")
+                             f"{config.kv_cache_dtype} is not supported with them yet: the "
+                             "block-quantized attention (C, torch and Triton paths) takes no "
+                             "window, and the runner has no per-group page format (the "
+                             "full-attention layers' pages block-quantized beside the window "
+                             "group's in the model dtype); use --kv-cache-dtype fp8, int8 or "
+                             "int4 (both groups take them)")
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)

@@ -119,6 +119,41 @@ def test_swap_preemption_with_the_hybrid_cache_keeps_the_reference_and_the_mirro
     assert {("swap_out", 1), ("swap_in", 1), ("swap_out", 0)} <= kinds and "cpu/1" in state.tiers
 
 
+def test_each_group_swaps_its_own_pages_and_scale_pages(loaded):
+    """The runner's swap of a hybrid cache with int8 pages (per-token scales; both groups
+    take the per-token formats): group 0's rounds move the full-attention layers' K, V and
+    scale pages, the window group's rounds the windowed layers', each through its own host
+    pool, out and back into other blocks, bit for bit."""
+    from engine.runner.model_runner import ModelRunner
+    from engine.scheduler import SchedulerOutput
+
+    model, _, mc = loaded
+    runner = ModelRunner(model, mc, 8, 4, torch.device("cpu"), torch.float32,
+                         kv_cache_dtype="int8", num_cpu_blocks=4, num_window_blocks=6,
+                         num_window_cpu_blocks=3)
+    kv, groups = runner.kv, runner.group
+    layers = [kv.k_caches, kv.v_caches, kv.k_scales, kv.v_scales]
+    torch.manual_seed(0)
+    for ts in layers:
+        for t in ts:
+            t.copy_(torch.randint(-100, 100, t.shape).to(t.dtype))
+    src = {0: 5, 1: 2}  # a block of each group's pool
+    before = [[t[src[groups[i]]].clone() for i, t in enumerate(ts)] for ts in layers]
+    runner.run(SchedulerOutput(swap_rounds=[([(5, 1)], [])],
+                               window_swap_rounds=[([(2, 0)], [])]))
+    for ts in layers:
+        for t in ts:
+            t.zero_()
+    runner.run(SchedulerOutput(swap_rounds=[([], [(1, 7)])],
+                               window_swap_rounds=[([], [(0, 4)])]))
+    dst = {0: 7, 1: 4}
+    assert set(groups) == {0, 1} and kv.k_scales is not None
+    for ts, old in zip(layers, before, strict=True):
+        for i, t in enumerate(ts):
+            assert torch.equal(t[dst[groups[i]]], old[i]), i
+    assert runner.swapper.blocks_in == runner.swapper.window.blocks_in == 1
+
+
 def test_prefix_caching_hits_keep_the_reference_tokens(make_engine, reference):
     """Prefix caching (on by default) with the hybrid cache: later prompts hit the shared
     prefix, three windows long, so each hit takes the window group's blocks of its last W
