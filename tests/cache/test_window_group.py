@@ -140,10 +140,15 @@ def test_random_workload_keeps_the_invariants_and_the_event_mirror(seed):
 
 
 @pytest.mark.parametrize("kw", [
+    # a cpu tier needs a host pool for each group
     {"window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},  # prefix caching on
+    {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},
+    {"window": 8, "num_window_blocks": 4, "num_window_cpu_blocks": 4},
+    # no disk tier: the cpu tier is swap space only beside a window group
+    {"window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4, "num_window_cpu_blocks": 2,
+     "num_disk_blocks": 4},
     {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 0},
     {"enable_prefix_caching": False, "window": 0, "num_window_blocks": 4},
-    {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},
 ])
 def test_unsupported_window_groups_are_refused(kw):
     with pytest.raises(CacheError):
