@@ -167,6 +167,8 @@ def test_hybrid_bench_fits_more_sequences_in_one_budget():
     gemma = measure("gemma-3-1b", args)
     assert gemma["window_blocks_held"] <= 512 // 16 + 1
     assert gemma["bytes_ratio"] > 2 and gemma["hybrid_seqs"] >= 2 * gemma["keep_seqs"] > 0
+    # a swap preemption copies what the sequence holds: the same saving
+    assert gemma["hybrid_swap_bytes"] == gemma["hybrid_bytes_per_seq"] < gemma["keep_swap_bytes"]
     assert gemma["hybrid_pools_bytes"] <= 0.125 * (1 << 30)
     # prefix caching on both sides: the hybrid hits as much of the shared prefix
     assert gemma["prefix_hybrid_seqs"] >= gemma["prefix_keep_seqs"] > 1
