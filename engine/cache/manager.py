@@ -53,7 +53,10 @@ Rules:
   for ``preempt(mode="swap")``, and, with prefix caching, a write-back host prefix cache:
   an evicted cached gpu block is copied to the host, and ``match_prefix`` continues past
   the gpu index into the host index, loading those blocks back (``host_hit``). A swapped
-  sequence's table holds host block ids; it can only be finished or swapped in.
+  sequence's table holds host block ids; it can only be finished or swapped in. Beside a
+  window group (``window``) the cpu tier is swap space only, with a host pool per group
+  (``num_window_cpu_blocks`` for group 1: engine.cache.window_group); swap events name
+  the group and ``take_window_swap_rounds`` carries group 1's copies.
 - The "disk" tier exists when ``num_disk_blocks > 0`` (it needs the cpu tier and prefix
   caching; engine.cache.disk_tier): hashed host blocks that the host evicts are written
   to disk; ``prefetch(sid)`` starts reading a waiting sequence's prefix from disk into the
