@@ -71,13 +71,22 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
+        # Per-token formats (fp8, int8, int4) work with windows: both cache groups take
+        # them (docs/kv-cache.md). What the other two lack, named in their refusals:
         if mc.windowed and config.kv_demotion:
             raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-demotion is "
-                             "not supported with them (the mixed-page kernels take no window)")
+                             "not supported with them yet: the mixed-precision arena's "
+                             "attention takes no window, and its demotion policy and frames "
+                             "cover one pool, not the hybrid cache's window group; use "
+                             "--kv-cache-dtype fp8, int8 or int4 (both groups take them)")
         if mc.windowed and config.kv_cache_dtype in BLOCK_KV_CACHE_DTYPES:
             raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-cache-dtype "
-                             f"{config.kv_cache_dtype} is not supported with them (the "
-                             "block-quantized pages' attention takes no window)")
+                             f"{config.kv_cache_dtype} is not supported with them yet: the "
+                             "block-quantized attention (C, torch and Triton paths) takes no "
+                             "window, and the runner has no per-group page format (the "
+                             "full-attention layers' pages block-quantized beside the window "
+                             "group's in the model dtype); use --kv-cache-dtype fp8, int8 or "
+                             "int4 (both groups take them)")
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
@@ -90,20 +99,26 @@ class LLMEngine:
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
         # hybrid cache: the sliding-window layers' own group (engine.cache.window_group)
-        window, num_window_blocks = None, 0
-        if self.hybrid_applies(config, mc, num_cpu_blocks):
+        window, num_window_blocks, num_window_cpu_blocks = None, 0, 0
+        if self.hybrid_applies(config, mc, num_disk_blocks):
             window = max(w for w in mc.layer_windows if w is not None)
             num_blocks, num_window_blocks = kv_budget.hybrid_split(
                 config, mc, num_blocks, self.max_model_len)
+            if num_cpu_blocks:  # swap space for both groups (engine.cache.window_group)
+                num_cpu_blocks, num_window_cpu_blocks = kv_budget.hybrid_host_split(
+                    mc, num_cpu_blocks, num_blocks, num_window_blocks, config.block_size,
+                    self.max_model_len)
             log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
-                     "(window %d)", num_blocks, num_window_blocks, window)
+                     "(window %d); cpu tier %d + %d blocks", num_blocks, num_window_blocks,
+                     window, num_cpu_blocks, num_window_cpu_blocks)
         elif mc.windowed and not config.disable_hybrid_kv_cache_manager:
             log.warning("%s has sliding-window layers, but the hybrid KV cache does not "
-                        "support a cpu tier (--swap-space), a contiguous layout or tensor "
-                        "parallelism yet: every layer keeps every block", mc.architecture)
+                        "support a disk tier, a contiguous layout or tensor parallelism "
+                        "yet: every layer keeps every block", mc.architecture)
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
             window=window, num_window_blocks=num_window_blocks,
+            num_window_cpu_blocks=num_window_cpu_blocks,
             num_disk_blocks=num_disk_blocks,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
@@ -132,7 +147,8 @@ class LLMEngine:
                                       max_model_len=self.max_model_len,
                                       max_num_seqs=config.max_num_seqs,
                                       num_cpu_blocks=num_cpu_blocks,
-                                      num_window_blocks=num_window_blocks)
+                                      num_window_blocks=num_window_blocks,
+                                      num_window_cpu_blocks=num_window_cpu_blocks)
         self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
         self.disk_io = None  # the disk tier's files and threads (engine.runner.disk_io)
         if num_disk_blocks:
@@ -150,12 +166,12 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- set-up
     @staticmethod
-    def hybrid_applies(config: EngineConfig, mc, num_cpu_blocks: int) -> bool:
-        """Whether a windowed model gets the hybrid cache (prefix caching included): not
-        when switched off, and not yet beside a cpu tier, demotion, block formats or
-        tensor parallelism (it then keeps every block, as before)."""
+    def hybrid_applies(config: EngineConfig, mc, num_disk_blocks: int) -> bool:
+        """Whether a windowed model gets the hybrid cache (prefix caching and swap
+        included): not when switched off, and not yet beside a disk tier, demotion, block
+        formats or tensor parallelism (it then keeps every block, as before)."""
         return bool(mc.windowed and not config.disable_hybrid_kv_cache_manager
-                    and config.kv_layout == "paged" and not num_cpu_blocks
+                    and config.kv_layout == "paged" and not num_disk_blocks
                     and not config.kv_demotion
                     and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
                     and config.tensor_parallel_size == 1)

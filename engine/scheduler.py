@@ -155,8 +155,10 @@ class SchedulerOutput:
     demotions: list[tuple[int, int]] = field(default_factory=list)
     swap_rounds: list[Round | DiskBatch] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    # copy-on-write (src, dst) of the sliding-window group's pages (hybrid cache), with
-    # ``copies``
+    # the sliding-window group's (group 1's) orders, over the windowed layers' pages
+    # (hybrid cache): its swap rounds with ``swap_rounds`` (either may run first: disjoint
+    # blocks and pages), its copy-on-write (src, dst) with ``copies``
+    window_swap_rounds: list[Round] = field(default_factory=list)
     window_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -311,6 +313,7 @@ class Scheduler:
             for s in out.scheduled:
                 s.block_table = cache.block_table(s.seq.seq_id)
             if cache.window is not None:
+                out.window_swap_rounds = cache.take_window_swap_rounds()
                 out.window_copies = cache.take_window_copy_orders()
                 for s in out.scheduled:
                     sid = s.seq.seq_id

@@ -101,8 +101,9 @@ def _dim(c: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
 
 def state_colours(tier: str, fmt: str) -> dict[int, str]:
     """Colour of each block state in this tier: host blocks read as swapped/offloaded,
-    a quantized tier's live blocks get the quantized hues."""
-    if tier == "cpu":
+    a quantized tier's live blocks get the quantized hues. A cache group's pool ("cpu/1")
+    reads as its tier."""
+    if tier.partition("/")[0] == "cpu":
         return {S.BLOCK_FREE: FREE, S.BLOCK_CACHED: OFFLOADED, S.BLOCK_USED: SWAPPED,
                 S.BLOCK_SHARED: SHARED}
     quant = fmt in QUANTIZED_FORMATS
@@ -113,7 +114,7 @@ def state_colours(tier: str, fmt: str) -> dict[int, str]:
 
 
 def state_labels(tier: str, fmt: str) -> dict[int, str]:
-    if tier == "cpu":
+    if tier.partition("/")[0] == "cpu":
         return {S.BLOCK_FREE: "free", S.BLOCK_CACHED: "offloaded",
                 S.BLOCK_USED: "swapped out", S.BLOCK_SHARED: "swapped, shared"}
     q = f" ({fmt})" if fmt in QUANTIZED_FORMATS else ""

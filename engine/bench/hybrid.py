@@ -7,7 +7,8 @@ run the workload (pure bookkeeping, no forward: the allocator decides capacity):
 
 - bytes per sequence: one sequence prefilled to ``--context`` tokens in chunks of
   ``--chunk``, then decoding ``--decode`` tokens; its held blocks per group times the
-  bytes of one block of that group's layers;
+  bytes of one block of that group's layers; and the bytes its swap preemption copies to
+  the cpu tier (the hybrid cache: group 0's table and the window blocks it holds);
 - concurrent sequences at one budget (``--budget-gib``): sequences of ``--context`` tokens
   admitted one after another (chunked prefill, then one decode token each) until the
   next does not fit; the hybrid pools are split as the engine splits them
@@ -92,15 +93,19 @@ def measure(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     all_block = layer_block * len(windows)
     # one sequence
     big = -(-(args.context + args.decode) // bs) + 8
-    keep = KVCacheManager(big, bs, enable_prefix_caching=False)
+    keep = KVCacheManager(big, bs, enable_prefix_caching=False, num_cpu_blocks=big)
     hyb = KVCacheManager(big, bs, enable_prefix_caching=False, window=window,
-                         num_window_blocks=big)
+                         num_window_blocks=big, num_cpu_blocks=big, num_window_cpu_blocks=big)
     assert _grow(keep, "s", args.context, args.chunk, args.decode)
     assert _grow(hyb, "s", args.context, args.chunk, args.decode)
     s = hyb.sequences["s"]
     held = hyb.window.held(s)
     keep_bytes = len(keep.sequences["s"].block_table) * all_block
     hyb_bytes = (len(s.block_table) * n_full + held * n_win) * layer_block
+    assert keep.preempt("s", "swap") == hyb.preempt("s", "swap") == "swap"
+    keep_swap = keep.host.copied_out_blocks * all_block
+    hyb_swap = (hyb.host.copied_out_blocks * n_full
+                + hyb.window_host.copied_out_blocks * n_win) * layer_block
     # sequences per budget
     budget = int(args.budget_gib * (1 << 30))
     num_blocks = budget // all_block
@@ -132,6 +137,8 @@ def measure(shape: str, args: argparse.Namespace) -> dict[str, Any]:
         "model": shape, "layers_full": n_full, "layers_window": n_win, "window": window,
         "context": args.context, "window_blocks_held": held, "keep_bytes_per_seq": keep_bytes,
         "hybrid_bytes_per_seq": hyb_bytes, "bytes_ratio": round(keep_bytes / hyb_bytes, 2),
+        "keep_swap_bytes": keep_swap, "hybrid_swap_bytes": hyb_swap,
+        "swap_ratio": round(keep_swap / hyb_swap, 2),
         "budget_gib": args.budget_gib, "hybrid_pools_bytes": used,
         "keep_seqs": fits["keep"], "hybrid_seqs": fits["hybrid"],
         "seqs_ratio": round(fits["hybrid"] / max(fits["keep"], 1), 2),
@@ -155,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['model']:<12} {r['layers_full']:>3}:{r['layers_window']:<4} "
               f"{r['window']:>5} {keep_mib:>13.1f} {hyb_mib:>15.1f} {r['bytes_ratio']:>6.2f} "
               f"{r['keep_seqs']:>10} {r['hybrid_seqs']:>12} {r['seqs_ratio']:>6.2f}")
+    print("one sequence's swap preemption, bytes copied to the cpu tier:")
+    print(f"{'model':<12} {'keep MiB':>9} {'hybrid MiB':>11} {'x':>6}")
+    for r in rows:
+        print(f"{r['model']:<12} {r['keep_swap_bytes'] / 2**20:>9.1f} "
+              f"{r['hybrid_swap_bytes'] / 2**20:>11.1f} {r['swap_ratio']:>6.2f}")
     print(f"prefix caching on, prompts sharing all but their last {args.chunk} tokens:")
     print(f"{'model':<12} {'keep seqs':>10} {'hybrid seqs':>12} {'keep hit':>9} "
           f"{'hybrid hit':>11}")

@@ -25,6 +25,10 @@ content, not a block: a copy between tiers keeps its entry, and the gpu reuses t
 serial when it stores a content the host still holds, so a prefix chain verified block by
 block stays valid when its blocks are spread over both tiers.
 
+One HostTier moves the blocks of one cache group: group 0 (``BlockPool.group`` of
+``gpu``); a hybrid cache's window group has its own (``move_out``/``move_in`` of its held
+window blocks, events naming group 1; engine.cache.window_group), without write-back.
+
 NOTE: orders are sequential in meaning (transfers.plan_rounds batches them safely). A
 sequence's blocks are all computed when it is swapped out or evicted: the scheduler only
 picks victims that were not scheduled in the current step.
@@ -47,6 +51,7 @@ class HostTier:
     def __init__(self, gpu: BlockPool, host: BlockPool, sink: EventSink,
                  write_back: bool) -> None:
         self.gpu, self.host, self.sink = gpu, host, sink
+        self.group = gpu.group  # the KV cache group whose blocks move (hybrid cache: 0 or 1)
         self.orders: list[Order] = []
         if write_back:
             gpu.writeback = self.write_back
@@ -69,14 +74,24 @@ class HostTier:
     def swap_out(self, seq: CacheSeq) -> bool:
         """Move ``seq``'s table to the host; False (nothing changed) when the host pool is
         too full."""
+        dst = self.move_out(seq.seq_id, seq.block_table, seq.priority)
+        if dst is None:
+            return False
+        seq.block_table = dst
+        seq.tier = "cpu"
+        return True
+
+    def move_out(self, seq_id: str, table: list[int], priority: int) -> list[int] | None:
+        """Copy the held blocks ``table`` of a sequence to host blocks and release them on
+        the gpu; returns the host table, or None (nothing changed) when the host pool is
+        too full. Events name ``group`` (a hybrid cache's window group: 1)."""
         gpu, host = self.gpu, self.host
-        table = seq.block_table
         plan, need = self.swap_out_cost(table)
         if need > host.num_free_blocks:
-            return False
+            return None
         reused = [y for y in plan if y is not None]
         if reused:
-            host.share(reused, seq.priority)
+            host.share(reused, priority)
         fresh = iter(host.allocate(len(table) - len(reused)))
         dst: list[int] = []
         indexed: list[int] = []
@@ -93,19 +108,18 @@ class HostTier:
                     copied_src.append(b)
             dst.append(y)
         if indexed:
-            host.evictable.touch(indexed, seq.priority)
+            host.evictable.touch(indexed, priority)
         gpu.release(table)
         self.num_swap_outs += 1
         self.swapped_out_blocks += len(table)
         self.copied_out_blocks += len(table) - len(reused)
         if self.sink.enabled:
+            extra = {"group": self.group} if self.group else {}
             if indexed:  # the host copies get their hashes while their ref is still 0
                 self.sink.emit(S.OFFLOAD, src=copied_src, dst=indexed,
-                               hashes=[host.entry[y][0] for y in indexed])
-            self.sink.emit(S.SWAP_OUT, seq=seq.seq_id, src=table, dst=dst)
-        seq.block_table = dst
-        seq.tier = "cpu"
-        return True
+                               hashes=[host.entry[y][0] for y in indexed], **extra)
+            self.sink.emit(S.SWAP_OUT, seq=seq_id, src=list(table), dst=dst, **extra)
+        return dst
 
     def swap_in_cost(self, table: list[int]) -> tuple[list[int | None], int]:
         """Per host block of ``table``: the gpu block already holding its content, or None;
@@ -115,14 +129,24 @@ class HostTier:
     def swap_in(self, seq: CacheSeq) -> bool:
         """Move ``seq``'s table back to the gpu; False (nothing changed) when the gpu pool is
         too full."""
+        dst = self.move_in(seq.seq_id, seq.block_table, seq.priority)
+        if dst is None:
+            return False
+        seq.block_table = dst
+        seq.tier = "gpu"
+        return True
+
+    def move_in(self, seq_id: str, table: list[int], priority: int) -> list[int] | None:
+        """Bring the host table ``table`` of a sequence back into gpu blocks (shared where
+        the gpu indexes the same content) and release the host blocks; returns the gpu
+        table, or None (nothing changed) when the gpu pool is too full."""
         gpu, host = self.gpu, self.host
-        table = seq.block_table
         plan, need = self.swap_in_cost(table)
         if need > gpu.num_free_blocks:
-            return False
+            return None
         reused = [x for x in plan if x is not None]
         if reused:
-            gpu.share(reused, seq.priority)  # before allocating: it may evict cached blocks
+            gpu.share(reused, priority)  # before allocating: it may evict cached blocks
         # Evictions here write back to the host; the table's host blocks have ref > 0, so
         # the host cannot evict them to make room.
         fresh = iter(gpu.allocate(len(table) - len(reused)))
@@ -139,19 +163,18 @@ class HostTier:
                     stored.append(x)
             dst.append(x)
         if stored:
-            gpu.evictable.touch(stored, seq.priority)
+            gpu.evictable.touch(stored, priority)
         host.release(table)  # hashed host blocks stay behind as host prefix cache
         self.num_swap_ins += 1
         self.swapped_in_blocks += len(table)
         self.copied_in_blocks += len(table) - len(reused)
         if self.sink.enabled:
-            self.sink.emit(S.SWAP_IN, seq=seq.seq_id, src=table, dst=dst)
+            extra = {"group": self.group} if self.group else {}
+            self.sink.emit(S.SWAP_IN, seq=seq_id, src=list(table), dst=dst, **extra)
             if stored:
                 self.sink.emit(S.STORE, tier="gpu", blocks=stored,
-                               hashes=[gpu.entry[x][0] for x in stored])
-        seq.block_table = dst
-        seq.tier = "gpu"
-        return True
+                               hashes=[gpu.entry[x][0] for x in stored], **extra)
+        return dst
 
     # ---------------------------------------------------------- prefix cache
     def write_back(self, victims: list[int], entries: list[Entry]) -> None:

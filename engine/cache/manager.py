@@ -53,7 +53,10 @@ Rules:
   for ``preempt(mode="swap")``, and, with prefix caching, a write-back host prefix cache:
   an evicted cached gpu block is copied to the host, and ``match_prefix`` continues past
   the gpu index into the host index, loading those blocks back (``host_hit``). A swapped
-  sequence's table holds host block ids; it can only be finished or swapped in.
+  sequence's table holds host block ids; it can only be finished or swapped in. Beside a
+  window group (``window``) the cpu tier is swap space only, with a host pool per group
+  (``num_window_cpu_blocks`` for group 1: engine.cache.window_group); swap events name
+  the group and ``take_window_swap_rounds`` carries group 1's copies.
 - The "disk" tier exists when ``num_disk_blocks > 0`` (it needs the cpu tier and prefix
   caching; engine.cache.disk_tier): hashed host blocks that the host evicts are written
   to disk; ``prefetch(sid)`` starts reading a waiting sequence's prefix from disk into the
@@ -117,6 +120,7 @@ class KVCacheManager:
         demotion: DemotionPolicy | None = None,
         window: int | None = None,
         num_window_blocks: int = 0,
+        num_window_cpu_blocks: int = 0,
     ) -> None:
         if not is_int(block_size) or block_size < 1:
             raise CacheError(f"block_size must be a positive int, got {block_size!r}")
@@ -137,9 +141,19 @@ class KVCacheManager:
             if not is_int(num_window_blocks) or num_window_blocks < 1:
                 raise CacheError("a window group needs at least one block, got "
                                  f"{num_window_blocks!r}")
-            if num_cpu_blocks or demotion is not None:
-                raise CacheError("a sliding-window group cannot be combined with a cpu tier "
-                                 "or kv demotion yet")
+            if demotion is not None:
+                raise CacheError("a sliding-window group cannot be combined with kv demotion "
+                                 "yet: the window pool has no mixed-format frames")
+            if num_disk_blocks:
+                raise CacheError("a sliding-window group cannot be combined with a disk tier "
+                                 "yet: its cpu tier is swap space only, no host prefix cache "
+                                 "(a host hit would need the window blocks of its last W "
+                                 "tokens on the host too)")
+            if not is_int(num_window_cpu_blocks) or num_window_cpu_blocks < 0 or \
+                    bool(num_cpu_blocks) != bool(num_window_cpu_blocks):
+                raise CacheError("a cpu tier beside a window group needs both host pools "
+                                 "(num_cpu_blocks and num_window_cpu_blocks > 0), or neither; "
+                                 f"got {num_cpu_blocks!r} and {num_window_cpu_blocks!r}")
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eviction_policy = eviction_policy
@@ -163,20 +177,26 @@ class KVCacheManager:
         self.gpu = self.pools["gpu"]
         self._ref = self.gpu.ref  # the decode fast path reads it directly
         self.host: HostTier | None = None
-        if "cpu" in self.pools:
+        if "cpu" in self.pools:  # beside a window group: swap space only (window_group)
             self.host = HostTier(self.gpu, self.pools["cpu"], self.sink,
-                                 write_back=self.enable_prefix_caching)
+                                 write_back=self.enable_prefix_caching and window is None)
         self.disk: DiskTier | None = None
         if "disk" in self.pools:
             self.disk = DiskTier(self.gpu, self.host, self.pools["disk"], self.sink)
         # group 1, the sliding-window layers' blocks (engine.cache.window_group), or None
         self.window: WindowGroup | None = None
+        self.window_host: HostTier | None = None  # group 1's swaps (its own host pool)
         if window is not None:  # its evictions name group 1 (BlockPool.group)
-            self.window = WindowGroup(BlockPool(
-                "gpu", num_window_blocks, block_size, kv_format, make_policy("lru"),
-                self.sink), window)
-            self.window.pool.group = 1
-            # no host tier beside a window group, so the eviction hook is free for this
+            pools = [BlockPool(tier, n, block_size, kv_format, make_policy("lru"), self.sink)
+                     for tier, n in (("gpu", num_window_blocks), ("cpu", num_window_cpu_blocks))
+                     if n]
+            for pool in pools:
+                pool.group = 1
+            self.window = WindowGroup(pools[0], window, pools[1] if len(pools) > 1 else None)
+            if self.window.host is not None:
+                self.window_host = HostTier(self.window.pool, self.window.host, self.sink,
+                                            write_back=False)
+            # the host tier does not write back beside a window group: the hook is free
             self.gpu.writeback = self._drop_window_twins
         self._seqs: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
@@ -194,6 +214,9 @@ class KVCacheManager:
                 )
             if self.window is not None:
                 self.sink.emit(S.TIER_INIT, tier="gpu", num_blocks=num_window_blocks,
+                               block_size=block_size, format=kv_format, group=1)
+            if self.window_host is not None:
+                self.sink.emit(S.TIER_INIT, tier="cpu", num_blocks=num_window_cpu_blocks,
                                block_size=block_size, format=kv_format, group=1)
 
     # ------------------------------------------------------------ sequences
@@ -332,7 +355,7 @@ class KVCacheManager:
         extra = {} if cause is None else {"cause": cause}
         if mode == "swap":
             self._asking(seq_id, C.R_SWAP_OUT)
-            if self.host.swap_out(seq):
+            if self._swap_out(seq):
                 seq.status = "swapped"
                 if self.sink.enabled:
                     self.sink.emit(S.SEQ_PREEMPT, seq=seq_id, mode="swap", **extra)
@@ -356,10 +379,14 @@ class KVCacheManager:
         if not (isinstance(watermark, (int, float)) and 0.0 <= watermark < 1.0):
             raise CacheError(f"watermark must be in [0, 1), got {watermark!r}")
         _, need = self.host.swap_in_cost(seq.block_table)
-        if num_new_tokens:  # after the swap-in its partial last block is private
-            need += -(-(seq.num_tokens + num_new_tokens) // self.block_size) \
-                - len(seq.block_table)
-        return need <= self.gpu.num_free_blocks - int(watermark * self.gpu.capacity)
+        # after the swap-in its partial last block is private (unhashed: never shared)
+        grow = -(-(seq.num_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if self.window_host is not None:  # group 1 (released entries were released before)
+            _, w = self.window_host.swap_in_cost(seq.window_table[seq.window_first:])
+            pool = self.window.pool
+            if w + grow > pool.num_free_blocks - int(watermark * pool.capacity):
+                return False
+        return need + grow <= self.gpu.num_free_blocks - int(watermark * self.gpu.capacity)
 
     def swap_in(self, seq_id: str) -> bool:
         """Swapped -> running: the table moves back to gpu blocks (shared where the gpu
@@ -367,13 +394,42 @@ class KVCacheManager:
         too full."""
         seq = self._swapped(seq_id)
         self._asking(seq_id, C.R_SWAP_IN)
-        if not self.host.swap_in(seq):
+        if not self._swap_in(seq):
             return False
         seq.status = "running"
         if self.enable_prefix_caching:
             self._store_full_blocks(seq)  # blocks whose ids arrived while swapped out
         if self.sink.enabled:
             self.sink.emit(S.SEQ_RESUME, seq=seq_id)
+        return True
+
+    def _swap_out(self, seq: CacheSeq) -> bool:
+        """Both groups' tables to the host, or nothing when a host pool is short. Group 1
+        moves only its held blocks (the window of the last computed token, as the decode
+        steps left it); released entries stay released."""
+        wh = self.window_host
+        if wh is None:
+            return self.host.swap_out(seq)
+        keep = seq.window_table[seq.window_first:]
+        if self.host.swap_out_cost(seq.block_table)[1] > self.host.host.num_free_blocks or \
+                wh.swap_out_cost(keep)[1] > wh.host.num_free_blocks:
+            return False
+        self.host.swap_out(seq)
+        seq.window_table[seq.window_first:] = wh.move_out(
+            seq.seq_id, seq.window_table[seq.window_first:], seq.priority)
+        return True
+
+    def _swap_in(self, seq: CacheSeq) -> bool:
+        """Both groups' tables back to the gpu, or nothing when a gpu pool is short."""
+        wh = self.window_host
+        if wh is None:
+            return self.host.swap_in(seq)
+        held = seq.window_table[seq.window_first:]
+        if self.host.swap_in_cost(seq.block_table)[1] > self.gpu.num_free_blocks or \
+                wh.swap_in_cost(held)[1] > self.window.pool.num_free_blocks:
+            return False
+        self.host.swap_in(seq)
+        seq.window_table[seq.window_first:] = wh.move_in(seq.seq_id, held, seq.priority)
         return True
 
     def _swapped(self, seq_id: str) -> CacheSeq:
@@ -421,7 +477,7 @@ class KVCacheManager:
         if self.window is not None:
             held = self.window.release_all(seq)
             if held and self.sink.enabled:
-                self.sink.emit(S.FREE, tier="gpu", seq=seq.seq_id, blocks=held, group=1)
+                self.sink.emit(S.FREE, tier=seq.tier, seq=seq.seq_id, blocks=held, group=1)
         self.pools[seq.tier].release(table)
         if self.sink.enabled:
             self.sink.block_op(S.FREE, seq.tier, seq.seq_id, table)
@@ -441,7 +497,7 @@ class KVCacheManager:
             raise CacheError(f"{seq_id!r} is swapped out: swap it in instead")
         if not self.enable_prefix_caching:
             return 0
-        if self.host is not None:
+        if self.host is not None and self.window is None:  # no host hits beside a window
             return self._match_both_tiers(seq)
         bs, toks, pool = self.block_size, seq.token_ids, self.gpu
         cached, entry = pool.cached, pool.entry
@@ -745,6 +801,8 @@ class KVCacheManager:
             pool.reason = reason if pool is self.gpu else host_reason
         if self.window is not None:
             self.window.pool.requester, self.window.pool.reason = seq_id, reason
+            if self.window.host is not None:
+                self.window.host.requester, self.window.host.reason = seq_id, host_reason
 
     def _blocks_needed(self, seq: CacheSeq, n: int) -> int:
         if n == 0:
@@ -847,6 +905,12 @@ class KVCacheManager:
         them in order, each round's first list before its second, before the step's
         copy-on-write orders and forward pass."""
         return plan_rounds(self.host.take_orders()) if self.host is not None else []
+
+    def take_window_swap_rounds(self) -> list[Round]:
+        """``take_swap_rounds`` of the window group (group 1): copies between its gpu pool
+        and its host pool, which address the windowed layers' pages. Independent of group
+        0's rounds (disjoint blocks and pages), so either may run first."""
+        return plan_rounds(self.window_host.take_orders()) if self.window_host else []
 
     def demote_cold_blocks(self, reserve: int = 0) -> int:
         """With demotion on and free frames under the policy's watermark (or under

@@ -12,12 +12,14 @@ if TYPE_CHECKING:
 
 def snapshot(m: CacheView) -> dict[str, Any]:
     """The state in exactly the form of ``KVState.canonical()`` (a window group's pool is
-    the tier ``schema.group_pool("gpu", 1)``; a sequence's held blocks in it its
-    ``group_tables["1"]``, present when it holds any)."""
+    the tier ``schema.group_pool("gpu", 1)``, its host pool ``group_pool("cpu", 1)``; a
+    sequence's held blocks in them its ``group_tables["1"]``, present when it holds any)."""
     pools = dict(m.pools)
     window = getattr(m, "window", None)
     if window is not None:
         pools[S.group_pool("gpu", 1)] = window.pool
+        if window.host is not None:
+            pools[S.group_pool("cpu", 1)] = window.host
 
     def groups(s) -> dict[str, Any]:
         held = s.window_table[s.window_first:] if window is not None else []

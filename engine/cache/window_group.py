@@ -35,8 +35,19 @@ holds the blocks covering its last W tokens, ``first_kept(k * bs - 1) .. k - 1``
 entries before them are ``RELEASED``. The longest such k is found from the right, each
 block looked up once (as vLLM scans for ``cdiv(W - 1, block_size)`` contiguous blocks).
 
-Limits (the cache manager refuses them with a window group): the cpu and disk tiers, kv
-demotion.
+Swap (the manager's ``window_host``, an engine.cache.host_tier.HostTier over ``pool`` and
+``host``): the window blocks get their own host pool, not a share of group 0's, for the
+reason they have their own gpu pool: a host block is a copy of one gpu page, and a window
+page holds the windowed layers only (a group-0 page the others), so one host pool for both
+would size every host block for all layers and leave most of each empty. A preempted
+sequence moves its held window blocks (released entries stay ``RELEASED``) to ``host``
+and back, alongside its group-0 table; while it is swapped (``tier`` "cpu") its held
+entries are ``host`` blocks (``pool_of``). The host pool is swap space only: no
+write-back and no host hits (a host hit would need the window blocks of the prefix's last
+W tokens on the host too), so a copy's index entry there serves only to share a content
+swapped out twice.
+
+Limits (the cache manager refuses them with a window group): the disk tier, kv demotion.
 """
 
 from __future__ import annotations
@@ -49,8 +60,9 @@ RELEASED = -1  # a window-table entry whose block fell out of the window
 
 
 class WindowGroup:
-    def __init__(self, pool: BlockPool, window: int) -> None:
+    def __init__(self, pool: BlockPool, window: int, host: BlockPool | None = None) -> None:
         self.pool, self.window, self.block_size = pool, window, pool.block_size
+        self.host = host  # its own pool on the cpu tier: swap space (see the docstring)
         self.copy_orders: list[tuple[int, int]] = []  # copy-on-write (src, dst), group 1
 
     def first_kept(self, start: int) -> int:
@@ -107,11 +119,16 @@ class WindowGroup:
         """Release the blocks no query at position >= ``start`` can see (decode path)."""
         return self._release_before(seq, self.first_kept(start))
 
+    def pool_of(self, seq: CacheSeq) -> BlockPool:
+        """The pool the sequence's held window blocks are in: the host's while swapped."""
+        return self.host if seq.tier == "cpu" else self.pool
+
     def release_all(self, seq: CacheSeq) -> list[int]:
-        """Drop every held window block of the sequence (free, preempt, finish)."""
+        """Drop every held window block of the sequence (free, preempt, finish), in the
+        pool of its tier."""
         held = seq.window_table[seq.window_first:]
         if held:
-            self.pool.release(held)
+            self.pool_of(seq).release(held)
         seq.window_table = []
         seq.window_first = 0
         return held
@@ -190,12 +207,10 @@ class WindowGroup:
         return len(seq.window_table) - seq.window_first
 
     def check(self, seqs: list[CacheSeq]) -> None:
-        """Ref counts = held table entries; a block with no reference is free (unhashed)
-        or cached (hashed, evictable); the index and the entries agree; a held indexed
-        block holds its own sequence's chain hash and tokens."""
-        pool = self.pool
-        n, entry, bs = pool.num_blocks, pool.entry, self.block_size
-        expected = [0] * n
+        """Per pool (the gpu's; the host's, where swapped sequences hold theirs): ref counts
+        = held table entries of the sequences in that tier; a block with no reference is
+        free (unhashed) or cached (hashed, evictable); the index and the entries agree; a
+        held indexed block holds its own sequence's chain hash and tokens."""
         for s in seqs:
             t = s.window_table
             if len(t) != len(s.block_table):
@@ -204,21 +219,32 @@ class WindowGroup:
             if any(b != RELEASED for b in t[:s.window_first]) or \
                     any(b == RELEASED for b in t[s.window_first:]):
                 raise AssertionError(f"{s.seq_id}: window table {t} vs first {s.window_first}")
-            for b in t[s.window_first:]:
+        self._check_pool(self.pool, [s for s in seqs if s.tier != "cpu"])
+        if self.host is not None:
+            self._check_pool(self.host, [s for s in seqs if s.tier == "cpu"])
+        elif any(s.tier == "cpu" for s in seqs):
+            raise AssertionError("window group: a swapped sequence without a host pool")
+
+    def _check_pool(self, pool: BlockPool, seqs: list[CacheSeq]) -> None:
+        n, entry, bs, name = pool.num_blocks, pool.entry, self.block_size, \
+            f"window group ({pool.tier})"
+        expected = [0] * n
+        for s in seqs:
+            for b in s.window_table[s.window_first:]:
                 expected[b] += 1
         if pool.ref != expected:
-            raise AssertionError("window group: ref counts != held table entries")
+            raise AssertionError(f"{name}: ref counts != held table entries")
         free, cached_free = set(pool.free_blocks), set(pool.evictable)
         if len(free) != len(pool.free_blocks) or free & cached_free:
-            raise AssertionError("window group: a block twice on the free stack or both free "
+            raise AssertionError(f"{name}: a block twice on the free stack or both free "
                                  "and cached")
         if any((expected[b] == 0) != (b in free or b in cached_free) for b in range(n)):
-            raise AssertionError("window group: a block is neither free, cached nor held")
+            raise AssertionError(f"{name}: a block is neither free, cached nor held")
         if any(entry[b] is not None for b in free) or any(entry[b] is None for b in cached_free):
-            raise AssertionError("window group: a free block is hashed or a cached one is not")
+            raise AssertionError(f"{name}: a free block is hashed or a cached one is not")
         if n - entry.count(None) != len(pool.cached) or any(
                 entry[b] is None or entry[b][0] != h for h, b in pool.cached.items()):
-            raise AssertionError("window group: the hash index and the entries disagree")
+            raise AssertionError(f"{name}: the hash index and the entries disagree")
         for s in seqs:
             for i in range(s.window_first, len(s.window_table)):
                 e = entry[s.window_table[i]]

@@ -126,7 +126,8 @@ class TierInit(Event, tag=TIER_INIT):
     Absent format: "auto". Absent group: 0. A group other than 0 is a KV cache group's
     own pool in that tier (the hybrid cache's sliding-window layers, group 1): the block
     events that name the same group address it, and its sequences' tables (``group``
-    in alloc, hit, store, evict, free, fork, cow, release; absent: 0, every producer
+    in alloc, hit, store, evict, free, fork, cow, release, swap_out, swap_in, offload;
+    absent: 0, every producer
     before groups). A group's pool has its own prefix index: ``store``/``evict`` with
     a group set and drop its blocks' hashes, ``hit`` shares them into the sequence's
     table of that group (whose hit tokens group 0's ``hit`` counts)."""
@@ -262,27 +263,33 @@ class SeqFinish(Event, tag=SEQ_FINISH):
 
 
 class SwapOut(Event, tag=SWAP_OUT):
-    """The sequence's table moves from gpu ``src`` to cpu ``dst``."""
+    """The sequence's table moves from gpu ``src`` to cpu ``dst``. With a group other
+    than 0: its table of that group, between the group's pools of the two tiers."""
 
     seq: str
     src: BlockIds
     dst: BlockIds
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class SwapIn(Event, tag=SWAP_IN):
-    """The sequence's table moves from cpu ``src`` to gpu ``dst``."""
+    """The sequence's table moves from cpu ``src`` to gpu ``dst`` (``group``: as in
+    swap_out)."""
 
     seq: str
     src: BlockIds
     dst: BlockIds
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class Offload(Event, tag=OFFLOAD):
-    """Cached gpu blocks ``src`` are written to host blocks ``dst``, cached there."""
+    """Cached gpu blocks ``src`` are written to host blocks ``dst``, cached there (in the
+    pools of ``group``)."""
 
     src: BlockIds
     dst: BlockIds
     hashes: list[int]
+    group: Opt[int] = UNSET  # KV cache group (absent: 0; see tier_init)
 
 
 class HostHit(Event, tag=HOST_HIT):

@@ -1139,14 +1139,35 @@ class KVState:
         self._hold(b, dst, s.owner_id)
         s.tier, s.block_table = dst_tier, list(dst)
 
+    def _group_move(self, ev: dict[str, Any], src_tier: str, dst_tier: str) -> None:
+        """swap_out/swap_in of a group other than 0: the sequence's table of that group
+        moves between the group's pools of the two tiers."""
+        g = self._group_id(ev)
+        s = self._seq(ev["seq"])
+        a, b = self._tier(S.group_pool(src_tier, g)), self._tier(S.group_pool(dst_tier, g))
+        src, dst = unpack_ids(ev["src"]), unpack_ids(ev["dst"])
+        a.check_ids(src)
+        b.check_ids(dst)
+        if src != s.group_tables.get(g, []) or len(dst) != len(src):
+            raise ProtocolError(f"{ev['kind']}: {s.seq_id} does not hold {a.name} {src}")
+        self._release(a, src, s.owner_id)
+        self._hold(b, dst, s.owner_id)
+        s.group_tables = {**{k: v for k, v in s.group_tables.items() if k != g},
+                          **({g: list(dst)} if dst else {})}
+
     def _swap_out(self, ev: dict[str, Any]) -> None:
+        if ev.get("group"):
+            return self._group_move(ev, "gpu", "cpu")
         self._move(ev, "gpu", "cpu")
 
     def _swap_in(self, ev: dict[str, Any]) -> None:
+        if ev.get("group"):
+            return self._group_move(ev, "cpu", "gpu")
         self._move(ev, "cpu", "gpu")
 
     def _offload(self, ev: dict[str, Any]) -> None:
-        host = self._tier("cpu")
+        host = self._tier(S.group_pool("cpu", self._group_id(ev)) if ev.get("group")
+                          else "cpu")
         dst, hashes = unpack_ids(ev["dst"]), [int(h) for h in ev["hashes"]]
         host.check_ids(dst)
         if len(dst) != len(hashes):

@@ -129,3 +129,31 @@ def hybrid_split(config: EngineConfig, model_config, num_blocks: int,
         raise ValueError("the KV cache budget holds no full-attention block beside the "
                          "window group's; raise it")
     return num_full, num_window
+
+
+def hybrid_host_split(model_config, num_cpu_blocks: int, num_full: int, num_window: int,
+                      block_size: int, max_model_len: int) -> tuple[int, int]:
+    """(group-0 host blocks, window group host blocks) of a hybrid cache's cpu tier, from
+    ``num_cpu_blocks`` (``swap_space`` in blocks of every layer).
+
+    The cpu tier is swap space for what preempted sequences held on the gpu, so its bytes
+    are split in the gpu pools' proportion (full layers x ``num_full`` : windowed layers x
+    ``num_window``). A model with no full-attention layer spends it all on the window
+    group's host pool; its group 0 is bookkeeping only, sized to never be the limit."""
+    windows = model_config.layer_windows
+    window = max(w for w in windows if w is not None)
+    n_win = sum(w is not None for w in windows)
+    n_full = len(windows) - n_win
+    layer_blocks = num_cpu_blocks * len(windows)  # the budget, in blocks of one layer
+    if not n_full:
+        host_window = max(1, layer_blocks // n_win)
+        per_window_seq = -(-window // block_size) + 1
+        return (host_window // per_window_seq + 1) * -(-max_model_len // block_size), \
+            host_window
+    win_bytes, full_bytes = num_window * n_win, num_full * n_full
+    host_window = max(1, layer_blocks * win_bytes // (win_bytes + full_bytes) // n_win)
+    host_full = (layer_blocks - host_window * n_win) // n_full
+    if host_full < 1:
+        raise ValueError("swap_space holds no full-attention block beside the window "
+                         "group's; raise it")
+    return host_full, host_window

@@ -158,7 +158,8 @@ class ModelRunner:
                  device: torch.device, kv_dtype: torch.dtype, *,
                  kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 num_cpu_blocks: int = 0, num_window_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, num_window_blocks: int = 0,
+                 num_window_cpu_blocks: int = 0) -> None:
         self.model, self.cfg = model, model_config
         # CPU: the torch.compile'd decode forward when asked (enforce_eager False;
         # engine.runner.compiled)
@@ -215,7 +216,15 @@ class ModelRunner:
         if num_cpu_blocks:
             from engine.runner.swapper import Swapper
 
-            self.swapper = Swapper(self.kv.per_block_tensors, num_cpu_blocks)
+            tensors = self.kv.per_block_tensors
+            if num_window_blocks:  # one swapper per cache group, over that group's pages
+                per_layer = len(self.group)
+                by_group = [[t for i, t in enumerate(tensors) if self.group[i % per_layer] == g]
+                            for g in (0, 1)]
+                self.swapper = Swapper(by_group[0], num_cpu_blocks, device)
+                self.swapper.window = Swapper(by_group[1], num_window_cpu_blocks, device)
+            else:
+                self.swapper = Swapper(tensors, num_cpu_blocks, device)
 
     def decode_graphs(self, max_model_len: int, max_num_seqs: int,
                       new_graph: Callable[[object], Graph] = CudaGraph) -> DecodeGraphs:
@@ -234,6 +243,8 @@ class ModelRunner:
         self.demote(out.demotions)
         if self.swapper is not None:
             self.swapper.execute(out.swap_rounds)
+            if out.window_swap_rounds:  # the window group's pages (hybrid cache)
+                self.swapper.window.execute(out.window_swap_rounds)
         self.copy_blocks(out.copies)
         if out.window_copies:  # the window group's pages (hybrid cache, one rank only)
             self.copy_blocks(out.window_copies, group=1)

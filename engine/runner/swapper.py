@@ -33,11 +33,12 @@ from engine.cache.transfers import DiskBatch, Round
 
 
 class Swapper:
-    def __init__(self, device_tensors: list[torch.Tensor], num_cpu_blocks: int) -> None:
+    def __init__(self, device_tensors: list[torch.Tensor], num_cpu_blocks: int,
+                 device: torch.device | None = None) -> None:
         if num_cpu_blocks < 1:
             raise ValueError(f"the cpu tier needs at least one block, got {num_cpu_blocks}")
-        self.device_tensors = device_tensors
-        device = device_tensors[0].device
+        self.device_tensors = device_tensors  # may be empty: a group with no pages (below)
+        device = device if device is not None else device_tensors[0].device
         self.cuda = device.type == "cuda"
         self.host_tensors = [
             torch.zeros((num_cpu_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
@@ -47,6 +48,10 @@ class Swapper:
         self.bytes_per_block = sum(t[0].numel() * t.element_size() for t in device_tensors)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.disk = None  # engine.runner.disk_io.DiskIO, when the disk tier is on
+        # hybrid cache: this one moves group 0's pages (the full-attention layers'; none for
+        # a model windowed in every layer, whose group 0 is bookkeeping only), ``window``
+        # group 1's (the windowed layers', between the window pool and its own host pool)
+        self.window: Swapper | None = None
         # counters: the step stats' swap figures
         self.blocks_out = 0
         self.blocks_in = 0
@@ -60,8 +65,8 @@ class Swapper:
     @torch.inference_mode()
     def execute(self, rounds: list[Round | DiskBatch]) -> None:
         """Perform the rounds in order; the next forward on the compute stream sees them."""
-        if not rounds:
-            return
+        if not rounds or not self.device_tensors and self.disk is None:
+            return  # a group with no pages moves nothing
         t0 = time.perf_counter()
         if self.cuda:
             compute = torch.cuda.current_stream(self.stream.device)
@@ -97,7 +102,15 @@ class Swapper:
 
     def stats(self) -> dict[str, float]:
         """Cumulative: blocks copied each way (swaps, write-backs, host hits) and their
-        bytes, batched rounds issued, and the time spent on them."""
+        bytes, batched rounds issued, and the time spent on them (both groups' of a
+        hybrid cache, summed)."""
+        own = self._own_stats()
+        if self.window is not None:
+            for k, v in self.window._own_stats().items():
+                own[k] += v
+        return own
+
+    def _own_stats(self) -> dict[str, float]:
         return {
             "copied_out_blocks": self.blocks_out,
             "copied_in_blocks": self.blocks_in,

@@ -127,7 +127,8 @@ def mode_codes(state: KVState, tier: str, mode: str,
 
 TIER_NAMES = {"gpu": "GPU (device)", "cpu": "CPU (host)", "disk": "Disk (local)",
               # the hybrid cache's group 1 (engine.cache.window_group)
-              "gpu/1": "GPU window group (sliding-window layers)"}
+              "gpu/1": "GPU window group (sliding-window layers)",
+              "cpu/1": "CPU window group (swapped sliding-window blocks)"}
 
 
 class AgeIndex:

@@ -140,10 +140,15 @@ def test_random_workload_keeps_the_invariants_and_the_event_mirror(seed):
 
 
 @pytest.mark.parametrize("kw", [
+    # a cpu tier needs a host pool for each group
     {"window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},  # prefix caching on
+    {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},
+    {"window": 8, "num_window_blocks": 4, "num_window_cpu_blocks": 4},
+    # no disk tier: the cpu tier is swap space only beside a window group
+    {"window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4, "num_window_cpu_blocks": 2,
+     "num_disk_blocks": 4},
     {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 0},
     {"enable_prefix_caching": False, "window": 0, "num_window_blocks": 4},
-    {"enable_prefix_caching": False, "window": 8, "num_window_blocks": 4, "num_cpu_blocks": 4},
 ])
 def test_unsupported_window_groups_are_refused(kw):
     with pytest.raises(CacheError):
@@ -162,6 +167,8 @@ def test_hybrid_bench_fits_more_sequences_in_one_budget():
     gemma = measure("gemma-3-1b", args)
     assert gemma["window_blocks_held"] <= 512 // 16 + 1
     assert gemma["bytes_ratio"] > 2 and gemma["hybrid_seqs"] >= 2 * gemma["keep_seqs"] > 0
+    # a swap preemption copies what the sequence holds: the same saving
+    assert gemma["hybrid_swap_bytes"] == gemma["hybrid_bytes_per_seq"] < gemma["keep_swap_bytes"]
     assert gemma["hybrid_pools_bytes"] <= 0.125 * (1 << 30)
     # prefix caching on both sides: the hybrid hits as much of the shared prefix
     assert gemma["prefix_hybrid_seqs"] >= gemma["prefix_keep_seqs"] > 1
@@ -379,3 +386,140 @@ def test_random_workload_with_prefix_caching_keeps_the_mirror_and_the_bound(seed
         for sid in decoding & set(live):
             assert m.window.held(m.sequences[sid]) <= -(-10 // 4) + 1
     assert window_hits > 10 and m.window.pool.num_evictions > 0
+
+
+class _Pages:
+    """A simulated runner for a hybrid cache with a cpu tier: each group's gpu and host
+    slots hold the digest of the prefix their position was computed from; the manager's
+    swap rounds (both groups) and copy-on-write orders are executed as the runner does
+    (a batch gathers, then scatters)."""
+
+    def __init__(self, m: KVCacheManager) -> None:
+        self.m, self.bs = m, m.block_size
+        self.kv = {(g, t): {} for g in (0, 1) for t in ("gpu", "cpu")}
+
+    def run_orders(self) -> int:
+        m, bs, kv = self.m, self.bs, self.kv
+        moved = 0
+        for g, rounds in ((0, m.take_swap_rounds()), (1, m.take_window_swap_rounds())):
+            for outs, ins in rounds:
+                for pairs, a, b in ((outs, "gpu", "cpu"), (ins, "cpu", "gpu")):
+                    got = [[kv[g, a].get(x * bs + o) for o in range(bs)] for x, _ in pairs]
+                    for (_, y), vals in zip(pairs, got, strict=True):
+                        for o, v in enumerate(vals):
+                            kv[g, b][y * bs + o] = v
+                    moved += len(pairs) * g
+        for g, orders in ((0, m.take_copy_orders()), (1, m.take_window_copy_orders())):
+            got = [[kv[g, "gpu"].get(x * bs + o) for o in range(bs)] for x, _ in orders]
+            for (_, y), vals in zip(orders, got, strict=True):
+                for o, v in enumerate(vals):
+                    kv[g, "gpu"][y * bs + o] = v
+        return moved
+
+    def compute(self, sid: str, start: int, slots: list[int]) -> None:
+        """The forward of positions [start, start + len(slots)): both groups' K/V."""
+        self.run_orders()
+        s = self.m.sequences[sid]
+        wslots = self.m.window_slots(sid, start, start + len(slots))
+        for p, x, w in zip(range(start, start + len(slots)), slots, wslots, strict=True):
+            d = hash(tuple(s.token_ids[:p + 1]))
+            self.kv[0, "gpu"][x], self.kv[1, "gpu"][w] = d, d
+
+    def check(self) -> None:
+        """Every computed position reads its own prefix's digest: group 0 over the whole
+        table, group 1 over its held blocks, on the tier the sequence is in."""
+        self.run_orders()
+        bs = self.bs
+        for s in self.m.sequences.values():
+            if s.status == "waiting":
+                continue
+            for p in range(s.num_tokens):
+                d = hash(tuple(s.token_ids[:p + 1]))
+                assert self.kv[0, s.tier].get(s.block_table[p // bs] * bs + p % bs) == d
+                if p // bs >= s.window_first:
+                    assert self.kv[1, s.tier].get(s.window_table[p // bs] * bs + p % bs) == d
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_swap_preemption_moves_both_groups_and_keeps_the_mirror(seed):
+    """Random admissions (with prefix hits), decodes, forks, swap and recompute
+    preemptions, swap-ins and finishes of swapped sequences, with host pools small enough
+    that some swaps fall back to recompute: after every operation the invariants hold,
+    the mirror equals the snapshot (group 1's host pool and tables included), and every
+    computed position of every sequence, on the gpu or swapped out, holds its own K/V in
+    both groups (the simulated runner executes the swap rounds of each group)."""
+    rng = random.Random(seed)
+    x = Mirrored(60, 4, window=10, num_window_blocks=30, num_cpu_blocks=40,
+                 num_window_cpu_blocks=12)
+    m, pages = x.m, _Pages(x.m)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(12, 26))] for _ in range(3)]
+    running: list[str] = []
+    swapped: list[str] = []
+    moved = swaps = fallbacks = 0
+    for i in range(400):
+        op = rng.random()
+        if op < 0.15 or not running and not swapped:
+            sid = f"s{i}"
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 6))]
+            m.add_sequence(sid, prompt)
+            k = m.match_prefix(sid)
+            slots = m.allocate_slots(sid, len(prompt) - k)
+            if slots is None:
+                m.finish(sid, "abort")
+            else:
+                pages.compute(sid, k, slots)
+                m.append_token_ids(sid, [rng.randrange(50)])  # its first sampled token
+                m.start(sid)
+                running.append(sid)
+        elif op < 0.22 and running:
+            sid = running.pop(rng.randrange(len(running)))
+            mode = m.preempt(sid, "swap")
+            if mode == "swap":
+                swaps += 1
+                swapped.append(sid)
+                assert m.sequences[sid].tier == "cpu"
+            else:
+                fallbacks += 1
+                m.finish(sid, "abort")
+        elif op < 0.32 and swapped:
+            sid = swapped[0]
+            if m.can_swap_in(sid, 1):
+                assert m.swap_in(sid)
+                swapped.pop(0)
+                running.append(sid)
+                s = m.sequences[sid]
+                slots = m.allocate_slots(sid, 1)
+                assert slots is not None  # can_swap_in promised the room
+                pages.compute(sid, s.num_tokens - 1, slots)
+                m.append_token_ids(sid, [rng.randrange(50)])
+        elif op < 0.36 and (running or swapped):
+            pool = running if running and (not swapped or rng.random() < 0.5) else swapped
+            m.finish(pool.pop(rng.randrange(len(pool))), "stop")
+        elif op < 0.4 and running and len(running) < 8:
+            try:
+                m.fork(rng.choice(running), f"f{i}")
+                running.append(f"f{i}")
+            except CacheError:
+                pass
+        elif running:
+            sid = rng.choice(running)
+            start = m.sequences[sid].num_tokens
+            slots = m.allocate_slots(sid, 1)
+            if slots is None:
+                running.remove(sid)
+                if m.preempt(sid, "swap") == "swap":
+                    swapped.append(sid)
+                else:
+                    m.finish(sid, "abort")
+            else:
+                pages.compute(sid, start, slots)
+                m.append_token_ids(sid, [rng.randrange(50)])
+        moved += pages.run_orders()
+        pages.check()
+        x.sync()
+        for sid in running:  # a swapped-in sequence holds no more than a decoding one
+            if m.sequences[sid].num_tokens > m.sequences[sid].num_prompt_tokens:
+                assert m.window.held(m.sequences[sid]) <= -(-10 // 4) + 1
+    assert swaps > 10 and fallbacks > 0 and moved > 0
+    assert any(e["kind"] == S.SWAP_IN and e.get("group") == 1 for e in x.events)
+    assert "cpu/1" in x.state.tiers

@@ -2,7 +2,7 @@
 layers of W = 8 per global one) whose greedy tokens, far past the window, are the contiguous
 reference's (itself transformers' generate: tests/model/test_architectures.py) under every
 cache configuration that must not change them: block sizes, preemption, chunked prefill,
-prefix caching, copy-on-write forks, the contiguous layout, the swap tier."""
+prefix caching, copy-on-write forks, the contiguous layout, swap preemption."""
 
 from __future__ import annotations
 
@@ -75,13 +75,83 @@ def test_configurations_keep_the_reference_tokens(make_engine, reference, engine
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
-def test_preemption_and_the_swap_tier_keep_the_reference_tokens(make_engine, reference):
+def test_preemption_keeps_the_reference_tokens(make_engine, reference):
     # 24 blocks of 4 hold two of the four sequences at most: the growing ones preempt
-    for extra in ({}, {"swap_space": 0.01, "preemption_mode": "swap"}):
-        eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0, **extra)
-        outs = generate(eng, PROMPTS)
-        assert eng.scheduler.num_preemptions > 0
-        assert [o.outputs[0].token_ids for o in outs] == reference
+    eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0)
+    outs = generate(eng, PROMPTS)
+    assert eng.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_swap_preemption_with_the_hybrid_cache_keeps_the_reference_and_the_mirror(
+        make_engine, reference, tmp_path):
+    """A cpu tier beside the hybrid cache: preempted sequences swap out both groups (the
+    full-attention table and the window group's held blocks, each to its own host pool)
+    and back; the greedy tokens are the unpreempted reference's, and the state rebuilt
+    from the recording equals the engine's kv_state() after every step."""
+    from engine.events import KVState
+    from engine.events.wire.recording import Recording
+
+    path = tmp_path / "hybrid-swap.kvtrace"
+    eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0, swap_space=0.01,
+                      preemption_mode="swap", record_path=str(path))
+    assert eng.cache.window is not None and eng.cache.window_host is not None
+    expected, done, steps = {eng.step_count: eng.kv_state()}, {}, 0
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        expected[eng.step_count] = eng.kv_state()
+        eng.cache.check_invariants()
+        steps += 1
+        assert steps < 1000  # hang guard
+    assert [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+    wh, win = eng.cache.window_host, eng.swapper.window
+    assert eng.cache.num_swap_fallbacks == 0 and wh.num_swap_outs == wh.num_swap_ins > 0
+    assert win.blocks_out > 0 and win.blocks_in > 0  # the windowed layers' pages moved
+    eng.close()
+    state, kinds = KVState(), set()
+    for batch in Recording(path):
+        state.apply(batch)
+        kinds |= {(e["kind"], e.get("group", 0)) for e in batch["events"]}
+        if batch["step"] in expected:
+            assert state.canonical() == expected[batch["step"]], f"step {batch['step']}"
+    assert {("swap_out", 1), ("swap_in", 1), ("swap_out", 0)} <= kinds and "cpu/1" in state.tiers
+
+
+def test_each_group_swaps_its_own_pages_and_scale_pages(loaded):
+    """The runner's swap of a hybrid cache with int8 pages (per-token scales; both groups
+    take the per-token formats): group 0's rounds move the full-attention layers' K, V and
+    scale pages, the window group's rounds the windowed layers', each through its own host
+    pool, out and back into other blocks, bit for bit."""
+    from engine.runner.model_runner import ModelRunner
+    from engine.scheduler import SchedulerOutput
+
+    model, _, mc = loaded
+    runner = ModelRunner(model, mc, 8, 4, torch.device("cpu"), torch.float32,
+                         kv_cache_dtype="int8", num_cpu_blocks=4, num_window_blocks=6,
+                         num_window_cpu_blocks=3)
+    kv, groups = runner.kv, runner.group
+    layers = [kv.k_caches, kv.v_caches, kv.k_scales, kv.v_scales]
+    torch.manual_seed(0)
+    for ts in layers:
+        for t in ts:
+            t.copy_(torch.randint(-100, 100, t.shape).to(t.dtype))
+    src = {0: 5, 1: 2}  # a block of each group's pool
+    before = [[t[src[groups[i]]].clone() for i, t in enumerate(ts)] for ts in layers]
+    runner.run(SchedulerOutput(swap_rounds=[([(5, 1)], [])],
+                               window_swap_rounds=[([(2, 0)], [])]))
+    for ts in layers:
+        for t in ts:
+            t.zero_()
+    runner.run(SchedulerOutput(swap_rounds=[([], [(1, 7)])],
+                               window_swap_rounds=[([], [(0, 4)])]))
+    dst = {0: 7, 1: 4}
+    assert set(groups) == {0, 1} and kv.k_scales is not None
+    for ts, old in zip(layers, before, strict=True):
+        for i, t in enumerate(ts):
+            assert torch.equal(t[dst[groups[i]]], old[i]), i
+    assert runner.swapper.blocks_in == runner.swapper.window.blocks_in == 1
 
 
 def test_prefix_caching_hits_keep_the_reference_tokens(make_engine, reference):
@@ -116,7 +186,7 @@ def test_forks_keep_the_reference_tokens(make_engine, reference):
 
 # The hybrid cache (engine.cache.window_group): the five windowed layers in six read their
 # own group's tables, whose blocks are released once out of the window. It is on in every
-# test above but bs16-keep-all and the swap tier (prefix caching is on by default); these
+# test above but bs16-keep-all (prefix caching is on by default); these
 # run it without prefix caching, its releases then freeing blocks outright.
 HYBRID = {"enable_prefix_caching": False}
 

@@ -165,19 +165,31 @@ def test_translation_equals_the_mirror_every_step():
 def test_translation_of_a_hybrid_cache_names_its_window_group():
     """A hybrid cache with prefix caching (engine.cache.window_group): the window group's
     index goes out as group_idx 1 on the same medium, kind "sliding_window"; a consumer's
-    hashes per (medium, group) equal the mirror's per pool after every step."""
+    hashes per (medium, group) equal the mirror's per pool after every step, swaps to the
+    cpu tier (each group's own host pool, its copies indexed there) included."""
     import random
 
     sink = ListSink()
     sink.store_detail = True
-    m = KVCacheManager(40, 4, sink=sink, window=8, num_window_blocks=14)
+    m = KVCacheManager(40, 4, sink=sink, window=8, num_window_blocks=14, num_cpu_blocks=24,
+                       num_window_cpu_blocks=10)
     mirror, tr, consumer, enc = KVState(), VllmTranslator(), VllmPrefixCache(), W.Encoder()
     rng = random.Random(3)
     prefixes = [[rng.randrange(40) for _ in range(20)] for _ in range(2)]
     live: list[str] = []
+    swapped: list[str] = []
     groups: set[tuple[int, str]] = set()
     for seq in range(120):
         if seq:
+            if live and rng.random() < 0.2:
+                sid = live.pop(0)
+                if m.preempt(sid, "swap") == "swap":
+                    swapped.append(sid)
+                else:
+                    m.finish(sid, "abort")
+            elif swapped and m.can_swap_in(swapped[0], 1):
+                m.swap_in(swapped[0])
+                live.append(swapped.pop(0))
             if len(live) < 3 and rng.random() < 0.4:
                 sid = f"s{seq}"
                 prompt = rng.choice(prefixes) + [rng.randrange(40) for _ in range(3)]
@@ -203,10 +215,11 @@ def test_translation_of_a_hybrid_cache_names_its_window_group():
                 _check_chain(ev, 4)
                 groups.add((ev["group_idx"], ev["kv_cache_spec_kind"]))
         consumer.apply(out["ts"], out["events"], seq)
-        for tier in ("gpu", "gpu/1"):
-            assert consumer.hashes({"gpu": "GPU", "gpu/1": "GPU/1"}[tier]) == set(
+        for tier in ("gpu", "gpu/1", "cpu", "cpu/1"):
+            assert consumer.hashes(tier.upper()) == set(
                 mirror.tiers[tier].hashes.values()), (seq, tier)
     assert groups == {(0, "full_attention"), (1, "sliding_window")}
+    assert m.window_host.num_swap_ins > 0 and mirror.tiers["cpu/1"].hashes
     assert m.window.pool.num_evictions > 0 and consumer.unknown_removed == 0
 
 

@@ -15,9 +15,10 @@ def _hybrid_state() -> KVState:
     """Two sequences decoding past a window of 8 tokens, the second sharing the first's
     prefix (prefix caching: a hit in both groups): the window group has released their
     early blocks (indexed ones stay cached) while the full-attention tables keep every
-    block."""
+    block; then "b" is swapped out, its window blocks to the window group's host pool."""
     sink = ListSink()
-    m = KVCacheManager(48, 4, window=8, num_window_blocks=16, sink=sink)
+    m = KVCacheManager(48, 4, window=8, num_window_blocks=16, sink=sink, num_cpu_blocks=24,
+                       num_window_cpu_blocks=8)
     for sid, n in (("a", 14), ("b", 9)):
         m.add_sequence(sid, list(range(n)))
         k = m.match_prefix(sid)
@@ -27,6 +28,7 @@ def _hybrid_state() -> KVState:
         for sid in ("a", "b"):
             m.allocate_slots(sid, 1)
             m.append_token_ids(sid, [t])
+    assert m.preempt("b", "swap") == "swap"
     m.flush_step_events()
     st = KVState()
     st.apply({"v": 2, "step": 1, "events": sink.drain()})
@@ -48,6 +50,17 @@ def test_block_map_draws_the_window_group_and_lights_a_sequence_there(window, qa
     assert window.model.highlighted_blocks("gpu") == st.seqs["a"].block_table
     assert st.seqs["b"].hit_tokens == 8  # its window blocks of those 8 tokens were shared
     assert S.BLOCK_CACHED in set(st.block_codes("gpu/1").tolist())  # released, indexed
+    # the swapped sequence's window blocks, lit on the window group's host pool
+    window.model.select_seq("b")
+    for _ in range(3):
+        qapp.processEvents()
+    assert "CPU window group" in panels["cpu/1"].title.text
+    lit = window.model.highlighted_blocks("cpu/1")
+    assert lit == st.seqs["b"].group_tables[1] and 0 < len(lit) <= 8 // 4 + 1
+    assert window.model.highlighted_blocks("gpu/1") == []
+    from inspector import palette as P
+
+    assert P.state_colours("cpu/1", "auto")[S.BLOCK_USED] == P.SWAPPED  # as the cpu tier's
     shot = os.environ.get("KVSCOPE_SCREENSHOT_DIR")
     if shot:  # for a person to look at (never inside the repository)
         window.grab().save(os.path.join(shot, "hybrid_groups.png"))

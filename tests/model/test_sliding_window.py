@@ -74,7 +74,7 @@ def test_engine_greedy_past_the_window_matches_transformers_generate(windowed, e
                                          {"kv_cache_dtype": "kivi4"}])
 def test_windowed_model_refuses_the_page_formats_that_take_no_window(windowed, engine_args):
     _, path = windowed
-    with pytest.raises(ValueError, match="sliding-window layers"):
+    with pytest.raises(ValueError, match="sliding-window layers.*takes no window.*int8"):
         LLM(str(path), device="cpu", dtype="float32", **engine_args)
 
 
@@ -86,3 +86,22 @@ def test_qwen2_windowed_layers_are_refused():
            "use_sliding_window": True, "sliding_window": 16}
     with pytest.raises(ModelLoadError, match="qwen2 with use_sliding_window"):
         config_from_hf(cfg, "x")
+
+
+def test_swap_preemption_of_a_model_windowed_in_every_layer(windowed):
+    """Every layer windowed: the hybrid cache's group 0 has no pages (bookkeeping only), so
+    a swap moves pages of the window group alone (engine.runner.swapper); two requests in
+    a window pool that holds one decoding sequence and a prefill chunk at most swap, and
+    both keep transformers' tokens."""
+    hf, path = windowed
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=12,
+              max_num_batched_tokens=16, swap_space=0.01, preemption_mode="swap",
+              watermark=0.0)
+    eng = llm.llm_engine
+    assert eng.runner.swapper.device_tensors == [] and eng.runner.swapper.window is not None
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:60]]
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in res] == [hf_greedy(hf, p, 24) for p in prompts]
+    assert eng.cache.window_host.num_swap_outs > 0 and eng.cache.num_swap_fallbacks == 0
+    assert eng.swapper.window.blocks_out > 0 and eng.swapper.blocks_out == 0

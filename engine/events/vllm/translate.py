@@ -16,10 +16,11 @@ hashes a tier holds matter (their fields: the types in ``engine.events.schema``)
     DiskLoad                               BlockStored medium "CPU" (arrived reads are
                                            host cache; the disk keeps its copies)
 
-Groups: a hybrid cache's window group (``group`` 1 on ``store``/``evict``/``tier_init``,
-kvscope's pool ``gpu/1``) is announced on the same medium with ``group_idx`` 1 and
-``kv_cache_spec_kind`` "sliding_window", as vLLM announces its sliding-window group; the
-group's table events (alloc, hit, release, ...) change no index and are skipped.
+Groups: a hybrid cache's window group (``group`` 1 on ``store``/``evict``/``tier_init``/
+``offload``, kvscope's pools ``gpu/1`` and ``cpu/1``) is announced on the same medium with
+``group_idx`` 1 and ``kv_cache_spec_kind`` "sliding_window", as vLLM announces its
+sliding-window group; the group's table events (alloc, hit, release, swap_out, ...) change
+no index and are skipped.
 
 Medium names: kvscope tier "gpu" (the device tier, even on a CPU run, as vLLM-CPU says
 "GPU") -> "GPU", "cpu" (the host swap/offload tier) -> "CPU", "disk" (the local-disk
@@ -60,7 +61,7 @@ from engine.events.vllm import wire as W
 MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU, "disk": W.MEDIUM_STORAGE}
 STORE_PARENTS = S.STORE_PARENTS
 STORE_TOKENS = S.STORE_TOKENS
-_GROUP_INDEX_KINDS = frozenset((S.STORE, S.EVICT, S.TIER_INIT))  # a group's own index
+_GROUP_INDEX_KINDS = frozenset((S.STORE, S.EVICT, S.TIER_INIT, S.OFFLOAD))  # a group's index
 
 
 def _pool(ev: dict[str, Any]) -> str:
@@ -105,7 +106,8 @@ class VllmTranslator:
             elif kind == S.EVICT:
                 self._evict(ev, out)
             elif kind == S.OFFLOAD:
-                self._put("cpu", list(ev["dst"]), list(ev["hashes"]), out)
+                self._put(S.group_pool("cpu", int(ev.get("group") or 0)), list(ev["dst"]),
+                          list(ev["hashes"]), out)
             elif kind == S.HOST_HIT:
                 host = self.blocks.get("cpu", {})
                 pairs = [(b, host[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
