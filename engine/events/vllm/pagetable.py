@@ -65,7 +65,7 @@ def hash_int(key: bytes | None) -> int | None:
     return h - (1 << 64) if h >> 63 else h
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqView:
     """One sequence of the page table."""
 

@@ -116,14 +116,23 @@ class PageTableTracker:
         rows: dict[str, _Row] = {}
         seqs: dict[str, SeqView] = {}
         explained = 0
-        live = {rid: r for rid, r in scheduler.requests.items() if not r.is_finished()}
-        for rid, r in live.items():
-            status = "running" if r.status == self.running else "waiting"
+        live: dict[str, Any] = {}
+        running = self.running
+        old_rows = self._rows
+        for rid, r in scheduler.requests.items():  # O(requests), O(1) each when unchanged
+            if r.is_finished():
+                continue
+            live[rid] = r
+            status = "running" if r.status == running else "waiting"
             for g, mgr in enumerate(managers):
-                sid = group_seq_id(rid, g)
+                sid = rid if g == 0 else group_seq_id(rid, g)
                 raw = mgr.req_to_blocks.get(rid)
                 if raw:
-                    row = self._table(sid, raw)
+                    row = old_rows.get(sid)
+                    if (row is None or row.raw is not raw or row.n != len(raw)
+                            or raw[-1] is not row.last
+                            or (row.first < row.n and raw[row.first].is_null)):
+                        row = self._table(sid, raw)
                     rows[sid] = row
                     table = row.table
                 else:
