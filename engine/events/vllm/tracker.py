@@ -119,14 +119,16 @@ class PageTableTracker:
         live: dict[str, Any] = {}
         running = self.running
         old_rows = self._rows
+        view = SeqView
+        groups = [(g, mgr.req_to_blocks.get) for g, mgr in enumerate(managers)]
         for rid, r in scheduler.requests.items():  # O(requests), O(1) each when unchanged
             if r.is_finished():
                 continue
             live[rid] = r
             status = "running" if r.status == running else "waiting"
-            for g, mgr in enumerate(managers):
+            for g, get in groups:
                 sid = rid if g == 0 else group_seq_id(rid, g)
-                raw = mgr.req_to_blocks.get(rid)
+                raw = get(rid)
                 if raw:
                     row = old_rows.get(sid)
                     if (row is None or row.raw is not raw or row.n != len(raw)
@@ -139,8 +141,7 @@ class PageTableTracker:
                     prev = old.get(sid)
                     table = prev.table if prev is not None and not prev.table else []
                 explained += len(table)
-                seqs[sid] = SeqView(status, table, r.num_computed_tokens,
-                                    r.num_prompt_tokens, r)
+                seqs[sid] = view(status, table, r.num_computed_tokens, r.num_prompt_tokens, r)
         held: list[list[int]] = []
         for mgr in managers:
             for rid, rblocks in mgr.req_to_blocks.items():
