@@ -17,7 +17,8 @@ mirror at its next 30 Hz tick, up to 33 ms later) is printed as p50/p95/max.
 ``--micro N`` needs no vLLM: the plugin's own work per step (read the page table, diff,
 close the batch into a recording stream) on a pool of N blocks shaped as vLLM's (plain
 objects with vLLM's attribute names), 256 running requests each growing by a block
-every 32 steps, so the cost can be read for GPU-sized pools too.
+every 32 steps, so the cost can be read for GPU-sized pools too: the full read (the
+reference) and the incremental one side by side in one run (``micro``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="an HF directory vLLM can load")
+    ap.add_argument("--model", help="an HF directory vLLM can load (all but --micro)")
     ap.add_argument("--passes", type=int, default=3, help="passes per side")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -49,6 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.micro:
         return micro(args.micro)
+    if not args.model:
+        ap.error("--model is required (or --micro BLOCKS)")
     work = Path(tempfile.mkdtemp(prefix="kvscope-vllm-bench-"))
     rec = work / "run.kvtrace"
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
@@ -133,53 +136,105 @@ def main() -> None:
     producer.close()
 
 
-def micro(num_blocks: int, requests: int = 256, steps: int = 400) -> None:
+PASS = 50  # steps per pass of one side in --micro
+
+
+def micro(num_blocks: int, requests: int = 256, steps: int = 451) -> None:
+    """Both reads side by side on the same vLLM-shaped state, in alternating passes of
+    ``PASS`` steps: the full read (``read_page_table`` + a whole-table diff, the
+    reference) and the incremental one (``IncrementalReader``: the blocks the step
+    touched, the tables that moved; its full-read check every 1,000 steps). Each has its
+    own differ and recording stream and reads only in its own passes (both are exact
+    across a gap: the full read needs no history, the touched blocks accumulate), so
+    neither's memory traffic lands in the other's time; the first step of a pass (a
+    gap's worth of change) counts in the mean, not in the median. At the end both read
+    once more and must agree. A decode step: every request takes a token and,
+    every 32 steps, a new block (hashed as vLLM caches a full block), about
+    ``requests / 32`` blocks touched per step; a request whose pool ran dry finishes and
+    a new one takes its place (its blocks freed, a new table)."""
     from types import SimpleNamespace as NS
 
     sys.path.insert(0, str(ROOT))
     from engine.events.vllm.pagetable import PageTableDiffer, read_page_table
+    from engine.events.vllm.tracker import IncrementalReader, Touched
     from engine.events.wire.stream import EventStream
 
     running = NS(name="RUNNING")
     blocks = [NS(block_id=i, ref_cnt=0, _block_hash=None, is_null=i == 0)
               for i in range(num_blocks)]
     table: dict[str, list] = {}
-    reqs = {f"r{i}": NS(request_id=f"r{i}", status=running, num_computed_tokens=0,
-                        num_prompt_tokens=512, is_finished=lambda: False)
-            for i in range(requests)}
-    free = iter(blocks[1:])
-    for rid in reqs:  # each request holds an equal share of half the pool
-        table[rid] = [next(free) for _ in range(num_blocks // 2 // requests)]
-        for b in table[rid]:
-            b.ref_cnt, b._block_hash = 1, b"%08d" % b.block_id + b"\0\0\0\0"
+    touched = Touched()  # what the plugin's BlockPool wrappers note in vLLM
+    free = list(reversed(blocks[1:]))
+
+    def take(rid: str) -> bool:
+        if not free:
+            return False
+        b = free.pop()
+        b.ref_cnt, b._block_hash = 1, b"%08d" % b.block_id + b"\0\0\0\0"  # full: cached
+        table[rid].append(b)
+        touched.ids.add(b.block_id)
+        return True
+
+    def new_request(i: int) -> NS:
+        rid = f"r{i}"
+        table[rid] = []
+        for _ in range(num_blocks // 2 // requests):  # an equal share of half the pool
+            take(rid)
+        return NS(request_id=rid, status=running, num_computed_tokens=0,
+                  num_prompt_tokens=512, is_finished=lambda: False)
+
+    reqs = {f"r{i}": new_request(i) for i in range(requests)}
     sched = NS(kv_cache_manager=NS(block_pool=NS(blocks=blocks, null_block=blocks[0]),
                                    coordinator=NS(single_type_managers=[NS(
                                        req_to_blocks=table, kv_cache_spec=NS(block_size=32))])),
                requests=reqs, deferred_frees=[])
-    rec = Path(tempfile.mkdtemp(prefix="kvscope-vllm-micro-")) / "run.kvtrace"
-    differ = PageTableDiffer()
-    stream = EventStream(record_path=str(rec), snapshot_fn=differ.canonical)
-    cpu = 0.0
+    reader = IncrementalReader(running)
+    sides = {}
+    for name in ("full", "incremental"):
+        rec = Path(tempfile.mkdtemp(prefix="kvscope-vllm-micro-")) / "run.kvtrace"
+        differ = PageTableDiffer()
+        sides[name] = (differ, EventStream(record_path=str(rec), snapshot_fn=differ.canonical))
+    cpu: dict[str, list[float]] = {"full": [], "incremental": []}
+    first: dict[str, list[float]] = {"full": [], "incremental": []}  # a pass's first step
+    next_id = requests
     for step in range(steps):
-        for k, r in enumerate(reqs.values()):  # decode: one token each, a block per 32
+        for k, r in enumerate(list(reqs.values())):  # decode: a token each, a block per 32
             r.num_computed_tokens += 1
-            if (step + k) % 32 == 0:
-                b = next(free, None)
-                if b is not None:
-                    b.ref_cnt = 1
-                    table[r.request_id].append(b)
-        # CPU time of this thread (the shared box's load aside), read once per 10 steps:
-        # one read costs tenths of a millisecond here
-        if step % 10 == 0:
-            t0 = time.thread_time()
-        differ.step(read_page_table(sched, running), stream.sink)
-        stream.end_step(step, {"tiers": {"gpu": differ.block_counts()}})
-        if step % 10 == 9 and step >= 10:
-            cpu += time.thread_time() - t0
-    stream.close()
-    per_step = cpu / (steps - 10)
-    print(f"{num_blocks} blocks, {requests} running requests: the plugin's CPU time per step "
-          f"{per_step * 1e3:.3f} ms (mean of {steps - 10} steps); load {os.getloadavg()}")
+            if (step + k) % 32 == 0 and not take(r.request_id):
+                for b in table.pop(r.request_id):  # finished: freed, a new one comes
+                    b.ref_cnt -= 1
+                    touched.ids.add(b.block_id)
+                    free.append(b)
+                del reqs[r.request_id]
+                reqs[f"r{next_id}"] = new_request(next_id)
+                next_id += 1
+        last = step == steps - 1
+        for name in ("full", "incremental"):
+            if not last and name != ("full", "incremental")[step // PASS % 2]:
+                continue
+            differ, stream = sides[name]
+            t0 = time.thread_time()  # CPU time of this thread: the shared box's load aside
+            if name == "full":
+                differ.step(read_page_table(sched, running), stream.sink)
+            else:
+                pt, dirty = reader.read(sched, touched)
+                differ.step(pt, stream.sink, dirty)
+            stream.end_step(step, {"tiers": {"gpu": differ.block_counts()}})
+            if step >= PASS and not last:  # after the first (full) reads
+                (cpu if step % PASS else first)[name].append(time.thread_time() - t0)
+    for _, stream in sides.values():
+        stream.close()
+    assert sides["full"][0].canonical() == sides["incremental"][0].canonical()
+    out = []
+    for name in ("full", "incremental"):
+        xs = cpu[name]
+        out.append(f"{name} median {statistics.median(xs) * 1e3:.3f} ms, mean "
+                   f"{statistics.fmean(xs + first[name]) * 1e3:.3f} ms "
+                   f"({len(xs) + len(first[name])} steps)")
+    print(f"{num_blocks} blocks, {len(reqs)} running requests, passes of {PASS} steps: "
+          f"the plugin's CPU time per step: {'; '.join(out)} (the mean includes keyframes "
+          f"every 200 steps and each pass's first step); load {os.getloadavg()}")
+
 
 if __name__ == "__main__":
     main()

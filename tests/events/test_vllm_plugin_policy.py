@@ -30,6 +30,34 @@ class BlockPool:
     def reset_prefix_cache(self):
         return True
 
+    # the methods the plugin tracks, with vLLM 0.32's parameter names
+    def get_new_blocks(self, num_blocks):
+        return [Blk(i) for i in range(1, num_blocks + 1)]
+
+    def touch(self, blocks):
+        self.seen = list(blocks)
+
+    def free_blocks(self, ordered_blocks):
+        self.seen = list(ordered_blocks)
+
+    def unpin_blocks(self, blocks, on_reuse):
+        self.seen = list(blocks)
+
+    def _insert_block_hash(self, block_hash_with_group_id, block, num_tokens):
+        self.seen = [block]
+
+    def _remove_cached_block_hashes(self, block):
+        self.seen = [block]
+        return []
+
+
+class Blk:
+    def __init__(self, i: int, pool=None) -> None:
+        self.block_id, self.pool = i, pool
+
+
+TRACKED = [name for name in plugin.TRACKED]
+
 
 def _fake_vllm(monkeypatch, version: str, scheduler_cls: type = Scheduler) -> None:
     mods = {
@@ -51,14 +79,16 @@ def fresh(monkeypatch):
     monkeypatch.setattr(plugin, "_state", {"patched": False})
     for name in ("update_from_output", "finish_requests", "_preempt_request"):
         monkeypatch.setattr(Scheduler, name, Scheduler.__dict__[name])
-    monkeypatch.setattr(BlockPool, "reset_prefix_cache", BlockPool.__dict__["reset_prefix_cache"])
+    for name in ("reset_prefix_cache", *TRACKED):
+        monkeypatch.setattr(BlockPool, name, BlockPool.__dict__[name])
     for var in (plugin.ENV_EVENTS, plugin.ENV_RECORD):
         monkeypatch.delenv(var, raising=False)
 
 
 def _originals() -> tuple:
     return (Scheduler.update_from_output, Scheduler.finish_requests,
-            Scheduler._preempt_request, BlockPool.reset_prefix_cache)
+            Scheduler._preempt_request, BlockPool.reset_prefix_cache,
+            *(getattr(BlockPool, name) for name in TRACKED))
 
 
 def test_unconfigured_it_does_not_even_import_vllm(monkeypatch):
@@ -109,6 +139,30 @@ def test_a_supported_version_wraps_the_methods_not_the_classes(monkeypatch):
     assert all(a is not b for a, b in zip(_originals(), before, strict=True))
     plugin.register()  # a second load (another process's import) patches nothing twice
     assert plugin._state["patched"]
+
+
+def test_the_tracked_pool_methods_note_the_block_ids_they_are_handed(monkeypatch):
+    monkeypatch.setenv(plugin.ENV_RECORD, "run.kvtrace")
+    _fake_vllm(monkeypatch, "0.32.0")
+    plugin.register()
+    pool = BlockPool()
+    assert pool.free_blocks(Blk(i) for i in (1, 2)) is None  # untracked: passed through
+    assert [b.block_id for b in pool.seen] == [1, 2]
+    touched = pool._kvscope_touched = plugin.Touched()
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [1, 2]
+    pool.touch([Blk(3)])
+    other = object()  # a block of another pool (vLLM's free_blocks hands it on)
+    pool.free_blocks(b for b in (Blk(4), Blk(5, pool=other)))  # a generator, read once
+    assert [b.block_id for b in pool.seen] == [4, 5]
+    pool.unpin_blocks([Blk(6)], on_reuse=None)
+    pool._insert_block_hash(b"h", Blk(7), 16)
+    pool._remove_cached_block_hashes(block=Blk(8))
+    assert touched.ids == {1, 2, 3, 4, 6, 7, 8} and not touched.all
+    pool.touch(blocks=[Blk(9)])  # by keyword
+    assert 9 in touched.ids
+    with pytest.raises(TypeError):  # a call shape the wrapper does not know
+        pool.touch()  # vLLM's own error; the next step re-reads every block
+    assert touched.all
 
 
 def test_a_failing_reader_turns_the_plugin_off_and_vllm_goes_on(monkeypatch, caplog,

@@ -20,13 +20,16 @@ module imports nothing of vLLM and unit tests can drive it with plain objects.
 - ``RESERVED``: a sequence for the blocks vLLM holds without an unfinished request: the
   null block, deferred frees, blocks of finished requests a KV connector still reads.
 
-``PageTableDiffer.step(new, sink)`` emits the events that take the previous page table
-to ``new`` (``KVState.apply`` order rules: frees, then evictions, then table growth,
-then stores) and keeps ``new`` as its mirror; ``canonical()`` is that mirror in
-``KVState.canonical()`` form. The invariant the fidelity test checks against the real
-vLLM: after every step, the state rebuilt from the events equals ``read_page_table``
-of vLLM at that step (every block's ref count and hash, every request's table, status
-and token count).
+``PageTableDiffer.step(new, sink, dirty)`` emits the events that take the previous page
+table to ``new`` (``KVState.apply`` order rules: frees, then evictions, then table growth,
+then stores) and keeps its own copy of ``new`` as its mirror; ``canonical()`` is that
+mirror in ``KVState.canonical()`` form. With ``dirty`` (the block ids whose ref count or
+hash may have changed since the last step, engine.events.vllm.tracker) it looks at those
+blocks only, and a sequence whose table is the very list object of the last step is
+taken as unchanged: the step costs what changed, not the pool. The invariant the
+fidelity test checks against the real vLLM: after every step, the state rebuilt from
+the events equals ``read_page_table`` of vLLM at that step (every block's ref count and
+hash, every request's table, status and token count).
 
 A step boundary sees the net change of a step: a block freed, evicted and taken again
 within one step shows as free, evict and alloc, in that order, which is what happened;
@@ -40,7 +43,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import chain, compress
+from itertools import chain
 from typing import Any
 
 from engine.events import causes as C
@@ -50,6 +53,7 @@ from engine.events.sink import EventSink
 TIER = "gpu"
 RESERVED = "vllm:reserved"  # the null block and blocks held without a live request
 _MASK64 = (1 << 64) - 1
+_FREE, _CACHED, _USED = 0, 1, 2  # a mirror block's class (step stats)
 
 
 def hash_int(key: bytes | None) -> int | None:
@@ -61,7 +65,7 @@ def hash_int(key: bytes | None) -> int | None:
     return h - (1 << 64) if h >> 63 else h
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqView:
     """One sequence of the page table."""
 
@@ -160,6 +164,9 @@ class PageTableDiffer:
 
     def __init__(self) -> None:
         self.prev: PageTable | None = None
+        # per block of the mirror: _FREE, _CACHED or _USED; and how many of each
+        self._cls = bytearray()
+        self._counts = [0, 0, 0]
         self._started: set[str] = set()  # sequences that have run once (resume vs start)
         self.preempt_causes: dict[str, dict[str, Any]] = {}  # filled by the plugin's hook
         self.reset_pending = False  # set by the plugin's reset_prefix_cache hook
@@ -168,16 +175,23 @@ class PageTableDiffer:
         self.hit_tokens = 0
         self.unrepresentable = 0  # steps whose change the protocol could not say in full
 
-    def step(self, new: PageTable, sink: EventSink) -> None:
-        """Emit the events that take the last page table to ``new``; keep ``new``."""
+    def step(self, new: PageTable, sink: EventSink, dirty: set[int] | None = None) -> None:
+        """Emit the events that take the last page table to ``new``; keep a copy of it.
+        ``dirty``: the only blocks whose ref count or hash may differ from the last step's
+        (None: any); a sequence whose ``table`` is the last step's list object is
+        unchanged. Never keeps ``new``'s ref/keys lists (the tracker mutates them)."""
         emit = sink.emit
         prev = self.prev
         if prev is None or prev.num_blocks != new.num_blocks:
+            dirty = None
             emit(S.TIER_INIT, tier=TIER, num_blocks=new.num_blocks,
                  block_size=new.block_size)
             prev = PageTable(new.num_blocks, new.block_size, [0] * new.num_blocks,
                              [None] * new.num_blocks, {})
             self._started = set()
+            self._cls = bytearray(new.num_blocks)
+            self._counts = [new.num_blocks, 0, 0]
+        affected: set[int] | None = None if dirty is None else set(dirty)
         ref, keys = prev.ref, prev.keys
         old_seqs = prev.seqs
         tables: dict[str, list[int]] = {sid: s.table for sid, s in old_seqs.items()}
@@ -191,6 +205,8 @@ class PageTableDiffer:
         for sid, old in old_seqs.items():
             s = new.seqs.get(sid)
             table = tables[sid]
+            if s is not None and s.table is table and s.status == old.status:
+                continue  # the tracker's unchanged table (the common case)
             if s is not None and old.status == "running" and s.status == "waiting":
                 cause = self.preempt_causes.pop(sid, None)
                 self.preemptions += 1
@@ -200,6 +216,8 @@ class PageTableDiffer:
                 emit(S.FREE, tier=TIER, seq=sid, blocks=table)
                 for b in table:
                     ref[b] -= 1
+                if affected is not None:
+                    affected.update(table)
                 tables[sid], tokens[sid] = [], 0
             if s is None:
                 emit(S.SEQ_FINISH, seq=sid, reason=finish_reason(old.request),
@@ -215,14 +233,19 @@ class PageTableDiffer:
 
         # 2. evictions: blocks whose hash left (or changed while no one held them)
         new_keys = new.keys
-        changed = [] if new_keys == keys else [
-            b for b, (a, k) in enumerate(zip(keys, new_keys, strict=True)) if a != k]
+        if dirty is not None:
+            changed = sorted(b for b in dirty if keys[b] != new_keys[b])
+        else:
+            changed = [] if new_keys == keys else [
+                b for b, (a, k) in enumerate(zip(keys, new_keys, strict=True)) if a != k]
         evicted = [b for b in changed if keys[b] is not None and ref[b] == 0]
         if evicted:
             cause = {C.REASON: C.R_RESET} if self.reset_pending else {
                 C.REASON: C.R_ALLOCATE, C.POLICY: "lru"}
             emit(S.EVICT, tier=TIER, blocks=evicted, cause=cause)
             self.evictions += len(evicted)
+            if affected is not None:
+                affected.update(evicted)
             for b in evicted:
                 keys[b] = None
         self.reset_pending = False
@@ -230,9 +253,13 @@ class PageTableDiffer:
         # 3. tables grow: fresh blocks are allocs, cached ones hits
         for sid, s in new.seqs.items():
             table = tables[sid]
+            if s.table is table:
+                continue
             grow = s.table[len(table):]
             if not grow:
                 continue
+            if affected is not None:
+                affected.update(grow)
             run: list[int] = []
             run_kind = None
             for b in grow:
@@ -267,14 +294,31 @@ class PageTableDiffer:
         # What the protocol cannot say (a held block losing its hash, a block shared
         # without a hash) leaves the mirror behind vLLM: counted, and the mirror kept as
         # what the events said, so the stream stays valid.
-        if ref == new.ref and keys == new_keys and all(
-                tables[sid] == s.table for sid, s in new.seqs.items()):
-            self.prev = new
+        if affected is None:
+            blocks_agree = ref == new.ref and keys == new_keys
+        else:
+            new_ref = new.ref
+            blocks_agree = all(ref[b] == new_ref[b] and keys[b] == new_keys[b]
+                               for b in affected)
+        if blocks_agree and all(tables[sid] is s.table or tables[sid] == s.table
+                                for sid, s in new.seqs.items()):
+            seqs = dict(new.seqs)
         else:
             self.unrepresentable += 1
-            self.prev = PageTable(new.num_blocks, new.block_size, ref, keys, {
-                sid: SeqView(s.status, tables[sid], s.num_tokens, s.prompt_tokens, s.request)
-                for sid, s in new.seqs.items()})
+            seqs = {sid: SeqView(s.status, tables[sid], s.num_tokens, s.prompt_tokens,
+                                 s.request) for sid, s in new.seqs.items()}
+        self.prev = PageTable(new.num_blocks, new.block_size, ref, keys, seqs)
+        self._count(range(new.num_blocks) if affected is None else affected)
+
+    def _count(self, blocks: Iterable[int]) -> None:
+        """Re-class ``blocks`` of the mirror (free / cached / used) and keep the counts."""
+        ref, keys, cls, counts = self.prev.ref, self.prev.keys, self._cls, self._counts
+        for b in blocks:
+            c = _USED if ref[b] else (_FREE if keys[b] is None else _CACHED)
+            if c != cls[b]:
+                counts[cls[b]] -= 1
+                counts[c] += 1
+                cls[b] = c
 
     def _grow(self, emit: Any, sid: str, kind: str | None, run: list[int],
               block_size: int) -> None:
@@ -303,11 +347,8 @@ class PageTableDiffer:
         pt = self.prev
         if pt is None:
             return {}
-        used = len(pt.ref) - pt.ref.count(0)
-        held_keys = list(compress(pt.keys, pt.ref))  # keys of blocks with ref > 0
-        cached = (len(pt.keys) - pt.keys.count(None)) - (len(held_keys) - held_keys.count(None))
-        return {"total": pt.num_blocks, "used": used, "cached": cached,
-                "free": pt.num_blocks - used - cached}
+        free, cached, used = self._counts
+        return {"total": pt.num_blocks, "used": used, "cached": cached, "free": free}
 
 
 def _output_tokens(request: Any) -> dict[str, int]:

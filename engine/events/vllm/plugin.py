@@ -14,7 +14,10 @@ modules imported keep working): ``Scheduler.update_from_output`` (the end of an 
 core step: the page table is read there, ``engine.events.vllm.pagetable``, and one batch
 closes), ``Scheduler.finish_requests`` (aborts between steps close a batch too),
 ``Scheduler._preempt_request`` (the preemption's cause) and
-``BlockPool.reset_prefix_cache`` (evictions caused by a reset), and
+``BlockPool.reset_prefix_cache`` (evictions caused by a reset), the ``BlockPool``
+methods that change a block's ref count or hash (``TRACKED``: they note the block ids
+they were handed, so a step re-reads only those, engine.events.vllm.tracker; the full
+read checks the tracker every ``CHECK_EVERY`` steps), and
 ``Scheduler.shutdown`` when there is one (the stream closes: the recording's index is
 written). vLLM loads general
 plugins in every process (front end, engine core, workers); only the engine core has a
@@ -38,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.events import causes as C
-from engine.events.vllm.pagetable import PageTableDiffer, read_page_table
+from engine.events.vllm.pagetable import PageTableDiffer
+from engine.events.vllm.tracker import IncrementalReader, Touched
 
 log = logging.getLogger("kvscope.vllm")
 
@@ -47,6 +51,17 @@ ENV_RECORD = "KVSCOPE_RECORD"  # recording path (.kvtrace)
 # vLLM versions whose symbols this plugin was checked against (major.minor prefixes)
 SUPPORTED = ("0.32.",)
 PLUGIN_NAME = "kvscope"
+# BlockPool methods that change blocks' ref counts or hashes, each with how its blocks
+# are found: "result" (the list it returns), or the name of the parameter holding a
+# block or blocks (positional index after self, keyword name)
+TRACKED = {
+    "get_new_blocks": ("result", None),
+    "touch": (0, "blocks"),
+    "free_blocks": (0, "ordered_blocks"),
+    "unpin_blocks": (0, "blocks"),
+    "_insert_block_hash": (1, "block"),
+    "_remove_cached_block_hashes": (0, "block"),
+}
 # Things vLLM cannot tell a scheduler-side observer; the inspector names them.
 UNSEEN = ("KV moved by offloading connectors on the workers",
           "blocks of pools other than the scheduler's main BlockPool")
@@ -102,7 +117,8 @@ def register() -> None:
         ("Scheduler", Scheduler, "update_from_output"),
         ("Scheduler", Scheduler, "finish_requests"),
         ("Scheduler", Scheduler, "_preempt_request"),
-        ("BlockPool", BlockPool, "reset_prefix_cache"))
+        ("BlockPool", BlockPool, "reset_prefix_cache"),
+        *(("BlockPool", BlockPool, name) for name in TRACKED))
         if not callable(getattr(cls, name, None))]
     if missing or not hasattr(RequestStatus, "RUNNING"):
         log.warning("kvscope: vLLM %s lacks %s; the kvscope plugin stays off", version,
@@ -143,7 +159,11 @@ def _patch(scheduler_cls: Any, pool_cls: Any, running: Any, cfg: Config,
         for p in list(_producers):
             if ok and p.pool is self:
                 p.differ.reset_pending = True
+                p.touched.all = True
         return ok
+
+    for name, (where, kw_name) in TRACKED.items():
+        setattr(pool_cls, name, _tracking(getattr(pool_cls, name), where, kw_name))
 
     shutdown = getattr(scheduler_cls, "shutdown", None)
     if callable(shutdown):
@@ -158,6 +178,56 @@ def _patch(scheduler_cls: Any, pool_cls: Any, running: Any, cfg: Config,
     scheduler_cls.finish_requests = finish_requests
     scheduler_cls._preempt_request = _preempt_request
     pool_cls.reset_prefix_cache = reset_prefix_cache
+
+
+def _tracking(method: Any, where: int | str, kw_name: str | None) -> Any:
+    """``method`` of vLLM's BlockPool, noting the ids of the blocks it is handed (or
+    returns) in the pool's ``_kvscope_touched`` when a producer set one (else as is)."""
+    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        touched = getattr(self, "_kvscope_touched", None)
+        if touched is None:
+            return method(self, *args, **kw)
+        if where == "result":
+            out = method(self, *args, **kw)
+            try:
+                _note(self, touched, out)
+            except Exception:  # noqa: BLE001
+                touched.all = True
+            return out
+        if kw_name in kw:
+            arg = kw[kw_name] = _listed(kw[kw_name])
+        elif isinstance(where, int) and where < len(args):
+            args = (*args[:where], _listed(args[where]), *args[where + 1:])
+            arg = args[where]
+        else:  # a call shape this version of the wrapper does not know
+            touched.all = True
+            return method(self, *args, **kw)
+        try:
+            _note(self, touched, arg)
+        except Exception:  # noqa: BLE001 - never break vLLM: the next step reads all
+            touched.all = True
+        return method(self, *args, **kw)
+
+    wrapper.__name__ = wrapper.__qualname__ = getattr(method, "__name__", "wrapper")
+    wrapper.__wrapped__ = method
+    return wrapper
+
+
+def _listed(blocks: Any) -> Any:
+    """A one-pass iterable as a list (so both vLLM and the note can read it)."""
+    return blocks if isinstance(blocks, list | tuple) or hasattr(blocks, "block_id") \
+        else list(blocks)
+
+
+def _note(pool: Any, touched: Touched, blocks: Any) -> None:
+    if hasattr(blocks, "block_id"):
+        blocks = (blocks,)
+    ids = touched.ids
+    for b in blocks:
+        if isinstance(b, list | tuple):  # one list per KV cache group
+            _note(pool, touched, b)
+        elif getattr(b, "pool", None) in (None, pool):  # blocks of other pools: not ours
+            ids.add(b.block_id)
 
 
 _producers: list[Producer] = []
@@ -182,12 +252,15 @@ class Producer:
         self.on = False
         self.running = running
         self.differ = PageTableDiffer()
+        self.reader = IncrementalReader(running)
+        self.touched = Touched()
         self.lock = threading.Lock()  # held while the mirror changes (snapshots read it)
         self.step_no = 0
         self.warned_unexplained = False
         self.stream = None
         try:
             self.pool = scheduler.kv_cache_manager.block_pool
+            self.pool._kvscope_touched = self.touched  # the tracking wrappers note here
             vcfg = getattr(scheduler, "vllm_config", None)
             rank = int(getattr(getattr(vcfg, "parallel_config", None),
                                "data_parallel_rank", 0) or 0)
@@ -225,13 +298,13 @@ class Producer:
         t0 = time.perf_counter()
         try:
             with self.lock:
-                pt = read_page_table(scheduler, self.running)
+                pt, dirty = self.reader.read(scheduler, self.touched)
                 if pt.unexplained and not self.warned_unexplained:
                     self.warned_unexplained = True
                     log.warning("kvscope: %d block references of vLLM are held outside any "
                                 "request table vLLM exposes; shown as %s", pt.unexplained,
                                 "vllm:reserved")
-                self.differ.step(pt, self.stream.sink)
+                self.differ.step(pt, self.stream.sink, dirty)
                 self.step_no += 1
                 self.stream.end_step(self.step_no, self._stats(scheduler, scheduled_tokens,
                                                                time.perf_counter() - t0))
@@ -252,6 +325,8 @@ class Producer:
         }
 
     def close(self) -> None:
+        if getattr(self, "pool", None) is not None:
+            self.pool.__dict__.pop("_kvscope_touched", None)  # the wrappers stop noting
         if self.stream is not None:
             self.stream.close()
 

@@ -56,9 +56,14 @@ def install(path: str) -> None:
     update, finish = Scheduler.update_from_output, Scheduler.finish_requests
 
     def write(scheduler, what: str) -> None:
+        line = {"pid": os.getpid(), "at": what, "state": vllm_state(scheduler)}
+        reader = getattr(getattr(scheduler, "_kvscope", None), "reader", None)
+        if reader is not None:  # the plugin's reads so far (this batch's not yet)
+            reader.check_every = 4  # its full-read check, often enough to run here
+            line["reads"] = {k: getattr(reader, k)
+                             for k in ("steps", "full_reads", "checks", "mismatches")}
         with open(path, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "at": what,
-                                "state": vllm_state(scheduler)}) + "\n")
+            f.write(json.dumps(line) + "\n")
 
     def update_from_output(self, *args, **kw):
         out = update(self, *args, **kw)
