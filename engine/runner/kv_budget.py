@@ -94,7 +94,9 @@ def hybrid_split(config: EngineConfig, model_config, num_blocks: int,
 
     Given ``num_gpu_blocks``: the full group keeps that count and the window group gets
     as many (never more than the running sequences can hold at once: ``max_num_seqs``
-    windows of ceil(W / block_size) + 1 blocks plus one prefill chunk). Given a byte
+    windows of ceil(W / block_size) + 1 blocks plus one prefill chunk; never fewer than
+    one prefill chunk beside its window, ``window_floor``: with less, a prompt longer than
+    the pool would wait forever). Given a byte
     budget: the window pool first gets one step's prefill chunk (``max_num_batched_tokens``:
     a chunk holds its own positions beside its window), then the rest is split in the
     proportion of what a sequence of ``max_model_len`` tokens needs in each group (the
@@ -110,8 +112,9 @@ def hybrid_split(config: EngineConfig, model_config, num_blocks: int,
     per_window_seq = -(-window // bs) + 1
     wanted = config.max_num_seqs * per_window_seq + -(-config.max_num_batched_tokens // bs)
     per_seq = -(-max_model_len // bs)
+    floor = window_floor(config, window, max_model_len)
     if config.num_gpu_blocks is not None:
-        num_window = min(num_blocks, wanted)
+        num_window = max(min(num_blocks, wanted), floor)
         full = num_blocks if n_full else (num_window // per_window_seq + 1) * per_seq
         return full, num_window
     layer_blocks = num_blocks * len(windows)  # the budget, in blocks of one layer
@@ -124,11 +127,25 @@ def hybrid_split(config: EngineConfig, model_config, num_blocks: int,
     rest = layer_blocks - chunk * n_win
     full_need, win_need = per_seq * n_full, min(per_window_seq, per_seq) * n_win
     num_window = min(wanted, chunk + max(1, rest * win_need // (full_need + win_need) // n_win))
+    if num_window < floor:
+        raise ValueError(f"the KV cache budget leaves the sliding-window layers {num_window} "
+                         f"blocks; one prefill chunk of max_num_batched_tokens="
+                         f"{config.max_num_batched_tokens} beside its {window}-token window "
+                         f"needs {floor}: raise the budget or lower max_num_batched_tokens")
     num_full = (layer_blocks - num_window * n_win) // n_full
     if num_full < 1:
         raise ValueError("the KV cache budget holds no full-attention block beside the "
                          "window group's; raise it")
     return num_full, num_window
+
+
+def window_floor(config: EngineConfig, window: int, max_model_len: int) -> int:
+    """Window-group blocks one sequence alone needs for its largest step: a prefill chunk
+    (at most ``max_num_batched_tokens``, never past ``max_model_len``) holds its own
+    positions beside the W - 1 before it (engine.cache.window_group), plus a partial
+    block at each end."""
+    chunk = min(config.max_num_batched_tokens, max_model_len)
+    return -(-(window - 1 + chunk) // config.block_size) + 1
 
 
 def hybrid_host_split(model_config, num_cpu_blocks: int, num_full: int, num_window: int,

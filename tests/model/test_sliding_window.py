@@ -105,3 +105,16 @@ def test_swap_preemption_of_a_model_windowed_in_every_layer(windowed):
     assert [r.outputs[0].token_ids for r in res] == [hf_greedy(hf, p, 24) for p in prompts]
     assert eng.cache.window_host.num_swap_outs > 0 and eng.cache.num_swap_fallbacks == 0
     assert eng.swapper.window.blocks_out > 0 and eng.swapper.blocks_out == 0
+
+
+def test_a_window_pool_smaller_than_one_prefill_chunk_is_raised_to_it(windowed):
+    """``num_gpu_blocks=10`` of 8 tokens and a 97-token prompt in one 128-token chunk: the
+    chunk needs its 97 positions beside the window at once (14 window blocks), so a window
+    pool of 10 would leave the prompt waiting forever; the pool gets that floor instead."""
+    hf, path = windowed
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=10,
+              max_num_batched_tokens=128, enable_prefix_caching=False)
+    assert llm.llm_engine.cache.window.pool.num_blocks >= 14
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    res = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+    assert res.outputs[0].token_ids == hf_greedy(hf, PROMPT, 8)
