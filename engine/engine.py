@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.cache import CacheError, KVCacheManager
-from engine.config import BLOCK_KV_CACHE_DTYPES, EngineConfig
+from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.events.sink import NullSink
 from engine.events.stats import StepStats, TierStats
@@ -32,7 +32,7 @@ from engine.request import Sequence
 from engine.request_state import RequestState
 from engine.runner import kv_budget, mixed_kv
 from engine.runner.model_runner import ModelRunner
-from engine.runner.page_format import check_supported, page_format
+from engine.runner.page_format import check_supported, check_windowed, page_format
 from engine.sampler import SampleError, Sampler, SampleRow
 from engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
@@ -71,55 +71,22 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
-        # Per-token formats (fp8, int8, int4) work with windows: both cache groups take
-        # them (docs/kv-cache.md). What the other two lack, named in their refusals:
-        if mc.windowed and config.kv_demotion:
-            raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-demotion is "
-                             "not supported with them yet: the mixed-precision arena's "
-                             "attention takes no window, and its demotion policy and frames "
-                             "cover one pool, not the hybrid cache's window group; use "
-                             "--kv-cache-dtype fp8, int8 or int4 (both groups take them)")
-        if mc.windowed and config.kv_cache_dtype in BLOCK_KV_CACHE_DTYPES:
-            raise ValueError(f"{mc.architecture} has sliding-window layers: --kv-cache-dtype "
-                             f"{config.kv_cache_dtype} is not supported with them yet: the "
-                             "block-quantized attention (C, torch and Triton paths) takes no "
-                             "window, and the runner has no per-group page format (the "
-                             "full-attention layers' pages block-quantized beside the window "
-                             "group's in the model dtype); use --kv-cache-dtype fp8, int8 or "
-                             "int4 (both groups take them)")
+        check_windowed(mc, config.kv_cache_dtype, config.kv_demotion)
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
-        num_blocks = kv_budget.num_gpu_blocks(config, self.page_format, self.mixed, self.model,
-                                              mc, self.device)
-        num_cpu_blocks = kv_budget.num_cpu_blocks(config, self.page_format)
-        num_disk_blocks = kv_budget.num_disk_blocks(config, self.page_format)
+        kv = kv_budget.plan(config, self.page_format, self.mixed, self.model, mc,
+                            self.device, self.max_model_len)
+        num_blocks = kv.num_blocks
         # Held while the cache changes: the event stream's thread snapshots the cache (for
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
-        # hybrid cache: the sliding-window layers' own group (engine.cache.window_group)
-        window, num_window_blocks, num_window_cpu_blocks = None, 0, 0
-        if self.hybrid_applies(config, mc, num_disk_blocks):
-            window = max(w for w in mc.layer_windows if w is not None)
-            num_blocks, num_window_blocks = kv_budget.hybrid_split(
-                config, mc, num_blocks, self.max_model_len)
-            if num_cpu_blocks:  # swap space for both groups (engine.cache.window_group)
-                num_cpu_blocks, num_window_cpu_blocks = kv_budget.hybrid_host_split(
-                    mc, num_cpu_blocks, num_blocks, num_window_blocks, config.block_size,
-                    self.max_model_len)
-            log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
-                     "(window %d); cpu tier %d + %d blocks", num_blocks, num_window_blocks,
-                     window, num_cpu_blocks, num_window_cpu_blocks)
-        elif mc.windowed and not config.disable_hybrid_kv_cache_manager:
-            log.warning("%s has sliding-window layers, but the hybrid KV cache does not "
-                        "support a disk tier, a contiguous layout or tensor parallelism "
-                        "yet: every layer keeps every block", mc.architecture)
         self.cache = KVCacheManager(
-            num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
-            window=window, num_window_blocks=num_window_blocks,
-            num_window_cpu_blocks=num_window_cpu_blocks,
-            num_disk_blocks=num_disk_blocks,
+            num_blocks, config.block_size, num_cpu_blocks=kv.num_cpu_blocks,
+            window=kv.window, num_window_blocks=kv.num_window_blocks,
+            num_window_cpu_blocks=kv.num_window_cpu_blocks,
+            num_disk_blocks=kv.num_disk_blocks,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
             sink=self.events.sink if self.events else NullSink(),
@@ -146,13 +113,13 @@ class LLMEngine:
                                       enforce_eager=config.enforce_eager,
                                       max_model_len=self.max_model_len,
                                       max_num_seqs=config.max_num_seqs,
-                                      num_cpu_blocks=num_cpu_blocks,
-                                      num_window_blocks=num_window_blocks,
-                                      num_window_cpu_blocks=num_window_cpu_blocks)
+                                      num_cpu_blocks=kv.num_cpu_blocks,
+                                      num_window_blocks=kv.num_window_blocks,
+                                      num_window_cpu_blocks=kv.num_window_cpu_blocks)
         self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
         self.disk_io = None  # the disk tier's files and threads (engine.runner.disk_io)
-        if num_disk_blocks:
-            self._open_disk(num_disk_blocks)
+        if kv.num_disk_blocks:
+            self._open_disk(kv.num_disk_blocks)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
@@ -165,17 +132,6 @@ class LLMEngine:
             self._close_step(0.0, None)  # the tier_init events become batch 0
 
     # ---------------------------------------------------------------- set-up
-    @staticmethod
-    def hybrid_applies(config: EngineConfig, mc, num_disk_blocks: int) -> bool:
-        """Whether a windowed model gets the hybrid cache (prefix caching and swap
-        included): not when switched off, and not yet beside a disk tier, demotion, block
-        formats or tensor parallelism (it then keeps every block, as before)."""
-        return bool(mc.windowed and not config.disable_hybrid_kv_cache_manager
-                    and config.kv_layout == "paged" and not num_disk_blocks
-                    and not config.kv_demotion
-                    and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
-                    and config.tensor_parallel_size == 1)
-
     def _open_disk(self, num_disk_blocks: int) -> None:
         """Open the disk tier's directory and serve the blocks a previous run left there
         that match this model and page format (the most recent that fit)."""
@@ -193,29 +149,13 @@ class LLMEngine:
                  else "")
 
     def _open_events(self):
+        from engine.events.wire.stream import open_stream
+
         cfg = self.config
-        from engine.events.vllm.config import KVEventsConfig
-
-        vllm_events = KVEventsConfig.from_json(cfg.kv_events_config or "{}")
-        if not (cfg.events_endpoint or cfg.record_path or vllm_events.enabled):
-            return None
-        from engine.events.wire.stream import EventStream
-
-        consumers = []
-        if vllm_events.enabled:
-            from engine.events.vllm.publisher import VllmPublisher
-
-            consumers.append(VllmPublisher(vllm_events))
         header = {"model": cfg.model, "config": {k: v for k, v in vars(cfg).items()
                                                   if isinstance(v, (int, float, str, bool))}}
-        try:
-            return EventStream(endpoint=cfg.events_endpoint, record_path=cfg.record_path,
-                               header=header, engine_lock=self._cache_lock,
-                               consumers=consumers)
-        except BaseException:
-            for consumer in consumers:
-                consumer.close()
-            raise
+        return open_stream(cfg.events_endpoint, cfg.record_path, cfg.kv_events_config, header,
+                           self._cache_lock)
 
     # ------------------------------------------------------------- requests
     @_holding_cache_lock

@@ -6,17 +6,73 @@ on CUDA, what a profiled forward leaves of ``gpu_memory_utilization``; on CPU,
 frame over a mixed-precision arena (``--kv-demotion``). The cpu tier: ``swap_space`` GiB.
 The disk tier: ``disk_cache_size`` bytes of block files (a header and the token ids each).
 A hybrid cache (``hybrid_split``) divides the gpu budget between the full-attention
-layers' pool and the sliding-window layers' pool.
+layers' pool and the sliding-window layers' pool. ``plan`` is all of it, for the engine.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.config import BLOCK_KV_CACHE_DTYPES, DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.runner import mixed_kv
 from engine.runner.page_format import PageFormat
 from kernels import mixed_pages as mp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Blocks per tier and group: the cache manager's and the runner's sizes. ``window``
+    is the hybrid cache's sliding window (None: one group, every layer keeps every block);
+    the ``num_window_*`` pools are then the windowed layers' own (engine.cache.window_group)."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    num_disk_blocks: int
+    window: int | None = None
+    num_window_blocks: int = 0
+    num_window_cpu_blocks: int = 0
+
+
+def plan(config: EngineConfig, fmt: PageFormat, mixed: mp.MixedLayout | None,
+         model: torch.nn.Module, model_config, device: torch.device,
+         max_model_len: int) -> KVPlan:
+    """Every tier's blocks, and the hybrid split for a windowed model where it applies."""
+    num_blocks = num_gpu_blocks(config, fmt, mixed, model, model_config, device)
+    num_cpu = num_cpu_blocks(config, fmt)
+    num_disk = num_disk_blocks(config, fmt)
+    if not hybrid_applies(config, model_config, num_disk):
+        if model_config.windowed and not config.disable_hybrid_kv_cache_manager:
+            log.warning("%s has sliding-window layers, but the hybrid KV cache does not "
+                        "support a disk tier, a contiguous layout or tensor parallelism "
+                        "yet: every layer keeps every block", model_config.architecture)
+        return KVPlan(num_blocks, num_cpu, num_disk)
+    window = max(w for w in model_config.layer_windows if w is not None)
+    num_full, num_window = hybrid_split(config, model_config, num_blocks, max_model_len)
+    num_window_cpu = 0
+    if num_cpu:  # swap space for both groups (engine.cache.window_group)
+        num_cpu, num_window_cpu = hybrid_host_split(model_config, num_cpu, num_full,
+                                                    num_window, config.block_size,
+                                                    max_model_len)
+    log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
+             "(window %d); cpu tier %d + %d blocks", num_full, num_window, window, num_cpu,
+             num_window_cpu)
+    return KVPlan(num_full, num_cpu, num_disk, window, num_window, num_window_cpu)
+
+
+def hybrid_applies(config: EngineConfig, model_config, num_disk_blocks: int) -> bool:
+    """Whether a windowed model gets the hybrid cache (prefix caching and swap included):
+    not when switched off, and not yet beside a disk tier, demotion, block formats or
+    tensor parallelism (it then keeps every block, as before)."""
+    return bool(model_config.windowed and not config.disable_hybrid_kv_cache_manager
+                and config.kv_layout == "paged" and not num_disk_blocks
+                and not config.kv_demotion
+                and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
+                and config.tensor_parallel_size == 1)
 
 
 def num_gpu_blocks(config: EngineConfig, fmt: PageFormat, mixed: mp.MixedLayout | None,

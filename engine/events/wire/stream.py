@@ -470,3 +470,27 @@ def _unpack_recorded(batch: dict[str, Any], recorded: RecordedStep,
 
 
 _EXTRA_KINDS = frozenset((S.SEQ_ADD, S.SEQ_FINISH, S.SEQ_PREEMPT, S.HIT, S.HOST_HIT))
+
+
+def open_stream(endpoint: str | None, record_path: str | None, kv_events_config: str | None,
+                header: dict[str, Any], engine_lock: Any) -> EventStream | None:
+    """The engine's event stream: publishing on ``endpoint``, recording to ``record_path``
+    and/or vLLM-format KV events (``kv_events_config``, vLLM's JSON); None when none is
+    asked for. A consumer opened before a failing stream is closed again."""
+    from engine.events.vllm.config import KVEventsConfig
+
+    vllm_events = KVEventsConfig.from_json(kv_events_config or "{}")
+    if not (endpoint or record_path or vllm_events.enabled):
+        return None
+    consumers = []
+    if vllm_events.enabled:
+        from engine.events.vllm.publisher import VllmPublisher
+
+        consumers.append(VllmPublisher(vllm_events))
+    try:
+        return EventStream(endpoint=endpoint, record_path=record_path, header=header,
+                           engine_lock=engine_lock, consumers=consumers)
+    except BaseException:
+        for consumer in consumers:
+            consumer.close()
+        raise
