@@ -128,7 +128,7 @@ def mode_codes(state: KVState, tier: str, mode: str,
 TIER_NAMES = {"gpu": "GPU (device)", "cpu": "CPU (host)", "disk": "Disk (local)",
               # the hybrid cache's group 1 (engine.cache.window_group)
               "gpu/1": "GPU window group (sliding-window layers)",
-              "cpu/1": "CPU window group (swapped sliding-window blocks)"}
+              "cpu/1": "CPU window group (swapped)"}
 
 
 class AgeIndex:
@@ -224,10 +224,10 @@ class _TierPanel:
 
     FULL_REDRAW = 1 << 16  # an age frame moving more blocks than this redraws the tier
 
-    def __init__(self, layout: pg.GraphicsLayout, col: int, tier: str) -> None:
+    def __init__(self, layout: pg.GraphicsLayout, col: int, tier: str, row: int = 0) -> None:
         self.tier = tier
-        self.title = layout.addLabel("", row=0, col=col, color=P.TEXT, size="10pt")
-        self.view: pg.ViewBox = layout.addViewBox(row=1, col=col)
+        self.title = layout.addLabel("", row=row, col=col, color=P.TEXT, size="10pt")
+        self.view: pg.ViewBox = layout.addViewBox(row=row + 1, col=col)
         self.view.setAspectLocked(True)
         self.view.invertY(True)
         self.view.setMenuEnabled(False)
@@ -474,30 +474,38 @@ class BlockMapView(QWidget):
     def _rebuild(self, st: KVState) -> None:
         self.canvas.ci.clear()
         self.panels = {}
-        order = [t for t in S.TIERS if t in st.tiers] + sorted(set(st.tiers) - set(S.TIERS))
-        for col, name in enumerate(order):
-            self.panels[name] = _TierPanel(self.canvas.ci, col, name)
+        # one column per tier; a hybrid cache's window group ("gpu/1") sits under its
+        # tier's map, so four maps never run off a window's right edge
+        tiers = [t for t in S.TIERS if t in st.tiers]
+        tiers += sorted({name.split("/")[0] for name in st.tiers} - set(tiers))
+        for name in sorted(st.tiers, key=lambda n: (tiers.index(n.split("/")[0]), n)):
+            tier, _, group = name.partition("/")
+            col = tiers.index(tier)
+            self.panels[name] = _TierPanel(self.canvas.ci, col, name, row=2 * int(group or 0))
             # Device gets most of the width: it is the tier people watch.
-            self.canvas.ci.layout.setColumnStretchFactor(col, 3 if name == "gpu" else 1)
+            self.canvas.ci.layout.setColumnStretchFactor(col, 3 if tier == "gpu" else 1)
         self._build_legend(st)
 
     def _build_legend(self, st: KVState) -> None:
-        """Legend entries (colour, label, tier, code), one per distinct colour+label."""
-        self._legend_entries: list[tuple[str, str, str, int]] = []
-        seen: set[tuple[str, str]] = set()
+        """Legend entries, one per distinct colour+label: (colour, label, the (tier, code)
+        pairs drawn in it). A window group's blocks count with their tier's."""
+        self._legend_entries: list[tuple[str, str, list[tuple[str, int]]]] = []
+        index: dict[tuple[str, str], list[tuple[str, int]]] = {}
         for name, t in st.tiers.items():
             colours, labels = P.state_colours(name, t.format), P.state_labels(name, t.format)
             demoted = ((P.CODE_DEMOTED_USED, P.CODE_DEMOTED_SHARED)
                        if len(t.format_names) > 1 else ())
             for code in (S.BLOCK_FREE, S.BLOCK_CACHED, S.BLOCK_USED, S.BLOCK_SHARED, *demoted):
-                if (colours[code], labels[code]) not in seen:
-                    seen.add((colours[code], labels[code]))
-                    self._legend_entries.append((colours[code], labels[code], name, code))
+                key = (colours[code], labels[code])
+                if key not in index:
+                    index[key] = []
+                    self._legend_entries.append((*key, index[key]))
+                index[key].append((name, code))
 
     def _update_legend_counts(self, counts: dict[str, np.ndarray]) -> None:
         entries = []
-        for colour, label, name, code in getattr(self, "_legend_entries", []):
-            n = int(counts[name][code]) if name in counts else 0
+        for colour, label, drawn in getattr(self, "_legend_entries", []):
+            n = sum(int(counts[name][code]) for name, code in drawn if name in counts)
             entries.append((colour, "■", label, f"{n:,}"))
         self.legend.set_entries(entries)
 

@@ -64,3 +64,26 @@ def test_block_map_draws_the_window_group_and_lights_a_sequence_there(window, qa
     shot = os.environ.get("KVSCOPE_SCREENSHOT_DIR")
     if shot:  # for a person to look at (never inside the repository)
         window.grab().save(os.path.join(shot, "hybrid_groups.png"))
+
+
+def test_window_groups_sit_under_their_tier_and_count_in_the_legend(window, qapp):
+    """Four maps (gpu, gpu/1, cpu, cpu/1) in two columns, each window group under its
+    tier's map (in one row they ran off a 1600-pixel window's right edge), and the legend
+    counts a window group's blocks with its tier's: "swapped out" is b's group-0 blocks on
+    the cpu tier plus its window blocks on cpu/1."""
+    st = _hybrid_state()
+    window.model.set_state(st)
+    for _ in range(3):
+        qapp.processEvents()
+    panels = window.block_map.panels
+
+    positions = {name: window.block_map.canvas.ci.items[panels[name].view]
+                 for name in ("gpu", "gpu/1", "cpu", "cpu/1")}
+    (gpu_row, gpu_col), (win_row, win_col) = positions["gpu"][0], positions["gpu/1"][0]
+    assert win_col == gpu_col and win_row > gpu_row
+    assert positions["cpu/1"][0][1] == positions["cpu"][0][1] != gpu_col
+    swapped = sum(int((st.block_codes(t) == S.BLOCK_USED).sum()) for t in ("cpu", "cpu/1"))
+    texts = [lab.text() for lab in window.block_map.legend.labels]
+    entry = next(t for t in texts if "swapped out" in t)
+    assert swapped == len(st.seqs["b"].block_table) + len(st.seqs["b"].group_tables[1])
+    assert entry.endswith(f"{swapped:,}</span>")
