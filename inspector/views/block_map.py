@@ -488,7 +488,8 @@ class BlockMapView(QWidget):
 
     def _build_legend(self, st: KVState) -> None:
         """Legend entries, one per distinct colour+label: (colour, label, the (tier, code)
-        pairs drawn in it). A window group's blocks count with their tier's."""
+        pairs it counts). It counts the first tier drawn in it (free: the gpu's) and that
+        tier's window group ("gpu/1"), not other tiers that share the colour."""
         self._legend_entries: list[tuple[str, str, list[tuple[str, int]]]] = []
         index: dict[tuple[str, str], list[tuple[str, int]]] = {}
         for name, t in st.tiers.items():
@@ -500,7 +501,9 @@ class BlockMapView(QWidget):
                 if key not in index:
                     index[key] = []
                     self._legend_entries.append((*key, index[key]))
-                index[key].append((name, code))
+                drawn = index[key]
+                if not drawn or drawn[0][0].split("/")[0] == name.split("/")[0]:
+                    drawn.append((name, code))
 
     def _update_legend_counts(self, counts: dict[str, np.ndarray]) -> None:
         entries = []
