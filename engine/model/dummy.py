@@ -79,6 +79,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "max_position_embeddings": 32768, "bos_token_id": 2, "eos_token_id": [1, 106],
     },
+    # gemma-3-1b's KV cache (26 layers, five windowed of W = 512 per global one, one KV head
+    # of 256: what capacity at a KV budget depends on) behind a narrow residual stream, MLP
+    # and vocabulary (35x fewer weight bytes), so the whole engine runs 4k-token prompts
+    # of it on a CPU (`kvscope bench capacity --hybrid`).
+    "gemma-3-1b-kv": {
+        "model_type": "gemma3_text", "num_hidden_layers": 26, "hidden_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "intermediate_size": 512, "vocab_size": 4096, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window": 512, "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "max_position_embeddings": 32768, "bos_token_id": 2, "eos_token_id": [1, 106],
+    },
     # A few-MB model of the same family for CPU smoke runs (scripts/gpu_check.py --smoke).
     "tiny": {
         "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,

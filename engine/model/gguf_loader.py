@@ -279,6 +279,7 @@ def gguf_tensors(reader: Any, path: Path, config: ModelConfig,
 def gguf_tokenizer_metadata(reader: Any, path: Path) -> dict[str, Any]:
     """The tokenizer fields a Tokenizer needs, with GGUF's key names shortened."""
     meta: dict[str, Any] = {
+        "architecture": _field(reader, "general.architecture", path, None),
         "model": _field(reader, "tokenizer.ggml.model", path),
         "pre": _field(reader, "tokenizer.ggml.pre", path, None),
         "tokens": _field(reader, "tokenizer.ggml.tokens", path),
@@ -286,7 +287,12 @@ def gguf_tokenizer_metadata(reader: Any, path: Path) -> dict[str, Any]:
         "token_type": _field(reader, "tokenizer.ggml.token_type", path, None),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", path, None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", path, None),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", path, False)),
+        "scores": _field(reader, "tokenizer.ggml.scores", path, None),
+        "unk_token_id": _field(reader, "tokenizer.ggml.unknown_token_id", path, None),
+        # absent: None (a SentencePiece vocabulary then adds BOS, as in llama.cpp)
+        "add_bos_token": _field(reader, "tokenizer.ggml.add_bos_token", path, None),
+        "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", path, False)),
+        "add_space_prefix": bool(_field(reader, "tokenizer.ggml.add_space_prefix", path, True)),
         "chat_template": _field(reader, "tokenizer.chat_template", path, None),
     }
     return meta

@@ -1,5 +1,6 @@
-"""Tokenizer: a `tokenizers` BPE built from GGUF metadata or loaded from tokenizer.json, plus
-the model's chat template. Token ids match transformers' tokenizer for the same files."""
+"""Tokenizer: a `tokenizers` BPE built from GGUF metadata (byte-level, or SentencePiece in
+engine.model.tokenizer_spm) or loaded from tokenizer.json, plus the model's chat template.
+Token ids match transformers' tokenizer for the same files."""
 
 from __future__ import annotations
 
@@ -49,15 +50,17 @@ _LONG_TEXT = 8192
 
 class Tokenizer:
     """Invariant: `eos_token_ids` is non-empty when the model defines an end of sequence;
-    encode() adds BOS only when the model asks for it (add_bos)."""
+    encode() adds BOS (EOS) only when the model asks for it (add_bos, add_eos)."""
 
     def __init__(self, backend: Any, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
-                 chat_template: str | None, add_bos: bool = False) -> None:
+                 chat_template: str | None, add_bos: bool = False,
+                 add_eos: bool = False) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.add_bos = add_bos
+        self.add_eos = add_eos
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -65,9 +68,20 @@ class Tokenizer:
         from tokenizers import AddedToken, decoders, models
         from tokenizers import Tokenizer as HFTokenizer
 
-        if meta.get("model") != "gpt2":
-            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model "
-                                 f"{meta.get('model')!r} (supported: gpt2 byte-level BPE)")
+        model = meta.get("model")
+        if model == "llama":  # SentencePiece (Llama 2, Mistral 7B, Phi-3, Gemma 3)
+            from engine.model.tokenizer_spm import spm_backend
+
+            eos = meta.get("eos_token_id")
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+            add_bos = meta.get("add_bos_token")
+            return cls(spm_backend(meta, source), meta.get("bos_token_id"),
+                       () if eos is None else (int(eos),), meta.get("chat_template"),
+                       add_bos=True if add_bos is None else bool(add_bos),
+                       add_eos=bool(meta.get("add_eos_token")))
+        if model != "gpt2":
+            raise ModelLoadError(f"{source}: unsupported GGUF tokenizer model {model!r} "
+                                 "(supported: gpt2 byte-level BPE, llama SentencePiece)")
         if not meta.get("merges"):
             raise ModelLoadError(f"{source}: GGUF tokenizer has no merges")
         tokens: list[str] = list(meta["tokens"])
@@ -154,6 +168,8 @@ class Tokenizer:
             ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
+        if add_special_tokens and self.add_eos and self.eos_token_ids:
+            ids = [*ids, self.eos_token_ids[0]]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -26,10 +26,12 @@ def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def engine_greedy(path, prompt: list[int], steps: int, **engine_args) -> list[int]:
+def engine_greedy(path, prompt: list[int] | str, steps: int, **engine_args) -> list[int]:
+    """Greedy token ids from the engine; a text prompt goes through the model's tokenizer."""
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    request = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    out = llm.generate(request, params, use_tqdm=False)[0].outputs[0]
     return out.token_ids
 
 
@@ -177,12 +179,18 @@ def test_gemma3_final_logit_softcap_matches_transformers(tmp_path):
 def test_gemma3_gguf_matches_safetensors(tmp_path):
     """Gemma 3 written as llama.cpp's converter writes it (arch gemma3: norms stored as 1 + w,
     its four norm names, the global base with its linear scaling and the local base in the
-    metadata, the window, the soft-cap, tied embeddings) loads to the config and logits of the
-    same model from safetensors, and decodes HF's greedy tokens past the window."""
+    metadata, the window, the soft-cap, tied embeddings, its SentencePiece tokenizer) loads
+    to the config and logits of the same model from safetensors, and decodes HF's greedy
+    tokens past the window from a text prompt the engine tokenizes."""
     hf = tiny_hf_model("gemma3_text", seed=16, query_pre_attn_scalar=16,
-                       final_logit_softcapping=2.0)
-    path = write_tiny_gguf(hf, tmp_path / "gemma3.gguf", arch="gemma3")
-    model, _, config = load_model(path)
+                       final_logit_softcapping=2.0, vocab_size=400)  # the SPM vocab's 397
+    path = write_tiny_gguf(hf, tmp_path / "gemma3.gguf", arch="gemma3", spm=True)
+    model, tokenizer, config = load_model(path)
+    text = "<start_of_turn>user\nhello there, the quick brown fox<end_of_turn>"
+    ids = tokenizer.encode(text)
+    assert ids[:2] == [2, 4] and ids[-1] == 5  # BOS, the turn markers whole
+    assert len(ids) > config.sliding_window and tokenizer.decode(ids) == \
+        "user\nhello there, the quick brown fox"
     from_hf, _, hf_config = load_model(save_hf(hf, tmp_path / "hf"))
     assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)  # GGUF's is a float32
     assert dataclasses.replace(config, bos_token_id=hf_config.bos_token_id,
@@ -192,4 +200,4 @@ def test_gemma3_gguf_matches_safetensors(tmp_path):
     ours = our_logits(model, PROMPT)
     torch.testing.assert_close(ours, our_logits(from_hf, PROMPT), atol=1e-6, rtol=0)
     torch.testing.assert_close(ours, hf_logits(hf, PROMPT), atol=5e-5, rtol=0)
-    assert engine_greedy(path, PROMPT, STEPS) == hf_greedy(hf, PROMPT, STEPS)
+    assert engine_greedy(path, text, STEPS) == hf_greedy(hf, ids, STEPS)

@@ -93,3 +93,13 @@ def test_cli_generate_with_token_ids_and_text_error(capsys):
     assert main(["generate", "--model", "tiny", "--load-format", "dummy", "--prompt-token-ids",
                  "--max-tokens", "2", "4,5"]) == 0  # vLLM's spelling
     assert len(capsys.readouterr().out.strip().split(",")) == 2
+
+
+def test_gemma_3_1b_kv_preset_has_the_1b_kv_cache():
+    """The CPU stand-in of Gemma 3 1B for capacity runs keeps every field its KV cache
+    depends on; only the forward's width shrinks."""
+    real, kv = dummy_config("dummy:gemma-3-1b"), dummy_config("dummy:gemma-3-1b-kv")
+    assert real.layer_windows == kv.layer_windows and kv.layer_windows.count(None) == 4
+    assert (real.num_kv_heads, real.head_dim, real.num_layers) == \
+        (kv.num_kv_heads, kv.head_dim, kv.num_layers) == (1, 256, 26)
+    assert weight_bytes(kv, 1) * 30 < weight_bytes(real, 1)

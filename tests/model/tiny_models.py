@@ -68,15 +68,75 @@ def byte_tokens() -> list[str]:
     return list(_bytes_to_unicode().values())
 
 
+SPM_CORPUS = ["the quick brown fox jumps over the lazy dog", "kvscope pages the cache of a model",
+              "numbers 1234 5678 and 90, 3.14", "café naïve déjà vu", "hello world, hello there",
+              "  two spaces and tabs\tthen\nnew lines"]
+
+
+def spm_vocab(arch: str = "llama", pieces: int = 90) -> dict:
+    """A SentencePiece BPE vocabulary laid out as llama.cpp's converter writes one: special
+    tokens, the 256 ``<0xAB>`` byte tokens, then the learned pieces in merge order (score -i)
+    and the single characters after them. Learned here with ``tokenizers``' BPE trainer on
+    words marked with U+2581, as SentencePiece learns them. Gemma's layout (``arch`` "gemma3")
+    puts pad/eos/bos/unk first, adds its turn markers, and a run of spaces as a user-defined
+    token spelled with real spaces, as Gemma's files have them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    learner.train_from_iterator(SPM_CORPUS * 3, trainers.BpeTrainer(vocab_size=200,
+                                                                     show_progress=False))
+    vocab = learner.get_vocab()
+    merged = [a + b for a, b in (m.split(" ") if isinstance(m, str) else m
+                                 for m in _merges_of(learner))][:pieces]
+    chars = sorted((t for t in vocab if len(t) == 1), key=vocab.get)
+    if arch == "gemma3":
+        head = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2),
+                ("<start_of_turn>", 3), ("<end_of_turn>", 3), ("  ", 4)]
+    else:
+        head = [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<|user|>", 3), ("<|end|>", 3)]
+    tokens = [t for t, _ in head] + [f"<0x{b:02X}>" for b in range(256)] + merged + chars
+    types = [ty for _, ty in head] + [6] * 256 + [1] * (len(merged) + len(chars))
+    scores = [0.0] * (len(head) + 256) + [-float(i) for i in range(len(merged) + len(chars))]
+    return {"tokens": tokens, "scores": scores, "types": types}
+
+
+def _merges_of(learner) -> list:
+    import json
+
+    return json.loads(learner.to_str())["model"]["merges"]
+
+
+def write_spm_tokenizer(writer, arch: str = "llama") -> dict:
+    """Write `spm_vocab(arch)` as llama.cpp's converter writes a SentencePiece tokenizer;
+    returns the vocabulary."""
+    vocab = spm_vocab(arch)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_scores(vocab["scores"])
+    writer.add_token_types(vocab["types"])
+    gemma = arch == "gemma3"
+    writer.add_bos_token_id(2 if gemma else 1)
+    writer.add_eos_token_id(1 if gemma else 2)
+    writer.add_unk_token_id(3 if gemma else 0)
+    if gemma:  # Gemma has no dummy prefix; Llama's files leave the key out (default: on)
+        writer.add_pad_token_id(0)
+        writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    return vocab
+
+
 def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
-                    drop: tuple[str, ...] = (), tie: bool = True) -> Path:
+                    drop: tuple[str, ...] = (), tie: bool = True, spm: bool = False) -> Path:
     """Write `model` (a tiny HF Llama, Qwen2/3 or Gemma 3 text) as a GGUF file of llama.cpp's
     `arch`. `drop` omits GGUF tensors by name; `qtype` ("F32" | "F16") is used for the 2-D
-    weight matrices."""
+    weight matrices; `spm` writes a SentencePiece tokenizer (write_spm_tokenizer) instead of
+    the byte-level one."""
     import gguf
 
     cfg = model.config
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -121,8 +181,17 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if spm:
+        write_spm_tokenizer(writer, arch)
+    else:
+        _write_byte_level_tokenizer(writer, cfg.vocab_size)
+    _write_tensors(writer, model, cfg, arch, qtype, drop, tie, rope_factors)
+    return path
+
+
+def _write_byte_level_tokenizer(writer, vocab_size: int) -> None:
     tokens = byte_tokens() + ["<|im_start|>", "<|im_end|>", "Ġt"]
-    tokens += [f"Ġt{i}" for i in range(cfg.vocab_size - len(tokens))]
+    tokens += [f"Ġt{i}" for i in range(vocab_size - len(tokens))]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
@@ -132,6 +201,12 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     writer.add_eos_token_id(257)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>"
                              "{% endfor %}")
+
+
+def _write_tensors(writer, model, cfg, arch: str, qtype: str, drop: tuple[str, ...],
+                   tie: bool, rope_factors: dict[str, np.ndarray]) -> None:
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    gemma = arch == "gemma3"
 
     def add(name: str, array: np.ndarray) -> None:
         if name in drop:
@@ -183,7 +258,6 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", qtype: str = "F32",
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def our_logits(model, ids: list[int]) -> torch.Tensor:
