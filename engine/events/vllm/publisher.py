@@ -20,6 +20,7 @@ answers replay requests, like vLLM's ``ZmqEventPublisher``:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -28,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from engine.events.columns import StepColumns
 from engine.events.vllm import wire as W
 from engine.events.vllm.config import KVEventsConfig
 from engine.events.vllm.translate import VllmTranslator
@@ -99,8 +101,16 @@ class VllmPublisher:
         """Queue one kvscope batch (never blocks)."""
         # The stream packs id lists in place once its consumers return (protocol 2), and
         # this batch is translated later on our own thread: keep a shallow copy of each
-        # event, whose lists the packing replaces but never mutates.
-        batch = {**batch, "events": [dict(ev) for ev in batch["events"]]}
+        # event, whose lists the packing replaces but never mutates. A bulk step in
+        # columns is translated from them (their arrays are never packed): copy only the
+        # maps the columns do not hold.
+        cols = batch.get("columns")
+        if isinstance(cols, StepColumns):
+            cols = dataclasses.replace(cols, others=[dict(ev) for ev in cols.others],
+                                       source=None)
+            batch = {**batch, "events": [], "columns": cols}
+        else:
+            batch = {**batch, "events": [dict(ev) for ev in batch["events"]]}
         try:
             self._queue.put_nowait(batch)
             self.batches_in += 1

@@ -1,8 +1,11 @@
 """kvscope's per-step event batches -> vLLM's KV events, in one place.
 
 Input: the in-memory batch dicts the EventStream closes each step (``engine.events.schema``
-kinds, before any encoding). Output: the events of one vLLM ``EventBatch`` (dicts built
-by ``engine.events.vllm.wire``, whose types are vLLM's). vLLM's stream is the
+kinds, before any encoding; a bulk step's batch may hold ``columns``, an
+``engine.events.columns.StepColumns``, whose ``store``/``evict`` rows are then read from
+its arrays and its other events from ``others``, with the same result). Output: the
+events of one vLLM ``EventBatch`` (dicts built by ``engine.events.vllm.wire``, whose
+types are vLLM's). vLLM's stream is the
 prefix-cache INDEX per medium, not the page table, so only the kinds that change which
 hashes a tier holds matter (their fields: the types in ``engine.events.schema``):
 
@@ -55,7 +58,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from engine.events import columns as C
 from engine.events import schema as S
+from engine.events.columns import StepColumns
 from engine.events.vllm import wire as W
 
 MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU, "disk": W.MEDIUM_STORAGE}
@@ -97,41 +104,74 @@ class VllmTranslator:
             self._reset(out)
         self.last_seq = seq
         self._dropped: set[int] = set()
-        for ev in batch["events"]:
-            kind = ev.get("kind")
-            if ev.get("group") and kind not in _GROUP_INDEX_KINDS:
-                continue  # a group's table events: no index changes
-            if kind == S.STORE:
-                self._store(ev, out)
-            elif kind == S.EVICT:
-                self._evict(ev, out)
-            elif kind == S.OFFLOAD:
-                self._put(S.group_pool("cpu", int(ev.get("group") or 0)), list(ev["dst"]),
-                          list(ev["hashes"]), out)
-            elif kind == S.HOST_HIT:
-                host = self.blocks.get("cpu", {})
-                pairs = [(b, host[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
-                         if a in host]
-                self._put("gpu", [b for b, _ in pairs], [h for _, h in pairs], out)
-            elif kind == S.DISK_STORE:
-                self._put("disk", list(ev["dst"]), [int(h) for h in ev["hashes"]], out)
-            elif kind == S.DISK_LOAD:
-                disk = self.blocks.get("disk", {})
-                pairs = [(b, disk[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
-                         if a in disk]
-                self._put("cpu", [b for b, _ in pairs], [h for _, h in pairs], out)
-            elif kind == S.TIER_INIT:
-                tier = _pool(ev)
-                if self.blocks.get(tier):
-                    self._reset(out)
-                self.block_size[tier] = int(ev["block_size"])
-                self._tier(tier)
+        cols = batch.get("columns")
+        if isinstance(cols, StepColumns):
+            self._columns(cols, out)
+        else:
+            for ev in batch["events"]:
+                self._event(ev, out)
         # forget descriptions no tier needs any more (an evict may precede the offload
         # of the same content within one step, so only at the batch's end)
         for h in self._dropped:
             if not any(h in held for held in self.holders.values()):
                 self.described.pop(h, None)
         return out
+
+    def _event(self, ev: dict[str, Any], out: list[dict[str, Any]]) -> None:
+        """Translate one event map (any kind; those that change no index are skipped)."""
+        kind = ev.get("kind")
+        if ev.get("group") and kind not in _GROUP_INDEX_KINDS:
+            return  # a group's table events: no index changes
+        if kind == S.STORE:
+            self._store(ev, out)
+        elif kind == S.EVICT:
+            self._evict(ev, out)
+        elif kind == S.OFFLOAD:
+            self._put(S.group_pool("cpu", int(ev.get("group") or 0)), list(ev["dst"]),
+                      list(ev["hashes"]), out)
+        elif kind == S.HOST_HIT:
+            host = self.blocks.get("cpu", {})
+            pairs = [(b, host[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
+                     if a in host]
+            self._put("gpu", [b for b, _ in pairs], [h for _, h in pairs], out)
+        elif kind == S.DISK_STORE:
+            self._put("disk", list(ev["dst"]), [int(h) for h in ev["hashes"]], out)
+        elif kind == S.DISK_LOAD:
+            disk = self.blocks.get("disk", {})
+            pairs = [(b, disk[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
+                     if a in disk]
+            self._put("cpu", [b for b, _ in pairs], [h for _, h in pairs], out)
+        elif kind == S.TIER_INIT:
+            tier = _pool(ev)
+            if self.blocks.get(tier):
+                self._reset(out)
+            self.block_size[tier] = int(ev["block_size"])
+            self._tier(tier)
+
+    def _columns(self, cols: StepColumns, out: list[dict[str, Any]]) -> None:
+        """A batch in columns (``engine.events.columns``), in its event order: the
+        ``store``/``evict`` rows read from the id and hash arrays (a columnar row has no
+        ``group`` and no vLLM detail: those stay maps), ``others`` as maps; the alloc,
+        hit, free and seq_tokens rows change no index and are never read. The same
+        output and state as ``translate`` of the batch's events."""
+        kind = cols.kind
+        wanted = np.flatnonzero((kind == C.STORE) | (kind == C.EVICT) | (kind == C.OTHER))
+        if not len(wanted):
+            return
+        lens = np.diff(cols.off)
+        vstart = np.zeros(len(kind) + 1, dtype=np.int64)
+        np.cumsum(np.where(cols.valued(), lens, 0), out=vstart[1:])
+        kinds, tiers = kind[wanted].tolist(), cols.tier[wanted].tolist()
+        starts, ends = cols.off[wanted].tolist(), cols.off[wanted + 1].tolist()
+        vals_at = vstart[wanted].tolist()
+        ids, vals, others = cols.ids, cols.vals, iter(cols.others)
+        for k, t, a, b, v in zip(kinds, tiers, starts, ends, vals_at, strict=True):
+            if k == C.OTHER:
+                self._event(next(others), out)
+            elif k == C.STORE:
+                self._put(S.TIERS[t], ids[a:b].tolist(), vals[v:v + b - a].tolist(), out)
+            else:
+                self._evict_blocks(S.TIERS[t], ids[a:b].tolist(), out)
 
     def cached(self, tier: str) -> set[int]:
         """The hashes a consumer of this translator holds for ``tier`` now."""
@@ -202,11 +242,13 @@ class VllmTranslator:
                                       group))
 
     def _evict(self, ev: dict[str, Any], out: list[dict[str, Any]]) -> None:
-        tier = _pool(ev)
+        self._evict_blocks(_pool(ev), ev["blocks"], out)
+
+    def _evict_blocks(self, tier: str, blocks: Any, out: list[dict[str, Any]]) -> None:
         self._tier(tier)
         where = self.blocks[tier]
         removed: list[int] = []
-        for b in ev["blocks"]:
+        for b in blocks:
             h = where.pop(b, None)
             if h is not None:
                 self._release(tier, h, removed)
