@@ -170,10 +170,13 @@ def test_workload_with_random_events_spliced_in_applies_the_same(array_path, see
 
 
 def test_schema_events_cover_every_kind():
-    """The generator above draws each kind the schema declares (not a fixed list)."""
+    """The generator above draws each kind the schema declares (not a fixed list).
+    Derandomized: 400 random draws missed a rare kind now and then (seen failing once in
+    a run of the events tests), which a test about the generator's reach must not do."""
     seen = set()
 
-    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=400, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
     @given(schema_event())
     def draw(ev):
         seen.add(ev["kind"])
