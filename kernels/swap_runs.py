@@ -24,15 +24,15 @@ MIN_RUN = 2  # pages per run, on average, for the run path to beat one staged co
 
 def runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(position in idx, first index, length)`` of each maximal run of consecutive values,
-    in order: ``idx[pos:pos + n] == first + arange(n)``."""
-    values = idx.tolist()
-    out: list[tuple[int, int, int]] = []
-    for pos, v in enumerate(values):
-        if out and v == out[-1][1] + out[-1][2] and pos == out[-1][0] + out[-1][2]:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((pos, v, 1))
-    return out
+    in order: ``idx[pos:pos + n] == first + arange(n)``. Vectorised: ``swap_blocks`` asks
+    once per cache tensor (K and V of every layer) for the same mapping."""
+    n = int(idx.numel())
+    if n == 0:
+        return []
+    starts = torch.cat([torch.zeros(1, dtype=torch.long),
+                        torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1])
+    lengths = torch.diff(starts, append=torch.tensor([n]))
+    return list(zip(starts.tolist(), idx[starts].tolist(), lengths.tolist(), strict=True))
 
 
 def worth_it(spans: list[tuple[int, int, int]], n: int) -> bool:

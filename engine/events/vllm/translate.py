@@ -130,17 +130,11 @@ class VllmTranslator:
             self._put(S.group_pool("cpu", int(ev.get("group") or 0)), list(ev["dst"]),
                       list(ev["hashes"]), out)
         elif kind == S.HOST_HIT:
-            host = self.blocks.get("cpu", {})
-            pairs = [(b, host[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
-                     if a in host]
-            self._put("gpu", [b for b, _ in pairs], [h for _, h in pairs], out)
+            self._copy_indexed("cpu", "gpu", ev, out)
         elif kind == S.DISK_STORE:
             self._put("disk", list(ev["dst"]), [int(h) for h in ev["hashes"]], out)
         elif kind == S.DISK_LOAD:
-            disk = self.blocks.get("disk", {})
-            pairs = [(b, disk[a]) for a, b in zip(ev["src"], ev["dst"], strict=True)
-                     if a in disk]
-            self._put("cpu", [b for b, _ in pairs], [h for _, h in pairs], out)
+            self._copy_indexed("disk", "cpu", ev, out)
         elif kind == S.TIER_INIT:
             tier = _pool(ev)
             if self.blocks.get(tier):
@@ -198,6 +192,14 @@ class VllmTranslator:
             for h, p, t in zip(hashes, parents, tokens, strict=True):
                 self.described[h] = (p, tuple(t))
         self._put(_pool(ev), blocks, hashes, out)
+
+    def _copy_indexed(self, src_tier: str, dst_tier: str, ev: dict[str, Any],
+                      out: list[dict[str, Any]]) -> None:
+        """A copy ``src -> dst`` between tiers (a host hit, a disk load): the dst blocks
+        take the hashes their sources hold in ``src_tier``."""
+        held = self.blocks.get(src_tier, {})
+        pairs = [(b, held[a]) for a, b in zip(ev["src"], ev["dst"], strict=True) if a in held]
+        self._put(dst_tier, [b for b, _ in pairs], [h for _, h in pairs], out)
 
     def _put(self, tier: str, blocks: list[int], hashes: list[int],
              out: list[dict[str, Any]]) -> None:
