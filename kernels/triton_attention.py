@@ -27,8 +27,10 @@ cu_seqlens_q runs 0..T, every q_len >= 1, seq_len >= q_len, tables cover seq_len
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -39,6 +41,10 @@ from kernels.triton_cache import FORMAT_IDS, scale_args
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The decode split kernel's launch options (num_warps, num_stages): empty = Triton's
+# defaults. Only the GPU check's attention probe varies it (``decode_launch``), to show
+# whether the decode path's gap to copy bandwidth is its launch configuration.
+_DECODE_LAUNCH: dict[str, int] = {}
 # A row max that is finite even before any key is seen: exp2(-inf - (-inf)) would be NaN.
 # (constexpr: a jit function may read only constexpr globals when compiled for a GPU)
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -469,12 +475,28 @@ def _decode(q, k_cache, v_cache, out, block_tables, seq_lens, common, max_seq_le
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
         split_len=split_len, num_splits=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
-        SINGLE_SPLIT=single, **common)
+        SINGLE_SPLIT=single, **common, **_DECODE_LAUNCH)
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, num_splits,
             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=common["BLOCK_D"])
+
+
+@contextlib.contextmanager
+def decode_launch(**options: int) -> Iterator[None]:
+    """Within the block, decode split kernels launch with ``options`` (``num_warps``,
+    ``num_stages``): a probe of the launch configuration, not a setting."""
+    unknown = set(options) - {"num_warps", "num_stages"}
+    if unknown:
+        raise ValueError(f"unknown launch options: {sorted(unknown)}")
+    saved = dict(_DECODE_LAUNCH)
+    _DECODE_LAUNCH.update(options)
+    try:
+        yield
+    finally:
+        _DECODE_LAUNCH.clear()
+        _DECODE_LAUNCH.update(saved)
 
 
 def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int,

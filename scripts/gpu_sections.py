@@ -340,6 +340,7 @@ def section_decode(ctx: Context) -> dict:
     bw = copy_bandwidth(ctx)
     w_bytes = weight_bytes(cfg, dtype.itemsize)
     rows = []
+    breakdown = None
     for batch in batches:
         if ctx.over():
             break
@@ -365,6 +366,10 @@ def section_decode(ctx: Context) -> dict:
             graph_ms = bench_ms(ctx, lambda step=step, run=runner: run.execute(step),
                                 rep_ms=300)
         ms_best = min(ms, graph_ms) if graph_ms else ms
+        if batch == PROFILED_BATCH[ctx.smoke] and not ctx.over():
+            runner.graphs = None  # eager: the profiler sees each kernel by name
+            breakdown = _kernel_breakdown(ctx, lambda step=step, run=runner: run.execute(step))
+            runner.graphs = graphs
         kv_bytes = batch * ctx_len * fmt.bytes_per_block // bs
         floor_ms = (w_bytes + kv_bytes) / bw * 1e3
         rows.append({"batch": batch, "context": ctx_len, "step_ms": round(ms, 3),
@@ -389,7 +394,7 @@ def section_decode(ctx: Context) -> dict:
                                    "graph_step_ms replaying the bucket's CUDA graph; x_floor "
                                    "of the faster; floor = (weight + KV bytes) / copy bw",
          **({"graph_buckets_captured": buckets} if buckets is not None else {}),
-         "syncs": syncs,
+         "syncs": syncs, "kernel_breakdown": breakdown,
          "goal": "<= 1.3x the floor at batch 64 (graphs); no host sync in the step but the "
                  "sampled ids"}
     if at64:
@@ -401,6 +406,52 @@ def section_decode(ctx: Context) -> dict:
         " [eager/graphs]" if buckets is not None else "") + "; syncs/step " + ", ".join(
         f"{mode} {m['syncs_per_step']:.1f}" for mode, m in syncs.items())
     return r
+
+
+PROFILED_BATCH = {False: 64, True: 4}  # the decode row whose step is profiled (by smoke)
+# kernel (or, on CPU, op) names -> the part of the step they are
+PARTS = (("attention", re.compile(r"decode_split|decode_reduce|paged|attention|sdpa", re.I)),
+         ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|\bmm\b|addmm|linear", re.I)),
+         ("cache write", re.compile(r"cache|scatter|index_put|copy_", re.I)))
+
+
+def _kernel_breakdown(ctx: Context, step: Callable[[], Any], steps: int = 3) -> dict:
+    """Where one eager decode step's device time goes (torch.profiler over ``steps`` steps,
+    per kernel, then summed into attention / matmul / cache write / other). On CPU
+    (--smoke) the same for the ops' own CPU time. Graph replays run these same kernels
+    without the launch gaps, so the parts are what a graph step spends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # compiled and warm outside the trace
+    sync(ctx)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        sync(ctx)
+    per_kernel: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ctx.cuda:
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = getattr(ev, "self_cuda_time_total", 0.0)
+        else:
+            us = ev.self_cpu_time_total
+        # on CUDA only the kernels themselves (an aten op's device time is its kernels':
+        # counted once)
+        if us > 0 and (not ctx.cuda or str(getattr(ev, "device_type", "")).endswith("CUDA")):
+            per_kernel[ev.key] = per_kernel.get(ev.key, 0.0) + us
+    parts = dict.fromkeys([p for p, _ in PARTS] + ["other"], 0.0)
+    for name, us in per_kernel.items():
+        part = next((p for p, pat in PARTS if pat.search(name)), "other")
+        parts[part] += us
+    total = sum(parts.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {"time": "device" if ctx.cuda else "cpu (smoke)", "steps": steps,
+            "ms_per_step": round(total / steps / 1e3, 3),
+            "parts_ms_per_step": {p: round(us / steps / 1e3, 3) for p, us in parts.items()},
+            "top_kernels_ms_per_step": [{"name": n[:120], "ms": round(us / steps / 1e3, 3)}
+                                        for n, us in top]}
 
 
 def _decode_syncs(ctx: Context, loaded, enforce_eager: bool | None) -> dict:
@@ -528,10 +579,12 @@ def section_attention(ctx: Context) -> dict:
     big = [r for r in done if r["batch"] >= 32 and r["context"] >= 4096]
     sweep = [] if truncated else _split_sweep(ctx, formats, batches[0], contexts[0], hkv, d,
                                               block, hq, scale, bw)
+    launches = [] if truncated else _launch_sweep(ctx, formats, batches[0], contexts[0], hkv,
+                                                  d, block, hq, scale, bw)
     r: dict[str, Any] = {
         "shapes": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": block},
         "copy_tb_s": round(bw / 1e12, 3), "rows": rows, "truncated": truncated,
-        "split_sweep": sweep,
+        "split_sweep": sweep, "launch_sweep": launches,
         "goal": "bf16 pages >= 85% of copy bandwidth at batch >= 32, context >= 4k; int8 "
                 "pages' speedup over bf16 >= 85% of their byte ratio"}
     if big:
@@ -578,6 +631,46 @@ def _split_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: i
             rows.append({"format": fmt, "batch": batch, "context": context, "splits": n,
                          "default": n == default, "ms": round(ms, 4),
                          "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)})
+        del kv, tables, args
+        ctx.release()
+    return rows
+
+
+# (num_warps, num_stages) the launch sweep tries; (None, None) = Triton's defaults
+LAUNCHES = ((None, None), (4, 2), (4, 4), (8, 2), (8, 3), (8, 4))
+
+
+def _launch_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: int,
+                  block: int, hq: int, scale: float, bw: float) -> list[dict]:
+    """Decode time by the split kernel's launch configuration (warps, pipeline stages) at
+    the default split count, bf16 and int8 pages, at the sweep's shape: whether the gap to
+    copy bandwidth (bf16 74%, int8 0.4-0.5x bf16's speed on the first H200 run) is the
+    launch configuration rather than the kernel's body."""
+    import kernels
+    from kernels.triton_attention import decode_launch
+
+    q = torch.randn(batch, hq, d, device=ctx.device, dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
+    out = torch.empty_like(q)
+    rows = []
+    for fmt in formats:
+        kv, tables, kv_bytes = _paged_case(ctx, fmt, batch, context, hkv, d, block)
+        scales = {"k_scale": kv.k_scales[0] if kv.k_scales else None,
+                  "v_scale": kv.v_scales[0] if kv.v_scales else None}
+        args = (q, kv.k_caches[0], kv.v_caches[0], tables, seq_lens, cu, scale)
+        for warps, stages in LAUNCHES:
+            if ctx.over():
+                break
+            options = {k: v for k, v in (("num_warps", warps), ("num_stages", stages))
+                       if v is not None}
+            with kernels.force_backend("triton"), decode_launch(**options):
+                ms = bench_ms(ctx, lambda args=args, scales=scales: kernels.paged_attention(
+                    *args, out=out, **scales))
+            rows.append({"format": fmt, "batch": batch, "context": context,
+                         "num_warps": warps or "default", "num_stages": stages or "default",
+                         "ms": round(ms, 4), "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw,
+                                                                   3)})
         del kv, tables, args
         ctx.release()
     return rows

@@ -138,3 +138,20 @@ def test_shape_errors_raise_before_launch(device):
         with pytest.raises(ValueError, match="num_splits"):
             kernels.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
                                     batch.seq_lens, batch.cu_seqlens_q, 1.0, num_splits=0)
+
+
+def test_decode_launch_options_hold_only_within_the_block():
+    """The GPU check's launch sweep varies the decode kernel's warps and stages; the
+    engine's launches must be Triton's defaults again afterwards, also after an error."""
+    from kernels import triton_attention as ta
+
+    with ta.decode_launch(num_warps=8, num_stages=2):
+        assert ta._DECODE_LAUNCH == {"num_warps": 8, "num_stages": 2}
+        with pytest.raises(RuntimeError), ta.decode_launch(num_warps=4):
+            assert ta._DECODE_LAUNCH == {"num_warps": 4, "num_stages": 2}
+            raise RuntimeError("a failing probe")
+        assert ta._DECODE_LAUNCH == {"num_warps": 8, "num_stages": 2}
+    assert ta._DECODE_LAUNCH == {}
+    with pytest.raises(ValueError, match="unknown launch options"), ta.decode_launch(
+            num_ctas=2):
+        pass

@@ -103,8 +103,17 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
     # CPU: nothing synchronises, and graphs are CUDA-only
     assert sections["decode"]["syncs"]["eager"]["syncs_per_step"] == 0
     assert "graphs" not in sections["decode"]["syncs"]
+    # where the profiled step's time goes: the parts add up to the step's total
+    parts = sections["decode"]["kernel_breakdown"]
+    assert parts["ms_per_step"] > 0 and parts["top_kernels_ms_per_step"]
+    assert sum(parts["parts_ms_per_step"].values()) == pytest.approx(parts["ms_per_step"],
+                                                                       abs=0.01)
     row = sections["attention"]["rows"][0]
     assert row["auto"]["ms"] > 0 and row["int8"]["speedup_vs_bf16"] > 0 and "sdpa" in row
+    _module()  # puts scripts/ on the path
+    import gpu_sections  # every launch configuration, for both page formats
+    launches = sections["attention"]["launch_sweep"]
+    assert len(launches) == 2 * len(gpu_sections.LAUNCHES) and all(r["ms"] > 0 for r in launches)
     assert sections["events"]["events"] > 0 and sections["events"]["steps"] > 0
     assert sections["offline"]["kvscope"]["generated"] == sections["offline"]["output_tokens"]
     hf = sections["offline"]["hf"]
