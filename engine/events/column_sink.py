@@ -27,6 +27,7 @@ from typing import Any
 
 from engine.events import schema as S
 from engine.events.columns import KIND_CODE, TIER_CODE, StepColumns, _Builder
+from engine.events.state import pack_ids
 from engine.events.state_columns import worth_arrays
 
 _OTHER = None  # a row's kind slot for an emitted map: the row is (None, map)
@@ -46,9 +47,11 @@ class RecordedStep:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def events(self) -> list[dict[str, Any]]:
+    def events(self, packed: bool = False) -> list[dict[str, Any]]:
         """The step's events as maps, in order: what ``ListSink`` collects (the same
-        keys in the same order; handed-over lists are shared, not copied)."""
+        keys in the same order; handed-over lists are shared, not copied). ``packed``:
+        the typed rows' ``blocks`` as protocol 2's packed bytes (``pack_ids``: what the
+        wire's ``pack_events`` makes of them); the emitted maps stay as they are."""
         ids, out, o = self.ids, [], 0
         append = out.append
         for row in self.rows:
@@ -57,7 +60,8 @@ class RecordedStep:
                 append(row[1])
             elif kind in _BLOCK_ROWS:
                 n = row[4]
-                append(_block_event(row, ids[o:o + n]))
+                append(_block_event(row, pack_ids(ids[o:o + n]) if packed
+                                    else ids[o:o + n]))
                 o += n
             else:
                 append(_SEQ_EVENT[kind](row))

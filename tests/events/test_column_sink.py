@@ -129,6 +129,12 @@ def test_every_typed_call_records_what_the_reference_collects():
     _same_columns(recorded.columns(), StepColumns.from_events(events))
     assert recorded.columns(with_events=False).to_events() == events
 
+    # the wire's form (id lists packed): built straight from the rows, the same bytes
+    fresh = ColumnSink()
+    calls(fresh)
+    assert C.pack_events(fresh.drain().events(packed=True)) == C.pack_events(
+        [dict(e) for e in events])
+
     # the stream's side table (prompt sizes, priorities, hit tokens for snapshots) reads
     # the typed rows as it reads their maps; "b" stays, so its extras remain
     ref.seq_add("b", 8, 1)

@@ -376,10 +376,10 @@ class EventStream:
                                                           events, meta[2])
         rec = self.recorder
         if batch is not None:
-            recorded = batch["events"]
+            recorded, packed = batch["events"], False
             if type(recorded) is RecordedStep:
                 self._note_recorded(recorded)
-                _unpack_recorded(batch, recorded, need_events=bool(self._consumers))
+                packed = _unpack_recorded(batch, recorded, need_events=bool(self._consumers))
             else:
                 self._note_extras(batch["events"])
             if batch["seq"] != self._last_seq_handled + 1:
@@ -393,7 +393,8 @@ class EventStream:
                 except Exception:  # noqa: BLE001 - a consumer must not stop the stream
                     self.consumer_errors += 1
                     log.exception("event batch consumer %r failed", consumer)
-            C.pack_events(batch["events"])
+            if not packed:
+                C.pack_events(batch["events"])
             payload = self._codec.encode(batch)  # bulk steps as columns (protocol 3)
             if self.publisher is not None:
                 self.publisher.publish(batch["seq"], payload)
@@ -469,17 +470,23 @@ class EventStream:
 
 
 def _unpack_recorded(batch: dict[str, Any], recorded: RecordedStep,
-                     need_events: bool) -> None:
+                     need_events: bool) -> bool:
     """A batch whose ``events`` are a ColumnSink's ``RecordedStep``, in place, as the wire
     takes it: a bulk step as ``columns`` (built from the rows: no map per block
     operation) with ``events`` the maps the columns do not hold, unless ``need_events``
     (consumers read the whole step: then ``events`` is every map, as ``ListSink`` gives
-    them); any other step as its ``events``."""
+    them); any other step as its ``events``, already packed (``pack_events``' form,
+    built so from the rows) when no consumer reads them. True when packed."""
     if not recorded.worth_columns():
-        batch["events"] = recorded.events()
-        return
+        if need_events:
+            batch["events"] = recorded.events()
+            return False
+        batch["events"] = recorded.events(packed=True)
+        C.pack_events([row[1] for row in recorded.rows if row[0] is None])
+        return True
     cols = batch["columns"] = recorded.columns(with_events=need_events)
     batch["events"] = cols.source if need_events else cols.others
+    return False
 
 
 _DROPPED = "dropped_batches"  # StepStats.dropped_batches: the stream's own counter
