@@ -252,6 +252,35 @@ def _publish(batches: list, apply: bool, pace_s: float = 0.0,
     return res
 
 
+TYPED_CALLS = ("block_op", "store", "evict", "seq_tokens", "seq_add", "seq_start",
+               "seq_finish")
+
+
+def sink_call(ev: dict[str, Any]) -> tuple[str | None, Any]:
+    """The sink call the cache manager makes for this event, as (``EventSink`` method
+    name, its arguments), or (None, the map) for ``emit(**map)``: what a benchmark
+    replays to charge a sink exactly what the manager's calls cost it."""
+    kind = ev["kind"]
+    if "group" in ev:
+        return None, ev
+    if kind in ("alloc", "free", "hit"):
+        return "block_op", (kind, ev["tier"], ev["seq"], ev["blocks"], ev.get("tokens", 0))
+    if kind == "store" and set(ev) == {"kind", "tier", "blocks", "hashes"}:
+        return "store", (ev["tier"], ev["blocks"], ev["hashes"])
+    if kind == "evict" and set(ev) <= {"kind", "tier", "blocks", "cause"}:
+        return "evict", (ev["tier"], ev["blocks"], ev.get("cause"))
+    if kind == "seq_tokens":
+        return "seq_tokens", (ev["seqs"], ev["num_tokens"])
+    if kind == "seq_add" and "parent" not in ev:
+        return "seq_add", (ev["seq"], ev["prompt_tokens"], ev["priority"])
+    if kind == "seq_start":
+        return "seq_start", (ev["seq"],)
+    if kind == "seq_finish":
+        return "seq_finish", (ev["seq"], ev["reason"], ev["num_tokens"],
+                              ev["output_tokens"])
+    return None, ev
+
+
 def realistic_batches(num_steps: int, seed: int = 0) -> list[tuple[list[dict], dict]]:
     """What an engine emits: the real KVCacheManager (16384 blocks of 16) driven by the
     scheduler-like ``ManagerWorkload`` (prefix hits, forks, preemption)."""
@@ -644,8 +673,8 @@ def bench_publish_overhead(blocks: int, sizes: tuple[int, ...] = (100, 1000),
     """Publishing overhead at a fixed number of events per step: a 10 ms GIL-releasing
     stand-in step (a sleep) that emits ``size`` events, with the stream off, on with the
     per-event sink (a map per event: the baseline) and on with the engine's columns
-    (``block_op`` for alloc/free/hit), publishing and recording; alternating blocks of
-    10 steps, each "on" block charged until the stream thread handled it
+    (the typed calls the manager makes: ``sink_call``), publishing and recording;
+    alternating blocks of 10 steps, each "on" block charged until the stream thread handled it
     (``wait_idle``). Every arm replays the same events into its sink (off: the NullSink
     the manager calls when nobody listens), so the replay loop is not charged to
     publishing. The events are the realistic workload's, in order, cycled (the
@@ -656,7 +685,7 @@ def bench_publish_overhead(blocks: int, sizes: tuple[int, ...] = (100, 1000),
     from engine.events.wire.stream import EventStream
 
     pool = [e for ev, _ in realistic_batches(600) for e in ev]
-    hot = ("alloc", "free", "hit")
+    calls = [sink_call(e) for e in pool]
     out: dict[str, Any] = {"blocks_of_10_steps": blocks,
                            "step_stand_in": f"time.sleep({step_s:g}) (GIL released)",
                            "events": "the realistic workload's, cycled"}
@@ -677,17 +706,25 @@ def bench_publish_overhead(blocks: int, sizes: tuple[int, ...] = (100, 1000),
                     sink = st.sink
                     # off replays the events into its NullSink exactly as the columns arm
                     # does into its ColumnSink (the manager calls a disabled sink too), so
-                    # this loop's own cost is in every arm, not charged to publishing
-                    op = None if modes[i] == "on, per-event sink" else sink.block_op
+                    # this loop's own cost is in every arm, not charged to publishing;
+                    # the per-event arm makes the call the manager made before: a map
+                    # per event
+                    per_event = modes[i] == "on, per-event sink"
+                    ops = {name: getattr(sink, name) for name in TYPED_CALLS}
+                    emit = sink.emit
+                    idx = [(pos + j) % len(pool) for j in range(size)]
+                    chunk = [pool[j] for j in idx] if per_event else [calls[j] for j in idx]
                     t0 = time.perf_counter()
                     for k in range(10):
-                        chunk = [pool[(pos + j) % len(pool)] for j in range(size)]
-                        for ev in chunk:
-                            if op is not None and ev["kind"] in hot and "group" not in ev:
-                                op(ev["kind"], ev["tier"], ev["seq"], ev["blocks"],
-                                   ev.get("tokens", 0))
-                            else:
-                                sink.emit(**ev)
+                        if per_event:
+                            for ev in chunk:
+                                emit(**ev)
+                        else:
+                            for name, args in chunk:
+                                if name is None:
+                                    emit(**args)
+                                else:
+                                    ops[name](*args)
                         st.end_step(step + k, {})
                         time.sleep(step_s)
                     st.wait_idle()

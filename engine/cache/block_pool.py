@@ -161,8 +161,11 @@ class BlockPool:
         self.free_blocks.extend(blocks)
         self.num_evictions += len(blocks)
         if self.sink.enabled:
-            extra = {"group": self.group} if self.group else {}
-            self.sink.emit(S.EVICT, tier=self.tier, blocks=blocks, cause=cause, **extra)
+            if self.group:
+                self.sink.emit(S.EVICT, tier=self.tier, blocks=blocks, cause=cause,
+                               group=self.group)
+            else:  # the caller's cause, handed on (no one changes it later)
+                self.sink.evict(self.tier, blocks, cause)
 
     def _evict(self, n: int, needed: int | None = None, free: int = 0,
                reason: str | None = None) -> list[int]:
@@ -184,8 +187,11 @@ class BlockPool:
             if reason != C.R_RESET:
                 cause[C.NEEDED_BY] = self.requester
                 cause[C.BLOCKS_NEEDED] = needed if needed is not None else n
-            extra = {"group": self.group} if self.group else {}
-            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims, cause=cause, **extra)
+            if self.group:
+                self.sink.emit(S.EVICT, tier=self.tier, blocks=victims, cause=cause,
+                               group=self.group)
+            else:  # the ids are copied: the caller may change victims
+                self.sink.evict(self.tier, victims, cause)
         if self.writeback is not None:
             self.writeback(victims, entries)
         return victims

@@ -199,6 +199,10 @@ class KVCacheManager:
             # the host tier does not write back beside a window group: the hook is free
             self.gpu.writeback = self._drop_window_twins
         self._seqs: dict[str, CacheSeq] = {}
+        # the sequences whose num_tokens moved since the last flush_step_events, noted
+        # while the sink is enabled (every write of num_tokens but drop_table's, which
+        # resets reported_tokens with it): the flush visits these, not every sequence
+        self._moved: dict[str, CacheSeq] = {}
         self._copy_orders: list[tuple[int, int]] = []
         self._demotion_orders: list[tuple[int, int]] = []
         self.num_query_tokens = 0
@@ -240,7 +244,7 @@ class KVCacheManager:
         seq = CacheSeq(seq_id, ids, priority, cache_salt, root_hash(cache_salt))
         self._seqs[seq_id] = seq
         if self.sink.enabled:
-            self.sink.emit(S.SEQ_ADD, seq=seq_id, prompt_tokens=len(ids), priority=priority)
+            self.sink.seq_add(seq_id, len(ids), priority)
 
     def append_token_ids(self, seq_id: str, token_ids: Any) -> None:
         """Record generated token ids (they get their slots from ``allocate_slots``)."""
@@ -294,6 +298,8 @@ class KVCacheManager:
         child.block_table = list(table)
         child.num_tokens = parent.num_tokens
         child.reported_tokens = parent.reported_tokens  # what the mirror's fork copies
+        if child.num_tokens != child.reported_tokens and self.sink.enabled:
+            self._moved[child_id] = child
         child.chain_hash, child.chain_id = parent.chain_hash, parent.chain_id
         child.num_stored = parent.num_stored
         child.status, child.started = parent.status, parent.started
@@ -332,7 +338,7 @@ class KVCacheManager:
             raise CacheError(f"{seq_id!r} has already started (status {seq.status})")
         seq.status, seq.started = "running", True
         if self.sink.enabled:
-            self.sink.emit(S.SEQ_START, seq=seq_id)
+            self.sink.seq_start(seq_id)
 
     def preempt(self, seq_id: str, mode: str = "recompute",
                 cause: dict[str, Any] | None = None) -> str:
@@ -467,8 +473,8 @@ class KVCacheManager:
             self.disk.give_up(seq_id, timed_out=False)
         del self._seqs[seq_id]
         if self.sink.enabled:
-            self.sink.emit(S.SEQ_FINISH, seq=seq_id, reason=reason, num_tokens=num_tokens,
-                           output_tokens=len(seq.token_ids) - seq.num_prompt_tokens)
+            self.sink.seq_finish(seq_id, reason, num_tokens,
+                                 len(seq.token_ids) - seq.num_prompt_tokens)
 
     def _free(self, seq: CacheSeq) -> None:
         table = seq.block_table
@@ -531,6 +537,8 @@ class KVCacheManager:
             pool.share(blocks, seq.priority)
             seq.block_table = blocks
             seq.num_tokens = num_hit
+            if self.sink.enabled:
+                self._moved[seq_id] = seq
             seq.num_stored = len(blocks)
             seq.chain_hash, seq.chain_id = ph, pid
             if self.sink.enabled:
@@ -598,6 +606,8 @@ class KVCacheManager:
         seq.block_table = table
         seq.tier = "gpu"
         seq.num_tokens = num_hit
+        if self.sink.enabled:
+            self._moved[seq.seq_id] = seq
         seq.num_stored = len(table)
         seq.chain_hash, seq.chain_id = last[0], last[3]
         if self.sink.enabled:
@@ -727,12 +737,13 @@ class KVCacheManager:
         pool.num_stored = serial
         if stored:
             pool.evictable.touch(stored, seq.priority)
-            if self.sink.enabled:
-                more = {S.STORE_PARENTS: parents,
-                        S.STORE_TOKENS: [entry[b][2] for b in stored]  # tuples: no copy
-                        } if detail else {}
+            if detail:
                 self.sink.emit(S.STORE, tier="gpu", blocks=stored,
-                               hashes=[entry[b][0] for b in stored], **more)
+                               hashes=[entry[b][0] for b in stored], **{
+                                   S.STORE_PARENTS: parents,
+                                   S.STORE_TOKENS: [entry[b][2] for b in stored]})
+            elif self.sink.enabled:
+                self.sink.store("gpu", stored, [entry[b][0] for b in stored])
         if win:
             wstored = self.window.store(seq, win)
             if wstored and self.sink.enabled:
@@ -778,6 +789,8 @@ class KVCacheManager:
                             self.sink.emit(S.RELEASE, tier="gpu", seq=seq_id, group=1,
                                            blocks=out)
                     seq.num_tokens = n + 1
+                    if self.sink.enabled:
+                        self._moved[seq_id] = seq
                     if off + 1 == bs and self.enable_prefix_caching:
                         self._store_full_blocks(seq)
                     return [last * bs + off]
@@ -845,6 +858,8 @@ class KVCacheManager:
         if self.window is not None:
             self._allocate_window(seq, n)
         seq.num_tokens = end = start + n
+        if self.sink.enabled:
+            self._moved[seq.seq_id] = seq
         if self.enable_prefix_caching and min(end, len(seq.token_ids)) // bs > seq.num_stored:
             self._store_full_blocks(seq)
         return slot_mapping(table, bs, start, end)
@@ -980,17 +995,23 @@ class KVCacheManager:
 
     def flush_step_events(self) -> None:
         """Emit one ``seq_tokens`` for the sequences whose token count changed since the
-        last call (the engine calls this at the end of every step)."""
-        if not self.sink.enabled:
+        last call (the engine calls this at the end of every step), in the order they
+        first moved. Only moves made while the sink is enabled are seen (``_moved``): a
+        sink attached to a running manager starts from a snapshot, and a sequence moved
+        before it is reported with its next move."""
+        moved = self._moved
+        if not moved or not self.sink.enabled:
             return
-        seqs, counts = [], []
-        for sid, seq in self._seqs.items():
-            if seq.num_tokens != seq.reported_tokens:
-                seq.reported_tokens = seq.num_tokens
+        self._moved = {}
+        seqs, counts, live = [], [], self._seqs
+        for sid, seq in moved.items():
+            n = seq.num_tokens
+            if n != seq.reported_tokens and live.get(sid) is seq:  # still here
+                seq.reported_tokens = n
                 seqs.append(sid)
-                counts.append(seq.num_tokens)
+                counts.append(n)
         if seqs:
-            self.sink.emit(S.SEQ_TOKENS, seqs=seqs, num_tokens=counts)
+            self.sink.seq_tokens(seqs, counts)  # both handed over
 
     def snapshot(self) -> dict[str, Any]:
         """The state in exactly the form of ``KVState.canonical()``."""

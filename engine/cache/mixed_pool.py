@@ -153,7 +153,7 @@ class MixedBlockPool(BlockPool):
         victims.sort()
         self.num_evictions += len(victims)
         if self.sink.enabled:
-            self.sink.emit(S.EVICT, tier=self.tier, blocks=victims)
+            self.sink.evict(self.tier, victims, None)
 
     def evict(self, max_blocks: int | None = None) -> int:
         n = len(self.evictable) if max_blocks is None else min(max_blocks, len(self.evictable))

@@ -99,3 +99,56 @@ def test_bulk_steps_from_the_engine_columns_reach_the_recording(tmp_path, consum
     assert counts["alloc"] >= 20 and counts["free"] >= 10
     if consumer:
         assert len(seen) == sum(counts.values())
+
+
+def test_every_typed_call_records_what_the_reference_collects():
+    """Each typed sink call, also the forms the manager runs above may not reach (an
+    evict without a cause, a hash beyond int64, a step of only lifecycle rows), means
+    the ``emit`` it names: ColumnSink's events and columns equal ListSink's, and the
+    stream's side table reads the typed lifecycle rows as it reads their maps."""
+    def calls(sink):
+        sink.seq_add("a", 40, 2)
+        sink.seq_start("a")
+        sink.block_op("alloc", "gpu", "a", [3, 4, 5])
+        sink.block_op("hit", "gpu", "a", [1], 16)
+        sink.store("gpu", [3, 4], [11, -12])
+        sink.store("gpu", [5], [1 << 70])  # beyond int64: stays a map in the columns
+        sink.evict("gpu", [1, 2], {"policy": "lru", "reason": "alloc"})
+        sink.evict("cpu", [7], None)
+        sink.seq_tokens(["a"], [41])
+        sink.emit("cow", tier="gpu", seq="a", logical=[0], src=[3], dst=[9])
+        sink.block_op("free", "gpu", "a", [3, 4, 5, 9])
+        sink.seq_finish("a", "stop", 41, 1)
+
+    ref, col = ListSink(), ColumnSink()
+    calls(ref)
+    calls(col)
+    events, recorded = ref.drain(), col.drain()
+    assert recorded.events() == events
+    assert [list(e) for e in recorded.events()] == [list(e) for e in events]  # key order
+    _same_columns(recorded.columns(), StepColumns.from_events(events))
+    assert recorded.columns(with_events=False).to_events() == events
+
+    # the wire's form (id lists packed): built straight from the rows, the same bytes
+    fresh = ColumnSink()
+    calls(fresh)
+    assert C.pack_events(fresh.drain().events(packed=True)) == C.pack_events(
+        [dict(e) for e in events])
+
+    # the stream's side table (prompt sizes, priorities, hit tokens for snapshots) reads
+    # the typed rows as it reads their maps; "b" stays, so its extras remain
+    ref.seq_add("b", 8, 1)
+    ref.block_op("hit", "gpu", "b", [1], 16)
+    col.seq_add("b", 8, 1)
+    col.block_op("hit", "gpu", "b", [1], 16)
+    tables = []
+    for note in ("rows", "maps"):
+        stream = EventStream()  # off: no thread; its side-table methods still run
+        for step in (recorded, col.drain()) if note == "rows" else (events, ref.drain()):
+            if note == "rows":
+                stream._note_recorded(step)
+            else:
+                stream._note_extras(step)
+        tables.append((stream._kind_counts, stream._extras))
+    assert tables[0] == tables[1]
+    assert tables[0][1] == {"b": [8, 1, None, 0, 16]}
