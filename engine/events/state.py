@@ -54,6 +54,7 @@ NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages a
 MAX_TIER_BLOCKS = 1 << 22
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
+_DIRTY_SLACK = 4096  # see KVState._dirty_seqs
 # little-endian int32 x k, for unpacking the short id lists of most events
 _SMALL_UNPACK = tuple(struct.Struct(f"<{k}i") for k in range(33))
 
@@ -345,7 +346,10 @@ class KVState:
         self._undo: list[tuple] | None = None  # a list only while apply() runs
         self._cur_step = -1
         self._clones = 0  # clone() calls, and what changed since the last one:
-        self._dirty_seqs: set[str] = set()  # sequences touched (see clone(reuse=))
+        # sequences touched since the last clone (see clone(reuse=)); None: more than
+        # the state holds plus _DIRTY_SLACK (a mirror nobody clones: the next clone
+        # copies every sequence instead of remembering every id it ever saw)
+        self._dirty_seqs: set[str] | None = set()
         self._clone_of: tuple[int, int] | None = None  # (id, clone number) of the source
         self._idx_key: list[int] | None = None
         self._idx_val: np.ndarray | None = None
@@ -570,7 +574,7 @@ class KVState:
                 st.tiers[n] = t.clone()
             t._dirty, t._dirty_n = [], 0
         self._clones += 1
-        if latest:
+        if latest and self._dirty_seqs is not None:
             # take over the previous frame's dict and patch it: O(changed), not O(seqs)
             # (a sequence finished and re-added under the same id keeps its old place).
             # Not a copy: a fresh 50k-entry dict a frame costs its copy and a young-
@@ -683,8 +687,12 @@ class KVState:
 
     def _end_batch(self, batch: dict[str, Any]) -> None:
         """``_commit`` of one batch inside a transaction (the log stays open)."""
-        self._dirty_seqs |= self._touched
-        self._dirty_seqs |= self._batch_dirty
+        dirty = self._dirty_seqs
+        if dirty is not None:
+            dirty |= self._touched
+            dirty |= self._batch_dirty
+            if len(dirty) > len(self.seqs) + _DIRTY_SLACK:
+                self._dirty_seqs = None
         self.step = int(batch.get("step", self.step + 1))
         self.time = float(batch.get("time", self.time))
         stats = batch.get("stats")
@@ -1011,7 +1019,7 @@ class KVState:
     def _store(self, ev: dict[str, Any]) -> None:
         t, blocks, hashes = self._pool_of(ev), unpack_ids(ev["blocks"]), ev["hashes"]
         t.check_ids(blocks)
-        hashes = [int(h) for h in hashes]
+        hashes = list(map(int, hashes))
         if len(blocks) != len(hashes):
             raise ProtocolError("store: blocks and hashes differ in length")
         self._set_hashes(t, blocks, hashes)
@@ -1168,13 +1176,13 @@ class KVState:
         s.group_tables = {**s.group_tables, g: table}
 
     def _seq_tokens(self, ev: dict[str, Any]) -> None:
-        seqs, counts = ev["seqs"], [int(n) for n in ev["num_tokens"]]
+        seqs, counts = ev["seqs"], list(map(int, ev["num_tokens"]))
         if type(seqs) is not list or len(seqs) != len(counts):
             raise ProtocolError("seq_tokens: seqs and num_tokens differ in length")
         # the hot path of every decode step: one undo entry for all, not a copy per seq
         table = self.seqs
         try:
-            objs = [table[sid] for sid in seqs]
+            objs = list(map(table.__getitem__, seqs))
             self._batch_dirty.update(seqs)
         except (KeyError, TypeError):
             missing = next(sid for sid in seqs if not isinstance(sid, str) or sid not in table)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from engine.bench.synthetic import SyntheticCache
 from engine.events import KVState, ListSink, ProtocolError, state_columns
 from engine.events import schema as S
+from engine.events import state as state_mod
 from engine.events.columns import OTHER, StepColumns
 from engine.events.state import RefusedBatch, pack_ids, unpack_ids
 
@@ -357,3 +358,20 @@ def test_apply_many_refuses_a_batch_alone_after_one_that_touched_the_same_sequen
     assert e.value.index == 2
     assert full_state(fast) == full_state(ref)
     assert fast.step == 1 and fast.seqs["a"].block_table == [0, 1]
+
+
+def test_a_clone_reusing_the_last_frame_is_exact_when_the_touched_ids_were_given_up(
+        monkeypatch):
+    """A mirror nobody clones stops remembering every sequence id it ever touched (past
+    ``_DIRTY_SLACK``): the next clone copies every sequence, still equal to the state."""
+    monkeypatch.setattr(state_mod, "_DIRTY_SLACK", -(1 << 20))  # given up at once
+    gen, sink, live = SyntheticCache(seed=3), ListSink(), KVState()
+    frame = live.clone()
+    for step in range(120):
+        stats = gen.step(sink)
+        live.apply_many([{"v": 2, "step": step, "events": sink.drain(), "stats": stats}])
+        if step % 30 == 29:
+            assert live._dirty_seqs is None
+            frame = live.clone(reuse=frame)
+            assert full_state(frame) == full_state(live)
+    assert frame.canonical() == gen.canonical()

@@ -337,7 +337,11 @@ class Subscriber:
         return dropped is not None and dropped > self.publisher_dropped
 
     def _note_drops(self, stats: Any) -> None:
-        dropped = StepStats.read(stats).dropped_batches
+        # every batch: the one field read straight from a map (what StepStats.read gives
+        # for it: an int, bool excluded), anything else through StepStats.read
+        dropped = stats.get("dropped_batches") if type(stats) is dict else None
+        if type(dropped) is not int:
+            dropped = StepStats.read(stats).dropped_batches
         if dropped is not None:
             self.publisher_dropped = dropped
 
