@@ -659,17 +659,19 @@ class KVState:
                 batch = batches[i]
                 if not _plain(batch):
                     return i
-                mark = len(undo)
                 self._begin_batch(batch)
                 try:
                     self._apply_events(batch.get("events", []))
                 except ProtocolError as e:
-                    self._rollback_to(mark)
+                    self._rollback_to(0)
                     raise RefusedBatch(str(e), i) from e
                 except (KeyError, TypeError, ValueError, IndexError, AttributeError,
                         OverflowError) as e:
-                    self._rollback_to(mark)
+                    self._rollback_to(0)
                     raise RefusedBatch(f"malformed event: {e!r}", i) from e
+                # committed: its log is never read again (a later batch rolls back only
+                # to its own start); kept, it would hold a run's old values alive
+                undo.clear()
                 self._end_batch(batch)
             return len(batches)
         finally:
@@ -746,7 +748,11 @@ class KVState:
     def _save3(self, c0: Column, c1: Column, c2: Column, ids: list[int]) -> None:
         """``_save`` of three columns in one undo entry (every block change touches three:
         ref/owner/last change, or hash presence/value/last change)."""
-        if len(ids) <= _SMALL:
+        if len(ids) == 1:  # most block events: no list comprehension (a frame) for one
+            p0, p1, p2 = c0.py, c1.py, c2.py
+            b = ids[0]
+            self._undo.append((_COL3, (p0, p1, p2), ids, [(p0[b], p1[b], p2[b])]))
+        elif len(ids) <= _SMALL:
             p0, p1, p2 = c0.py, c1.py, c2.py
             self._undo.append((_COL3, (p0, p1, p2), ids, [(p0[b], p1[b], p2[b]) for b in ids]))
         else:
