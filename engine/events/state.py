@@ -633,11 +633,13 @@ class KVState:
         self._commit(batch)
 
     def apply_many(self, batches: list[dict[str, Any]]) -> None:
-        """``apply`` each of ``batches`` in order, as one undo transaction (the fixed cost
-        of a transaction is paid once for a run of plain event batches: what a lagging
-        subscriber finds waiting). Each batch stays atomic: when batch ``i`` is refused,
+        """``apply`` each of ``batches`` in order, a run of plain event batches (what a
+        lagging subscriber finds waiting) in one undo transaction whose log holds only
+        the batch being applied. Each batch stays atomic: when batch ``i`` is refused,
         the state is exactly as after batch ``i - 1`` (the ones before it stay applied,
-        none after it is tried) and ``RefusedBatch`` (a ProtocolError) says ``i``."""
+        none after it is tried) and ``RefusedBatch`` (a ProtocolError) says ``i``.
+        Measured in process: as fast as ``apply`` batch by batch, no faster (a batch's
+        fixed cost is small beside its ~17 events' handlers: docs/benchmarks/events.md)."""
         i, n = 0, len(batches)
         while i < n:
             if not _plain(batches[i]):
