@@ -260,7 +260,10 @@ class TierState:
 
     def check_ids(self, ids: list[int]) -> None:
         n = self.num_blocks
-        if ids and (min(ids) < 0 or max(ids) >= n):
+        if len(ids) == 1:  # most events: one compare, not min() and max()
+            if not 0 <= ids[0] < n:
+                raise ProtocolError(f"tier {self.name}: block id {ids[0]!r} out of range")
+        elif ids and (min(ids) < 0 or max(ids) >= n):
             bad = next(b for b in ids if not 0 <= b < n)
             raise ProtocolError(f"tier {self.name}: block id {bad!r} out of range")
 
@@ -997,7 +1000,9 @@ class KVState:
     def _alloc(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_alloc(ev)
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        # the tier: one dict lookup, no call when known (_tier raises for the rest)
+        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
+        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
         self._free_blocks(t, blocks, "alloc")
@@ -1007,7 +1012,9 @@ class KVState:
     def _hit(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_hit(ev)
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        # the tier: one dict lookup, no call when known (_tier raises for the rest)
+        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
+        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
         hashed = t.hashed_c.py
@@ -1022,7 +1029,7 @@ class KVState:
         """The pool an index event (store, evict) addresses: a tier, or a group's pool."""
         if ev.get("group"):
             return self._tier(S.group_pool(ev["tier"], self._group_id(ev)))
-        return self._tier(ev["tier"])
+        return self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
 
     def _store(self, ev: dict[str, Any]) -> None:
         t, blocks, hashes = self._pool_of(ev), unpack_ids(ev["blocks"]), ev["hashes"]
@@ -1069,7 +1076,9 @@ class KVState:
     def _free(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_free(ev)
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        # the tier: one dict lookup, no call when known (_tier raises for the rest)
+        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
+        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
         self._release(t, blocks, s.owner_id)
