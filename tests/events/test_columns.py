@@ -311,7 +311,15 @@ def apply_runs(ref: KVState, fast: KVState, batches: list[dict], cuts: list[int]
             assert str(e.value) == err_fast
             assert full_state(fast) == full_state(ref)
             run = run[done + 1:]
-        assert full_state(fast.clone(reuse=frame)) == full_state(fast)
+        # (a sequence finished and re-added keeps its old place in such a clone: its
+        # documented order, so the order is not compared here)
+        assert unordered(full_state(fast.clone(reuse=frame))) == unordered(full_state(fast))
+
+
+def unordered(state: dict) -> dict:
+    """``full_state`` without the order of the sequences."""
+    return {**state, "seq_order": sorted(state["seq_order"]),
+            "seqs": sorted(state["seqs"], key=lambda s: s["seq"])}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -372,6 +380,6 @@ def test_a_clone_reusing_the_last_frame_is_exact_when_the_touched_ids_were_given
         live.apply_many([{"v": 2, "step": step, "events": sink.drain(), "stats": stats}])
         if step % 30 == 29:
             assert live._dirty_seqs is None
-            frame = live.clone(reuse=frame)
+            frame = live.clone(reuse=frame)  # a full copy: exact, order included
             assert full_state(frame) == full_state(live)
     assert frame.canonical() == gen.canonical()
