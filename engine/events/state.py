@@ -97,15 +97,6 @@ def unpack_ids(value: Any) -> list[int]:
     return value
 
 
-class RefusedBatch(ProtocolError):
-    """``KVState.apply_many``: batch ``index`` was refused (the message says why); the
-    batches before it are applied, it and those after it are not."""
-
-    def __init__(self, message: str, index: int) -> None:
-        super().__init__(message)
-        self.index = index
-
-
 class Column:
     """One per-block array: ``np`` (numpy view) and ``py`` (array.array), same memory."""
 
@@ -635,77 +626,6 @@ class KVState:
             raise ProtocolError(f"malformed event: {e!r}") from e
         self._commit(batch)
 
-    def apply_many(self, batches: list[dict[str, Any]]) -> None:
-        """``apply`` each of ``batches`` in order, a run of plain event batches (what a
-        lagging subscriber finds waiting) in one undo transaction whose log holds only
-        the batch being applied. Each batch stays atomic: when batch ``i`` is refused,
-        the state is exactly as after batch ``i - 1`` (the ones before it stay applied,
-        none after it is tried) and ``RefusedBatch`` (a ProtocolError) says ``i``.
-        Measured in process: as fast as ``apply`` batch by batch, no faster (a batch's
-        fixed cost is small beside its ~17 events' handlers: docs/benchmarks/events.md)."""
-        i, n = 0, len(batches)
-        while i < n:
-            if not _plain(batches[i]):
-                try:  # refused, or the columnar path: one batch on its own
-                    self.apply(batches[i])
-                except ProtocolError as e:
-                    raise RefusedBatch(str(e), i) from e
-                i += 1
-                continue
-            i = self._apply_run(batches, i)
-
-    def _apply_run(self, batches: list[dict[str, Any]], i: int) -> int:
-        """``apply_many``'s transaction: the plain event batches from ``i`` on, until one
-        that is not; returns the index after the last one applied."""
-        self._begin()
-        undo = self._undo
-        try:
-            for i in range(i, len(batches)):  # noqa: B020 - the run's end is returned
-                batch = batches[i]
-                if not _plain(batch):
-                    return i
-                self._begin_batch(batch)
-                try:
-                    self._apply_events(batch.get("events", []))
-                except ProtocolError as e:
-                    self._rollback_to(0)
-                    raise RefusedBatch(str(e), i) from e
-                except (KeyError, TypeError, ValueError, IndexError, AttributeError,
-                        OverflowError) as e:
-                    self._rollback_to(0)
-                    raise RefusedBatch(f"malformed event: {e!r}", i) from e
-                # committed: its log is never read again (a later batch rolls back only
-                # to its own start); kept, it would hold a run's old values alive
-                undo.clear()
-                self._end_batch(batch)
-            return len(batches)
-        finally:
-            self._undo = None
-
-    def _begin_batch(self, batch: dict[str, Any]) -> None:
-        """Inside a transaction (``_begin``): a new batch starts (what a rollback to its
-        start needs: every sequence it touches logged again, its kind counts)."""
-        step = batch.get("step", self.step + 1)
-        self._cur_step = step if type(step) is int and -(1 << 31) <= step < (1 << 31) else -1
-        self._touched = set()
-        self._batch_dirty = set()
-        self._seq_order = None
-        self._saved_counts = (dict(self.kind_counts), self.unknown_kinds)
-
-    def _end_batch(self, batch: dict[str, Any]) -> None:
-        """``_commit`` of one batch inside a transaction (the log stays open)."""
-        dirty = self._dirty_seqs
-        if dirty is not None:
-            dirty |= self._touched
-            dirty |= self._batch_dirty
-            if len(dirty) > len(self.seqs) + _DIRTY_SLACK:
-                self._dirty_seqs = None
-        self.step = int(batch.get("step", self.step + 1))
-        self.time = float(batch.get("time", self.time))
-        stats = batch.get("stats")
-        if isinstance(stats, dict):
-            self.stats = stats
-
     def _begin_step(self, batch: dict[str, Any]) -> None:
         step = batch.get("step", self.step + 1)
         self._cur_step = step if type(step) is int and -(1 << 31) <= step < (1 << 31) else -1
@@ -725,7 +645,17 @@ class KVState:
 
     def _commit(self, batch: dict[str, Any]) -> None:
         self._undo = None
-        self._end_batch(batch)
+        dirty = self._dirty_seqs
+        if dirty is not None:
+            dirty |= self._touched
+            dirty |= self._batch_dirty
+            if len(dirty) > len(self.seqs) + _DIRTY_SLACK:
+                self._dirty_seqs = None
+        self.step = int(batch.get("step", self.step + 1))
+        self.time = float(batch.get("time", self.time))
+        stats = batch.get("stats")
+        if isinstance(stats, dict):
+            self.stats = stats
 
     # ------------------------------------------------------------- undo log
     # Every mutation inside apply() first logs what it overwrites: _save a column's old
@@ -786,17 +716,8 @@ class KVState:
         self._undo.append((_BIG, t, None, dict(t.big_hashes)))
 
     def _rollback(self) -> None:
-        if self._undo is not None:
-            self._rollback_to(0)
-        self._undo = None
-
-    def _rollback_to(self, mark: int) -> None:
-        """Undo what the log holds past ``mark`` (the start of the current batch: every
-        entry from there on is its own, see ``_begin_batch``) and drop those entries."""
-        undo = self._undo
-        tail = undo[mark:]
-        del undo[mark:]
-        for op, target, key, old in reversed(tail):
+        undo, self._undo = self._undo or [], None
+        for op, target, key, old in reversed(undo):
             if op is _COL:
                 if isinstance(key, np.ndarray):
                     target.np[key] = old  # repeated ids saved the same old value
@@ -1362,13 +1283,6 @@ class KVState:
         if s.block_table and s.tier != t.name:
             raise ProtocolError(f"{s.seq_id}'s table is in tier {s.tier}, not {t.name}")
         s.tier = t.name
-
-
-def _plain(batch: Any) -> bool:
-    """A batch ``apply`` takes through the per-event handlers (no columns) and would not
-    refuse before them: ``apply_many`` runs those in one transaction."""
-    return (isinstance(batch, dict) and batch.get("v") in S.READABLE_VERSIONS
-            and batch.get("columns") is None and isinstance(batch.get("events", []), list))
 
 
 def _format_code(t: TierState, fmt: str) -> int:

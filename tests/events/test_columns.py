@@ -16,7 +16,7 @@ from engine.events import KVState, ListSink, ProtocolError, state_columns
 from engine.events import schema as S
 from engine.events import state as state_mod
 from engine.events.columns import OTHER, StepColumns
-from engine.events.state import RefusedBatch, pack_ids, unpack_ids
+from engine.events.state import pack_ids, unpack_ids
 
 # ------------------------------------------------------------ comparing states
 
@@ -285,89 +285,7 @@ def test_order_within_a_step_on_the_array_path(monkeypatch, events):
     assert fast.columns_refused == 0
 
 
-# ------------------------------------------------ several batches in one transaction
-def apply_runs(ref: KVState, fast: KVState, batches: list[dict], cuts: list[int]) -> None:
-    """``batches`` one by one to ``ref``, and to ``fast`` through ``apply_many`` in runs
-    (cut at ``cuts``): each refused batch is refused alone, with the same message and the
-    state exactly as after the last good one; the batches after it are applied by the
-    next call. A clone reusing the frame before each run equals the state after it."""
-    bounds = sorted({0, len(batches), *(c % (len(batches) + 1) for c in cuts)})
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        frame = fast.clone()
-        run = batches[lo:hi]
-        while run:
-            try:
-                fast.apply_many(run)
-                done, err_fast = len(run), None
-            except RefusedBatch as e:
-                done, err_fast = e.index, str(e)
-            for b in run[:done]:
-                ref.apply(b)
-            assert full_state(fast) == full_state(ref)
-            if err_fast is None:
-                break
-            with pytest.raises(ProtocolError) as e:
-                ref.apply(run[done])
-            assert str(e.value) == err_fast
-            assert full_state(fast) == full_state(ref)
-            run = run[done + 1:]
-        # (a sequence finished and re-added keeps its old place in such a clone: its
-        # documented order, so the order is not compared here)
-        assert unordered(full_state(fast.clone(reuse=frame))) == unordered(full_state(fast))
-
-
-def unordered(state: dict) -> dict:
-    """``full_state`` without the order of the sequences."""
-    return {**state, "seq_order": sorted(state["seq_order"]),
-            "seqs": sorted(state["seqs"], key=lambda s: s["seq"])}
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), data=st.data())
-def test_apply_many_equals_batch_by_batch(seed, data):
-    """Valid deep streams (the synthetic workload) with random events of every kind
-    spliced in (so some batches are refused midway), some batches as columns, applied in
-    runs of random length: the same as ``apply`` one batch at a time."""
-    gen, sink = SyntheticCache(seed=seed, gpu_blocks=8, cpu_blocks=8, max_running=4), ListSink()
-    batches = []
-    for step in range(30):
-        stats = gen.step(sink)
-        events = sink.drain()
-        if data.draw(st.booleans()):
-            for ev in data.draw(st.lists(schema_event(), max_size=2)):
-                events.insert(data.draw(st.integers(0, len(events))), ev)
-        batch = {"v": 2, "step": step, "time": float(step), "events": events, "stats": stats}
-        batches.append(columnar(batch) if data.draw(st.integers(0, 9)) == 0 else batch)
-    batches.insert(data.draw(st.integers(0, len(batches))), {"v": 9, "events": []})
-    apply_runs(KVState(), KVState(), batches, data.draw(st.lists(st.integers(0, 40),
-                                                                  max_size=4)))
-
-
-def test_apply_many_refuses_a_batch_alone_after_one_that_touched_the_same_sequence():
-    """Batch 2 changes a sequence (and blocks) batch 1 already changed, then fails: the
-    state is exactly as after batch 1, and batch 3 is not tried."""
-    b0 = {"v": 2, "step": 0, "events": list(SETUP)}
-    b1 = {"v": 2, "step": 1, "events": [
-        {"kind": "seq_start", "seq": "a"},
-        {"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [0, 1]},
-        {"kind": "seq_tokens", "seqs": ["a"], "num_tokens": [7]}]}
-    b2 = {"v": 2, "step": 2, "events": [
-        {"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [2]},
-        {"kind": "seq_tokens", "seqs": ["a"], "num_tokens": [9]},
-        {"kind": "seq_preempt", "seq": "a", "mode": "recompute"},
-        {"kind": "seq_finish", "seq": "b", "reason": "stop"},
-        {"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [1]}]}  # not free: refused
-    b3 = {"v": 2, "step": 3, "events": [{"kind": "seq_start", "seq": "b"}]}
-    ref, fast = KVState(), KVState()
-    for b in (b0, b1):
-        ref.apply(b)
-    with pytest.raises(RefusedBatch, match="block 1 is not free") as e:
-        fast.apply_many([b0, b1, b2, b3])
-    assert e.value.index == 2
-    assert full_state(fast) == full_state(ref)
-    assert fast.step == 1 and fast.seqs["a"].block_table == [0, 1]
-
-
+# ------------------------------------------------ clone(reuse=) of a long-lived mirror
 def test_a_clone_reusing_the_last_frame_is_exact_when_the_touched_ids_were_given_up(
         monkeypatch):
     """A mirror nobody clones stops remembering every sequence id it ever touched (past
@@ -377,7 +295,7 @@ def test_a_clone_reusing_the_last_frame_is_exact_when_the_touched_ids_were_given
     frame = live.clone()
     for step in range(120):
         stats = gen.step(sink)
-        live.apply_many([{"v": 2, "step": step, "events": sink.drain(), "stats": stats}])
+        live.apply({"v": 2, "step": step, "events": sink.drain(), "stats": stats})
         if step % 30 == 29:
             assert live._dirty_seqs is None
             frame = live.clone(reuse=frame)  # a full copy: exact, order included

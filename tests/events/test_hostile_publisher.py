@@ -91,7 +91,7 @@ def test_malformed_frames_are_counted_and_skipped():
         assert sub.apply_errors == 1 and sub.resyncs >= 1
         assert sub.state.canonical() == fake.state.canonical()
 
-        # Several batches waiting (applied as runs), an impossible one among them: the
+        # Several batches waiting, an impossible one among them: the
         # ones before it are applied, it is refused alone, and until the snapshot comes
         # (nothing is served here) the mirror is exactly as after the last good one.
         fake.batch([{"kind": "seq_start", "seq": "a"}])

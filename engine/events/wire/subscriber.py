@@ -49,7 +49,7 @@ from typing import Any
 import zmq
 
 from engine.events.schema import ProtocolError
-from engine.events.state import KVState, RefusedBatch
+from engine.events.state import KVState
 from engine.events.stats import StepStats
 from engine.events.wire import codec as C
 from engine.events.wire.publisher import snapshot_endpoint_for
@@ -57,11 +57,6 @@ from engine.events.wire.publisher import snapshot_endpoint_for
 Update = dict[str, Any]
 
 WAITING, CONNECTED, STALE = "waiting", "connected", "stale"
-# Consecutive batches applied in one KVState transaction (``apply_many``) when several
-# are waiting: the per-batch fixed cost is paid once per run. Bounded so the lock that
-# readers (the inspector's GUI thread) take is never held for long: ~32 realistic steps
-# are a few ms.
-MAX_RUN = 32
 
 
 class Subscriber:
@@ -143,8 +138,7 @@ class Subscriber:
     def events_per_s(self) -> float:
         """Events applied per second over the last ~2 s."""
         now = time.monotonic()
-        while self._rate and now - self._rate[0][0] > 2.0:
-            self._rate.popleft()
+        self._trim_rate(now)
         if not self._rate:
             return 0.0
         span = max(now - self._rate[0][0], 0.5)
@@ -165,20 +159,14 @@ class Subscriber:
         poller.register(self._dealer, zmq.POLLIN)
         ready = dict(poller.poll(int(timeout * 1000)))
         # Replies first: a snapshot must be installed before buffered batches drain.
-        # One message at a time (received, decoded, handled, dropped). Live batches are
-        # buffered as they come and applied in runs (``MAX_RUN``) once a run is waiting,
-        # its bytes reach one max_bytes message, or nothing more is waiting: at most one
-        # run beyond what the buffer keeps is held.
+        # One message at a time (received, decoded, handled, dropped): at most one
+        # max_bytes message is held beyond what the buffer keeps.
         if ready.get(self._dealer) or self._dealer.poll(0):
             for frames in _received(self._dealer, 10_000):
                 self._on_reply(frames, updates)
         if ready.get(self._sub) or self._sub.poll(0):
             for frames in _received(self._sub, 10_000):
                 self._on_pub(frames, updates)
-                if (len(self._buffer) >= MAX_RUN
-                        or self._buffered_bytes >= self.codec.max_bytes):
-                    self._drain_buffer(updates)
-            self._drain_buffer(updates)
         self._check_request_timeout()
         return updates
 
@@ -221,8 +209,6 @@ class Subscriber:
             return  # counted; a lost batch shows up as a gap at the next good one
         self._last_heard = time.monotonic()
         self.live_messages += 1
-        if self._buffer and (msg["type"] == C.MSG_HEARTBEAT or msg["epoch"] != self.epoch):
-            self._drain_buffer(updates)  # what came before it first (no false gap)
         if self._synced and msg["epoch"] != self.epoch:
             self.restarts += 1  # a new publisher: everything we hold is from the old one
             self._synced = False
@@ -233,7 +219,8 @@ class Subscriber:
                 self.gaps += 1  # batches went missing and nothing newer came to show it
                 self._request_replay()
             return
-        self._buffer_batch(msg, len(frames[-1]))  # applied by poll, in runs
+        self._buffer_batch(msg, len(frames[-1]))
+        self._drain_buffer(updates)
 
     def _buffer_batch(self, msg: dict[str, Any], size: int) -> None:
         if self._synced and msg["seq"] <= self.last_seq:
@@ -260,15 +247,13 @@ class Subscriber:
         self._buffered_bytes = 0
 
     def _drain_buffer(self, updates: list[Update]) -> None:
-        """Apply buffered batches that continue last_seq, in runs of consecutive ones
-        (one at a time when ``on_apply`` wants every state); on a gap ask for a replay."""
+        """Apply buffered batches that continue last_seq; on a gap ask for a replay."""
         if not self._synced:
             return
-        buffer = self._buffer
-        most = 1 if self.on_apply is not None else MAX_RUN
-        while buffer:
+        while self._buffer:
             nxt = self.last_seq + 1
-            if nxt not in buffer:
+            batch = self._unbuffer(nxt)
+            if batch is None:
                 stale = [s for s in self._buffer if s <= self.last_seq]
                 for s in stale:
                     self._unbuffer(s)
@@ -279,48 +264,35 @@ class Subscriber:
                     else:
                         self._request_replay()
                 return
-            run: list[dict[str, Any]] = []
-            seq = nxt
-            while len(run) < most:
-                item = buffer.get(seq)
-                if item is None or item[0]["epoch"] != self.epoch:
-                    break
-                run.append(item[0])
-                seq += 1
-            if not run:  # batch nxt is of another epoch: dropped
-                self._unbuffer(nxt)
+            if batch["epoch"] != self.epoch:
                 continue
-            if not self._apply(run, updates):
+            if not self._apply(batch, updates):
                 return
 
-    def _apply(self, run: list[dict[str, Any]], updates: list[Update]) -> bool:
-        """Apply ``run`` (consecutive buffered batches) and take them out of the buffer;
-        False when the mirror refused one (those before it stay applied)."""
+    def _apply(self, batch: dict[str, Any], updates: list[Update]) -> bool:
         with self.lock:
             try:
-                self.state.apply_many(run)
-                done = len(run)
-            except RefusedBatch as e:
+                self.state.apply(batch)
+            except ProtocolError:
                 self.apply_errors += 1
-                done = e.index
-            now = time.monotonic()
-            for batch in run[:done]:
-                self._unbuffer(batch["seq"])
+                ok = False
+            else:
+                ok = True
                 self.last_seq = batch["seq"]
                 n = len(batch["events"])
                 self.batches_applied += 1
                 self.events_applied += n
+                now = time.monotonic()
                 self._rate.append((now, n))
+                self._trim_rate(now)
                 self._note_drops(batch.get("stats"))
                 if self.on_apply is not None:
                     self.on_apply(batch, self.state)
-            self._trim_rate(now)
-        updates.extend(run[:done])
-        if done < len(run):  # our mirror and the publisher disagree: start over
-            self._unbuffer(run[done]["seq"])
+        if not ok:  # our mirror and the publisher disagree: start over
             self._synced = False
             self._request_snapshot()
             return False
+        updates.append(batch)
         return True
 
     def _trim_rate(self, now: float) -> None:
