@@ -54,6 +54,7 @@ NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages a
 MAX_TIER_BLOCKS = 1 << 22
 _LITTLE = sys.byteorder == "little"
 _SMALL = 24  # events with more ids than this take the numpy path
+_DIRTY_SLACK = 4096  # see KVState._dirty_seqs
 # little-endian int32 x k, for unpacking the short id lists of most events
 _SMALL_UNPACK = tuple(struct.Struct(f"<{k}i") for k in range(33))
 
@@ -250,7 +251,10 @@ class TierState:
 
     def check_ids(self, ids: list[int]) -> None:
         n = self.num_blocks
-        if ids and (min(ids) < 0 or max(ids) >= n):
+        if len(ids) == 1:  # most events: one compare, not min() and max()
+            if not 0 <= ids[0] < n:
+                raise ProtocolError(f"tier {self.name}: block id {ids[0]!r} out of range")
+        elif ids and (min(ids) < 0 or max(ids) >= n):
             bad = next(b for b in ids if not 0 <= b < n)
             raise ProtocolError(f"tier {self.name}: block id {bad!r} out of range")
 
@@ -336,7 +340,10 @@ class KVState:
         self._undo: list[tuple] | None = None  # a list only while apply() runs
         self._cur_step = -1
         self._clones = 0  # clone() calls, and what changed since the last one:
-        self._dirty_seqs: set[str] = set()  # sequences touched (see clone(reuse=))
+        # sequences touched since the last clone (see clone(reuse=)); None: more than
+        # the state holds plus _DIRTY_SLACK (a mirror nobody clones: the next clone
+        # copies every sequence instead of remembering every id it ever saw)
+        self._dirty_seqs: set[str] | None = set()
         self._clone_of: tuple[int, int] | None = None  # (id, clone number) of the source
         self._idx_key: list[int] | None = None
         self._idx_val: np.ndarray | None = None
@@ -561,7 +568,7 @@ class KVState:
                 st.tiers[n] = t.clone()
             t._dirty, t._dirty_n = [], 0
         self._clones += 1
-        if latest:
+        if latest and self._dirty_seqs is not None:
             # take over the previous frame's dict and patch it: O(changed), not O(seqs)
             # (a sequence finished and re-added under the same id keeps its old place).
             # Not a copy: a fresh 50k-entry dict a frame costs its copy and a young-
@@ -638,8 +645,12 @@ class KVState:
 
     def _commit(self, batch: dict[str, Any]) -> None:
         self._undo = None
-        self._dirty_seqs |= self._touched
-        self._dirty_seqs |= self._batch_dirty
+        dirty = self._dirty_seqs
+        if dirty is not None:
+            dirty |= self._touched
+            dirty |= self._batch_dirty
+            if len(dirty) > len(self.seqs) + _DIRTY_SLACK:
+                self._dirty_seqs = None
         self.step = int(batch.get("step", self.step + 1))
         self.time = float(batch.get("time", self.time))
         stats = batch.get("stats")
@@ -672,7 +683,11 @@ class KVState:
     def _save3(self, c0: Column, c1: Column, c2: Column, ids: list[int]) -> None:
         """``_save`` of three columns in one undo entry (every block change touches three:
         ref/owner/last change, or hash presence/value/last change)."""
-        if len(ids) <= _SMALL:
+        if len(ids) == 1:  # most block events: no list comprehension (a frame) for one
+            p0, p1, p2 = c0.py, c1.py, c2.py
+            b = ids[0]
+            self._undo.append((_COL3, (p0, p1, p2), ids, [(p0[b], p1[b], p2[b])]))
+        elif len(ids) <= _SMALL:
             p0, p1, p2 = c0.py, c1.py, c2.py
             self._undo.append((_COL3, (p0, p1, p2), ids, [(p0[b], p1[b], p2[b]) for b in ids]))
         else:
@@ -906,7 +921,9 @@ class KVState:
     def _alloc(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_alloc(ev)
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        # the tier: one dict lookup, no call when known (_tier raises for the rest)
+        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
+        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
         self._free_blocks(t, blocks, "alloc")
@@ -916,7 +933,9 @@ class KVState:
     def _hit(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_hit(ev)
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        # the tier: one dict lookup, no call when known (_tier raises for the rest)
+        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
+        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
         hashed = t.hashed_c.py
@@ -931,12 +950,12 @@ class KVState:
         """The pool an index event (store, evict) addresses: a tier, or a group's pool."""
         if ev.get("group"):
             return self._tier(S.group_pool(ev["tier"], self._group_id(ev)))
-        return self._tier(ev["tier"])
+        return self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
 
     def _store(self, ev: dict[str, Any]) -> None:
         t, blocks, hashes = self._pool_of(ev), unpack_ids(ev["blocks"]), ev["hashes"]
         t.check_ids(blocks)
-        hashes = [int(h) for h in hashes]
+        hashes = list(map(int, hashes))
         if len(blocks) != len(hashes):
             raise ProtocolError("store: blocks and hashes differ in length")
         self._set_hashes(t, blocks, hashes)
@@ -978,7 +997,9 @@ class KVState:
     def _free(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_free(ev)
-        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        # the tier: one dict lookup, no call when known (_tier raises for the rest)
+        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
+        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
         self._release(t, blocks, s.owner_id)
@@ -1093,13 +1114,13 @@ class KVState:
         s.group_tables = {**s.group_tables, g: table}
 
     def _seq_tokens(self, ev: dict[str, Any]) -> None:
-        seqs, counts = ev["seqs"], [int(n) for n in ev["num_tokens"]]
+        seqs, counts = ev["seqs"], list(map(int, ev["num_tokens"]))
         if type(seqs) is not list or len(seqs) != len(counts):
             raise ProtocolError("seq_tokens: seqs and num_tokens differ in length")
         # the hot path of every decode step: one undo entry for all, not a copy per seq
         table = self.seqs
         try:
-            objs = [table[sid] for sid in seqs]
+            objs = list(map(table.__getitem__, seqs))
             self._batch_dirty.update(seqs)
         except (KeyError, TypeError):
             missing = next(sid for sid in seqs if not isinstance(sid, str) or sid not in table)

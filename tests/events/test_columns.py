@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from engine.bench.synthetic import SyntheticCache
 from engine.events import KVState, ListSink, ProtocolError, state_columns
 from engine.events import schema as S
+from engine.events import state as state_mod
 from engine.events.columns import OTHER, StepColumns
 from engine.events.state import pack_ids, unpack_ids
 
@@ -282,3 +283,21 @@ def test_order_within_a_step_on_the_array_path(monkeypatch, events):
     apply_both(ref, fast, {"v": 2, "step": 0, "events": setup})
     apply_both(ref, fast, {"v": 2, "step": 1, "events": events})
     assert fast.columns_refused == 0
+
+
+# ------------------------------------------------ clone(reuse=) of a long-lived mirror
+def test_a_clone_reusing_the_last_frame_is_exact_when_the_touched_ids_were_given_up(
+        monkeypatch):
+    """A mirror nobody clones stops remembering every sequence id it ever touched (past
+    ``_DIRTY_SLACK``): the next clone copies every sequence, still equal to the state."""
+    monkeypatch.setattr(state_mod, "_DIRTY_SLACK", -(1 << 20))  # given up at once
+    gen, sink, live = SyntheticCache(seed=3), ListSink(), KVState()
+    frame = live.clone()
+    for step in range(120):
+        stats = gen.step(sink)
+        live.apply({"v": 2, "step": step, "events": sink.drain(), "stats": stats})
+        if step % 30 == 29:
+            assert live._dirty_seqs is None
+            frame = live.clone(reuse=frame)  # a full copy: exact, order included
+            assert full_state(frame) == full_state(live)
+    assert frame.canonical() == gen.canonical()

@@ -90,6 +90,23 @@ def test_malformed_frames_are_counted_and_skipped():
         poll_until([sub], lambda: (fake.serve(), sub.last_seq >= 3)[1])
         assert sub.apply_errors == 1 and sub.resyncs >= 1
         assert sub.state.canonical() == fake.state.canonical()
+
+        # Several batches waiting, an impossible one among them: the
+        # ones before it are applied, it is refused alone, and until the snapshot comes
+        # (nothing is served here) the mirror is exactly as after the last good one.
+        fake.batch([{"kind": "seq_start", "seq": "a"}])
+        fake.batch([{"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [0, 1]}])
+        good = fake.state.clone()
+        fake.batch([{"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [2]},
+                    {"kind": "alloc", "tier": "gpu", "seq": "a", "blocks": [0]}],
+                   apply=False)  # block 0 is taken: refused after changing block 2
+        fake.batch([{"kind": "seq_add", "seq": "b"}])
+        poll_until([sub], lambda: sub.apply_errors == 2)
+        assert sub.last_seq == 5 and sub._pending_req[0] == C.MSG_GET_SNAPSHOT
+        assert sub.state.canonical() == good.canonical()
+        assert sub.state.tiers["gpu"].ref[2] == 0 and sub.state.step == 5
+        poll_until([sub], lambda: (fake.serve(), sub.last_seq >= 7)[1])
+        assert sub.state.canonical() == fake.state.canonical()
     finally:
         sub.close()
         fake.close()

@@ -138,8 +138,7 @@ class Subscriber:
     def events_per_s(self) -> float:
         """Events applied per second over the last ~2 s."""
         now = time.monotonic()
-        while self._rate and now - self._rate[0][0] > 2.0:
-            self._rate.popleft()
+        self._trim_rate(now)
         if not self._rate:
             return 0.0
         span = max(now - self._rate[0][0], 0.5)
@@ -283,7 +282,9 @@ class Subscriber:
                 n = len(batch["events"])
                 self.batches_applied += 1
                 self.events_applied += n
-                self._rate.append((time.monotonic(), n))
+                now = time.monotonic()
+                self._rate.append((now, n))
+                self._trim_rate(now)
                 self._note_drops(batch.get("stats"))
                 if self.on_apply is not None:
                     self.on_apply(batch, self.state)
@@ -294,6 +295,13 @@ class Subscriber:
         updates.append(batch)
         return True
 
+    def _trim_rate(self, now: float) -> None:
+        """Keep ``_rate`` to the window ``events_per_s`` reads (it grew without bound
+        when nobody read the rate)."""
+        rate = self._rate
+        while rate and now - rate[0][0] > 2.0:
+            rate.popleft()
+
     def _publisher_dropped_since(self, seq: int) -> bool:
         """Batch ``seq`` (buffered, after a gap) says the publisher dropped batches since
         the last one applied: the gap holds some, which no replay can fill."""
@@ -301,7 +309,11 @@ class Subscriber:
         return dropped is not None and dropped > self.publisher_dropped
 
     def _note_drops(self, stats: Any) -> None:
-        dropped = StepStats.read(stats).dropped_batches
+        # every batch: the one field read straight from a map (what StepStats.read gives
+        # for it: an int, bool excluded), anything else through StepStats.read
+        dropped = stats.get("dropped_batches") if type(stats) is dict else None
+        if type(dropped) is not int:
+            dropped = StepStats.read(stats).dropped_batches
         if dropped is not None:
             self.publisher_dropped = dropped
 
