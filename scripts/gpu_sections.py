@@ -368,7 +368,11 @@ def section_decode(ctx: Context) -> dict:
         ms_best = min(ms, graph_ms) if graph_ms else ms
         if batch == PROFILED_BATCH[ctx.smoke] and not ctx.over():
             runner.graphs = None  # eager: the profiler sees each kernel by name
-            breakdown = _kernel_breakdown(ctx, lambda step=step, run=runner: run.execute(step))
+            try:  # a probe: its failure must not cost the section its rows
+                breakdown = _kernel_breakdown(ctx, lambda step=step, run=runner:
+                                              run.execute(step))
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                breakdown = {"error": repr(e)[:500]}
             runner.graphs = graphs
         kv_bytes = batch * ctx_len * fmt.bytes_per_block // bs
         floor_ms = (w_bytes + kv_bytes) / bw * 1e3
@@ -664,13 +668,17 @@ def _launch_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: 
                 break
             options = {k: v for k, v in (("num_warps", warps), ("num_stages", stages))
                        if v is not None}
-            with kernels.force_backend("triton"), decode_launch(**options):
-                ms = bench_ms(ctx, lambda args=args, scales=scales: kernels.paged_attention(
-                    *args, out=out, **scales))
-            rows.append({"format": fmt, "batch": batch, "context": context,
-                         "num_warps": warps or "default", "num_stages": stages or "default",
-                         "ms": round(ms, 4), "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw,
-                                                                   3)})
+            row = {"format": fmt, "batch": batch, "context": context,
+                   "num_warps": warps or "default", "num_stages": stages or "default"}
+            try:  # a configuration may not fit the SM (shared memory): its row says so
+                with kernels.force_backend("triton"), decode_launch(**options):
+                    ms = bench_ms(ctx, lambda args=args, scales=scales:
+                                  kernels.paged_attention(*args, out=out, **scales))
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                rows.append(row | {"error": repr(e)[:300]})
+                continue
+            rows.append(row | {"ms": round(ms, 4),
+                               "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)})
         del kv, tables, args
         ctx.release()
     return rows
