@@ -604,44 +604,25 @@ def section_attention(ctx: Context) -> dict:
     return r
 
 
+# (num_warps, num_stages) the launch sweep tries; (None, None) = Triton's defaults
+LAUNCHES = ((None, None), (4, 2), (4, 4), (8, 2), (8, 3), (8, 4))
+
+
 def _split_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: int,
                  block: int, hq: int, scale: float, bw: float) -> list[dict]:
     """Decode time by split count at the smallest batch and context (where the first H200
     run was furthest from the copy bandwidth: 74% at B32 x 4k with the default 3 splits):
     whether the split heuristic (kernels.triton_attention.default_num_splits) is the gap."""
-    import kernels
     from kernels.triton_attention import default_num_splits
 
-    q = torch.randn(batch, hq, d, device=ctx.device, dtype=torch.bfloat16)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
-    out = torch.empty_like(q)
     block_n = 16 if ctx.smoke else 64
     default = default_num_splits(ctx.device, batch, hkv, context, block_n)
     counts = sorted({1, default, 2 * default, 4 * default, max(1, context // (4 * block_n)),
                      max(1, context // (2 * block_n))})
-    rows = []
-    for fmt in formats:
-        kv, tables, kv_bytes = _paged_case(ctx, fmt, batch, context, hkv, d, block)
-        scales = {"k_scale": kv.k_scales[0] if kv.k_scales else None,
-                  "v_scale": kv.v_scales[0] if kv.v_scales else None}
-        args = (q, kv.k_caches[0], kv.v_caches[0], tables, seq_lens, cu, scale)
-        for n in counts:
-            if ctx.over():
-                break
-            with kernels.force_backend("triton"):
-                ms = bench_ms(ctx, lambda args=args, n=n, scales=scales: kernels.paged_attention(
-                    *args, out=out, num_splits=n, **scales))
-            rows.append({"format": fmt, "batch": batch, "context": context, "splits": n,
-                         "default": n == default, "ms": round(ms, 4),
-                         "bw_fraction": round(kv_bytes / (ms * 1e-3) / bw, 3)})
-        del kv, tables, args
-        ctx.release()
-    return rows
-
-
-# (num_warps, num_stages) the launch sweep tries; (None, None) = Triton's defaults
-LAUNCHES = ((None, None), (4, 2), (4, 4), (8, 2), (8, 3), (8, 4))
+    variants = [({"splits": n, "default": n == default}, {"num_splits": n}, {})
+                for n in counts]
+    return _decode_sweep(ctx, formats, batch, context, hkv, d, block, hq, scale, bw,
+                         variants)
 
 
 def _launch_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: int,
@@ -650,6 +631,19 @@ def _launch_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: 
     the default split count, bf16 and int8 pages, at the sweep's shape: whether the gap to
     copy bandwidth (bf16 74%, int8 0.4-0.5x bf16's speed on the first H200 run) is the
     launch configuration rather than the kernel's body."""
+    variants = [({"num_warps": w or "default", "num_stages": n or "default"}, {},
+                 {k: v for k, v in (("num_warps", w), ("num_stages", n)) if v is not None})
+                for w, n in LAUNCHES]
+    return _decode_sweep(ctx, formats, batch, context, hkv, d, block, hq, scale, bw,
+                         variants)
+
+
+def _decode_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: int,
+                  block: int, hq: int, scale: float, bw: float,
+                  variants: list[tuple[dict, dict, dict]]) -> list[dict]:
+    """Paged decode time per page format and variant: (the row's fields, extra
+    ``paged_attention`` arguments, ``decode_launch`` options). A variant that fails (a
+    configuration that does not fit the SM) gets its error in its row, not the section's."""
     import kernels
     from kernels.triton_attention import decode_launch
 
@@ -663,17 +657,14 @@ def _launch_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: 
         scales = {"k_scale": kv.k_scales[0] if kv.k_scales else None,
                   "v_scale": kv.v_scales[0] if kv.v_scales else None}
         args = (q, kv.k_caches[0], kv.v_caches[0], tables, seq_lens, cu, scale)
-        for warps, stages in LAUNCHES:
+        for fields, extra, launch in variants:
             if ctx.over():
                 break
-            options = {k: v for k, v in (("num_warps", warps), ("num_stages", stages))
-                       if v is not None}
-            row = {"format": fmt, "batch": batch, "context": context,
-                   "num_warps": warps or "default", "num_stages": stages or "default"}
-            try:  # a configuration may not fit the SM (shared memory): its row says so
-                with kernels.force_backend("triton"), decode_launch(**options):
-                    ms = bench_ms(ctx, lambda args=args, scales=scales:
-                                  kernels.paged_attention(*args, out=out, **scales))
+            row = {"format": fmt, "batch": batch, "context": context, **fields}
+            try:
+                with kernels.force_backend("triton"), decode_launch(**launch):
+                    ms = bench_ms(ctx, lambda args=args, extra=extra, scales=scales:
+                                  kernels.paged_attention(*args, out=out, **extra, **scales))
             except Exception as e:  # noqa: BLE001 - reported in the JSON
                 rows.append(row | {"error": repr(e)[:300]})
                 continue
