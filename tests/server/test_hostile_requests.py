@@ -243,4 +243,8 @@ def test_responses_usage_counts_the_prompt_tokens_written_to_the_cache(served: I
     again = served.http.post("/v1/responses", json=body).json()["usage"]
     d2 = again["input_tokens_details"]
     assert d2["cache_write_tokens"] == 0  # found cached, written by the first
-    assert d2["cached_tokens"] >= d["cached_tokens"] + d["cache_write_tokens"]
+    # all of it, up to what a hit may cover: every whole block but the one holding the
+    # prompt's last token, which is always computed (a prompt of a whole number of
+    # blocks, 1 in 16 of these random ones, writes its last block but cannot hit it)
+    hittable = (first["input_tokens"] - 1) // bs * bs
+    assert d2["cached_tokens"] >= min(d["cached_tokens"] + d["cache_write_tokens"], hittable)
