@@ -608,6 +608,12 @@ def section_attention(ctx: Context) -> dict:
 LAUNCHES = ((None, None), (4, 2), (4, 4), (8, 2), (8, 3), (8, 4))
 
 
+def launches(smoke: bool) -> tuple[tuple[int | None, int | None], ...]:
+    """The launch sweep's configurations: all on the GPU; in --smoke (the interpreter,
+    which ignores them) two, enough to prove the plumbing."""
+    return LAUNCHES[:2] if smoke else LAUNCHES
+
+
 def _split_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: int,
                  block: int, hq: int, scale: float, bw: float) -> list[dict]:
     """Decode time by split count at the smallest batch and context (where the first H200
@@ -633,7 +639,7 @@ def _launch_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: 
     launch configuration rather than the kernel's body."""
     variants = [({"num_warps": w or "default", "num_stages": n or "default"}, {},
                  {k: v for k, v in (("num_warps", w), ("num_stages", n)) if v is not None})
-                for w, n in LAUNCHES]
+                for w, n in launches(ctx.smoke)]
     return _decode_sweep(ctx, formats, batch, context, hkv, d, block, hq, scale, bw,
                          variants)
 
