@@ -119,8 +119,11 @@ def _open_live(app: Any, win: Any, endpoint: str, snapshot_endpoint: str | None,
     if screenshot is None:
         app.aboutToQuit.connect(live.stop)
         return None
+    # watch the stream for wait_s, not only until its first state: a screenshot taken the
+    # moment the snapshot lands has a page table but no history (empty timelines and
+    # lifecycles, 0 events/s), which reads as a stream that does not move
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not live.has_state:
+    while time.monotonic() < deadline:
         app.processEvents()
         time.sleep(0.02)
     app.processEvents()

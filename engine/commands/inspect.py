@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None,
                    help="with a recording: show this engine step (default: the last)")
     p.add_argument("--wait", type=float, default=5.0,
-                   help="with --connect --screenshot: seconds to wait for the engine's state")
+                   help="with --connect --screenshot: seconds to watch the live stream "
+                        "before saving (its state must arrive within them)")
     v = p.add_argument_group("vLLM-format KV events (vLLM, SGLang, kvscope --kv-events-config)")
     v.add_argument("--connect-vllm", metavar="ENDPOINT", default=None,
                    help="connect to a publisher that binds (vLLM endpoint tcp://*:N or ipc)")

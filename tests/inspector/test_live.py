@@ -250,3 +250,26 @@ def test_column_frames_reach_the_view_as_the_per_event_path_draws_them(qapp, qtb
         sid: (s.status, s.blocks) for sid, s in ref_life.seqs.items()}
     assert [ev["kind"] for _, ev in model.events][-5:] == [
         ev["kind"] for ev in batches[-1]["events"]][-5:]
+
+
+def test_a_live_screenshot_shows_what_the_stream_brought_while_watching(  # noqa: ANN001
+        window, qapp, endpoints, tmp_path):
+    """`kvscope inspect --connect E --screenshot P --wait S` watches the stream for S
+    seconds before saving: the saved window has the batches since it joined (timelines,
+    lifecycles), not only the snapshot's page table (which read as a stream that does not
+    move: empty timelines, 0 events/s)."""
+    from inspector.app import _open_live
+
+    pub, snap = endpoints
+    engine = Engine(pub, snap, seed=3)
+    engine.run_steps(2_000, interval=0.002)  # publishing throughout the watch
+    try:
+        t0 = time.monotonic()
+        assert _open_live(qapp, window, pub, snap, str(tmp_path / "live.png"), 3.0) == 0
+        # the whole watch, though the state came at once (a lower bound: a slow box only
+        # makes it longer), and the batches after the snapshot were drawn
+        assert time.monotonic() - t0 >= 3.0
+        assert window.model.timeline.n > 0
+        assert (tmp_path / "live.png").stat().st_size > 10_000
+    finally:
+        engine.close()
