@@ -921,9 +921,7 @@ class KVState:
     def _alloc(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_alloc(ev)
-        # the tier: one dict lookup, no call when known (_tier raises for the rest)
-        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
-        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
         self._free_blocks(t, blocks, "alloc")
@@ -933,9 +931,7 @@ class KVState:
     def _hit(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_hit(ev)
-        # the tier: one dict lookup, no call when known (_tier raises for the rest)
-        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
-        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         t.check_ids(blocks)
         self._require_table_tier(s, t)
         hashed = t.hashed_c.py
@@ -950,7 +946,7 @@ class KVState:
         """The pool an index event (store, evict) addresses: a tier, or a group's pool."""
         if ev.get("group"):
             return self._tier(S.group_pool(ev["tier"], self._group_id(ev)))
-        return self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
+        return self._tier(ev["tier"])
 
     def _store(self, ev: dict[str, Any]) -> None:
         t, blocks, hashes = self._pool_of(ev), unpack_ids(ev["blocks"]), ev["hashes"]
@@ -997,9 +993,7 @@ class KVState:
     def _free(self, ev: dict[str, Any]) -> None:
         if ev.get("group"):
             return self._group_free(ev)
-        # the tier: one dict lookup, no call when known (_tier raises for the rest)
-        t = self.tiers.get(ev["tier"]) or self._tier(ev["tier"])
-        s, blocks = self._seq(ev["seq"]), unpack_ids(ev["blocks"])
+        t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
         self._release(t, blocks, s.owner_id)
