@@ -16,7 +16,7 @@ APT_LIBS := libegl1 libgl1 libglib2.0-0 libfontconfig1 libfreetype6 fonts-dejavu
 .PHONY: install test demo lint bench clean
 
 install: $(STAMP)
-	@$(PY) -m engine.cli model pull
+	@$(PY) -m kvscope.engine.cli model pull
 
 $(STAMP): pyproject.toml constraints.txt
 	@bash scripts/apt_deps.sh $(APT_LIBS)

@@ -1,14 +1,28 @@
-"""Packaging hook: pyproject.toml holds the metadata; this file only maps the top-level
-``assets/`` folder (the layout is fixed) into the wheel as the package ``kvscope_assets``,
-read with ``importlib.resources.files("kvscope_assets")``. pyproject's
-``[tool.setuptools]`` tables cannot map a folder to a package while also discovering the
-others, hence this file."""
+"""Packaging hook: pyproject.toml holds the metadata; this file maps the repository's
+fixed top-level folders under the one import package ``kvscope``, so that an install adds
+nothing else to someone's environment (a vLLM or SGLang venv, for the plugins):
+
+    assets/     -> kvscope            (its __init__.py; the data files are package data)
+    engine/     -> kvscope.engine
+    inspector/  -> kvscope.inspector
+    kernels/    -> kvscope.kernels
+
+pyproject's ``[tool.setuptools]`` tables cannot map folders to packages while also
+discovering their subpackages, hence this file."""
 
 from setuptools import find_packages, setup
 
+ROOMS = ("engine", "inspector", "kernels")
+
+packages = ["kvscope"]
+package_dir = {"kvscope": "assets"}
+for room in ROOMS:
+    package_dir[f"kvscope.{room}"] = room
+    packages += [f"kvscope.{p}" for p in find_packages(include=[room, f"{room}.*"])]
+
 setup(
-    packages=find_packages(include=["engine*", "inspector*", "kernels*"])
-    + ["kvscope_assets"],
-    package_dir={"kvscope_assets": "assets"},
-    package_data={"": ["*.json", "*.jinja"], "kvscope_assets": ["*.kvtrace", "workloads/*.json"]},
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"": ["*.json", "*.jinja", "*.c", "*.h"],
+                  "kvscope": ["*.kvtrace", "workloads/*.json"]},
 )

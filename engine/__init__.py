@@ -1,7 +1,7 @@
-"""kvscope's engine. `from engine import LLM, SamplingParams, StructuredOutputsParams` is
+"""kvscope's engine. `from kvscope.engine import LLM, SamplingParams, StructuredOutputsParams` is
 the offline API.
 
-Exports are lazy (module __getattr__) so that `import engine.events` never imports torch."""
+Exports are lazy (module __getattr__) so that `import kvscope.engine.events` never imports torch."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from engine.llm import LLM
+        from kvscope.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from engine.sampling import SamplingParams
+        from kvscope.engine.sampling import SamplingParams
 
         return SamplingParams
     if name == "StructuredOutputsParams":
-        from engine.structured import StructuredOutputsParams
+        from kvscope.engine.structured import StructuredOutputsParams
 
         return StructuredOutputsParams
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 import sys
 
-import engine.commands
+from kvscope.engine import commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,8 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="An LLM inference engine whose paged KV cache you can see.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for info in sorted(pkgutil.iter_modules(engine.commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"engine.commands.{info.name}")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"kvscope.engine.commands.{info.name}")
         module.register(sub)
     return parser
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ModuleNotFoundError as e:  # a command of an extra that is not installed
-        from engine.extras import missing_extra_message
+        from kvscope.engine.extras import missing_extra_message
 
         msg = missing_extra_message(args.command, e)
         if msg is None:

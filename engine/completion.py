@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from engine.model.detokenizer import IncrementalDetokenizer
-from engine.model.tokenizer import Tokenizer
-from engine.outputs import CompletionOutput
-from engine.sampling import SamplingParams, adjust_logits
-from engine.structured import GrammarMatcher
+from kvscope.engine.model.detokenizer import IncrementalDetokenizer
+from kvscope.engine.model.tokenizer import Tokenizer
+from kvscope.engine.outputs import CompletionOutput
+from kvscope.engine.sampling import SamplingParams, adjust_logits
+from kvscope.engine.structured import GrammarMatcher
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:

@@ -87,7 +87,7 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"invalid engine config: {msg}")
 
-        from engine.model.dummy import LOAD_FORMATS, dummy_name, is_dummy
+        from kvscope.engine.model.dummy import LOAD_FORMATS, dummy_name, is_dummy
 
         need(self.load_format in LOAD_FORMATS,
              f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
@@ -104,7 +104,7 @@ class EngineConfig:
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        from engine.cache.demotion import check_chain
+        from kvscope.engine.cache.demotion import check_chain
 
         demotion = tuple(f.strip() for f in self.kv_demotion.split(",")) \
             if self.kv_demotion else ()
@@ -147,7 +147,7 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_events_config is not None:
-            from engine.events.vllm.config import KVEventsConfig
+            from kvscope.engine.events.vllm.config import KVEventsConfig
 
             KVEventsConfig.from_json(self.kv_events_config)  # ValueError with the reason
 

@@ -21,22 +21,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.cache import CacheError, KVCacheManager
-from engine.config import EngineConfig
-from engine.device import resolve_device, resolve_dtype
-from engine.events.sink import NullSink
-from engine.events.stats import StepStats, TierStats
-from engine.model import load_model
-from engine.outputs import RequestOutput
-from engine.request import Sequence
-from engine.request_state import RequestState
-from engine.runner import kv_budget, mixed_kv
-from engine.runner.model_runner import ModelRunner
-from engine.runner.page_format import check_supported, check_windowed, page_format
-from engine.sampler import SampleError, Sampler, SampleRow
-from engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
-from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
-from engine.structured import ConstraintError
+from kvscope.engine.cache import CacheError, KVCacheManager
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.device import resolve_device, resolve_dtype
+from kvscope.engine.events.sink import NullSink
+from kvscope.engine.events.stats import StepStats, TierStats
+from kvscope.engine.model import load_model
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.request import Sequence
+from kvscope.engine.request_state import RequestState
+from kvscope.engine.runner import kv_budget, mixed_kv
+from kvscope.engine.runner.model_runner import ModelRunner
+from kvscope.engine.runner.page_format import check_supported, check_windowed, page_format
+from kvscope.engine.sampler import SampleError, Sampler, SampleRow
+from kvscope.engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
+from kvscope.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from kvscope.engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class LLMEngine:
                                  "--tensor-parallel-size > 1")
             if mc.architecture == "gemma3_text":  # its ranks would run the Llama forward
                 raise ValueError("gemma3_text is not supported with --tensor-parallel-size > 1")
-            from engine.distributed.tp import start_tensor_parallel
+            from kvscope.engine.distributed.tp import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,
                                                 self.device, self.dtype)
@@ -135,7 +135,7 @@ class LLMEngine:
     def _open_disk(self, num_disk_blocks: int) -> None:
         """Open the disk tier's directory and serve the blocks a previous run left there
         that match this model and page format (the most recent that fit)."""
-        from engine.runner.disk_io import open_disk
+        from kvscope.engine.runner.disk_io import open_disk
 
         cfg = self.config
         self.disk_io = open_disk(cfg.disk_cache_dir, cfg.model, self.page_format.name,
@@ -149,7 +149,7 @@ class LLMEngine:
                  else "")
 
     def _open_events(self):
-        from engine.events.wire.stream import open_stream
+        from kvscope.engine.events.wire.stream import open_stream
 
         cfg = self.config
         header = {"model": cfg.model, "config": {k: v for k, v in vars(cfg).items()

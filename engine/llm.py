@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.device import resolve_device, resolve_dtype
-from engine.engine import LLMEngine
-from engine.model.tokenizer import Tokenizer
-from engine.outputs import RequestOutput
-from engine.sampling import RequestOutputKind, SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.device import resolve_device, resolve_dtype
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.model.tokenizer import Tokenizer
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any]
 Conversation = list[dict[str, Any]]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.completion import CompletionState
-from engine.model.contiguous_cache import ContiguousKVCache
-from engine.model.llama import LlamaModel
-from engine.model.tokenizer import Tokenizer
-from engine.outputs import CompletionOutput
-from engine.sampling import SamplingParams, make_generator, sample, top_logprobs
+from kvscope.engine.completion import CompletionState
+from kvscope.engine.model.contiguous_cache import ContiguousKVCache
+from kvscope.engine.model.llama import LlamaModel
+from kvscope.engine.model.tokenizer import Tokenizer
+from kvscope.engine.outputs import CompletionOutput
+from kvscope.engine.sampling import SamplingParams, make_generator, sample, top_logprobs
 
 
 def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.completion import CompletionState
-from engine.model.tokenizer import Tokenizer
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.request import Sequence
-from engine.sampling import SamplingParams, make_generator
+from kvscope.engine.completion import CompletionState
+from kvscope.engine.model.tokenizer import Tokenizer
+from kvscope.engine.outputs import RequestMetrics, RequestOutput
+from kvscope.engine.request import Sequence
+from kvscope.engine.sampling import SamplingParams, make_generator
 
 
 @dataclass

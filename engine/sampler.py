@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.completion import CompletionState
-from engine.request import Sequence
-from engine.sampling import (
+from kvscope.engine.completion import CompletionState
+from kvscope.engine.request import Sequence
+from kvscope.engine.sampling import (
     adjust_logits,
     greedy_batch,
     sample,
@@ -32,8 +32,8 @@ from engine.sampling import (
     top_logprobs,
     top_logprobs_batch,
 )
-from engine.scheduler import SampledToken
-from engine.structured import ConstraintError
+from kvscope.engine.scheduler import SampledToken
+from kvscope.engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.structured import StructuredOutputsParams
+from kvscope.engine.structured import StructuredOutputsParams
 
 
 class SamplingParamsError(ValueError):

@@ -59,12 +59,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cache.slots import slot_mapping
-from engine.cache.transfers import DiskBatch, Round
-from engine.config import EngineConfig
-from engine.events import causes as C
-from engine.events.analysis.lifecycle import classify_chunk
-from engine.request import Sequence
+from kvscope.engine.cache.slots import slot_mapping
+from kvscope.engine.cache.transfers import DiskBatch, Round
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.events import causes as C
+from kvscope.engine.events.analysis.lifecycle import classify_chunk
+from kvscope.engine.request import Sequence
 
 # Every this many waiting requests raise the prefill cap beside decodes by one more P.
 WAITING_PER_CAP = 2

@@ -30,15 +30,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events.analysis.lifecycle import PHASES, LifecycleIndex
-from engine.events.causes import describe
-from inspector import palette as P
-from inspector.thresholds import Thresholds
-from inspector.views.compare import CompareView
-from inspector.views.legend import Legend
-from inspector.views.lifecycle import PHASE_COLOURS, LifecycleView
-from inspector.views.prefix_tree import PrefixTreeView
-from inspector.views.range_summary import RangeSummaryView
+from kvscope.engine.events.analysis.lifecycle import PHASES, LifecycleIndex
+from kvscope.engine.events.causes import describe
+from kvscope.inspector import palette as P
+from kvscope.inspector.thresholds import Thresholds
+from kvscope.inspector.views.compare import CompareView
+from kvscope.inspector.views.legend import Legend
+from kvscope.inspector.views.lifecycle import PHASE_COLOURS, LifecycleView
+from kvscope.inspector.views.prefix_tree import PrefixTreeView
+from kvscope.inspector.views.range_summary import RangeSummaryView
 
 LIVE_REFRESH_MS = 250  # the live index grows every tick; its views redraw at most this often
 # Recordings longer than this get their index built on a worker thread (its own Recording
@@ -142,7 +142,7 @@ class AnalysisPanel(QWidget):
         self.lifecycle.canvas.update()
 
         def build() -> None:
-            from engine.events.wire.recording import Recording, RecordingError
+            from kvscope.engine.events.wire.recording import Recording, RecordingError
 
             try:
                 with Recording(path) as own:  # a Recording is not shared across threads

@@ -15,16 +15,16 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from inspector.errors import InspectError
+from kvscope.inspector.errors import InspectError
 
-# assets/ ships as the package kvscope_assets (setup.py): found the same way in a
+# assets/ ships as the package kvscope (setup.py): found the same way in a
 # checkout (editable install) and in an installed wheel.
-SAMPLE = Path(str(files("kvscope_assets") / "sample.kvtrace"))
+SAMPLE = Path(str(files("kvscope") / "sample.kvtrace"))
 
 
 def open_recording(path: str | os.PathLike) -> tuple[Any, list[str]]:
     """(Recording, warnings as text). Raises InspectError with a clear message."""
-    from engine.events.wire.recording import Recording, RecordingError, RecordingWarning
+    from kvscope.engine.events.wire.recording import Recording, RecordingError, RecordingWarning
 
     p = Path(path)
     if not p.is_file():
@@ -46,7 +46,7 @@ def make_app(offscreen: bool = False) -> Any:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
     from PySide6.QtWidgets import QApplication
 
-    from inspector import gui_gc, theme
+    from kvscope.inspector import gui_gc, theme
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("kvscope inspector")
@@ -59,7 +59,7 @@ def run(recording: str | None = None, connect: str | None = None,
         screenshot: str | None = None, step: int | None = None, wait_s: float = 5.0,
         snapshot_endpoint: str | None = None) -> int:
     app = make_app(offscreen=screenshot is not None)
-    from inspector.window import MainWindow
+    from kvscope.inspector.window import MainWindow
 
     win = MainWindow()
     try:
@@ -81,7 +81,7 @@ def run(recording: str | None = None, connect: str | None = None,
 
 def _open_replay(app: Any, win: Any, recording: str | None, screenshot: str | None,
                  step: int | None) -> int | None:
-    from engine.events.wire.recording import RecordingWarning
+    from kvscope.engine.events.wire.recording import RecordingWarning
 
     path = Path(recording) if recording else SAMPLE
     rec, notes = open_recording(path)
@@ -110,7 +110,7 @@ def _open_replay(app: Any, win: Any, recording: str | None, screenshot: str | No
 
 def _open_live(app: Any, win: Any, endpoint: str, snapshot_endpoint: str | None,
                screenshot: str | None, wait_s: float) -> int | None:
-    from inspector.sources.live import LiveSource
+    from kvscope.inspector.sources.live import LiveSource
 
     # Raises InspectError on a malformed endpoint.
     live = LiveSource(endpoint, win.model, snapshot_endpoint=snapshot_endpoint)

@@ -31,11 +31,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events.stats import StepStats
-from inspector.errors import InspectError
-from inspector.model import InspectorModel
-from inspector.views.block_map import BlockMapView
-from inspector.views.timelines import TimelinesView
+from kvscope.engine.events.stats import StepStats
+from kvscope.inspector.errors import InspectError
+from kvscope.inspector.model import InspectorModel
+from kvscope.inspector.views.block_map import BlockMapView
+from kvscope.inspector.views.timelines import TimelinesView
 
 TICK_MS = 33
 ROUTER_POLL_S = 1.0
@@ -142,7 +142,7 @@ class FleetWindow(QMainWindow):
 
     # ------------------------------------------------------------------ live
     def attach_live(self, endpoints: list[tuple[str, str | None]]) -> None:
-        from inspector.sources.live import LiveSource
+        from kvscope.inspector.sources.live import LiveSource
 
         for panel, (endpoint, snap) in zip(self.panels, endpoints, strict=True):
             live = LiveSource(endpoint, panel.model, snapshot_endpoint=snap)
@@ -203,7 +203,7 @@ class FleetWindow(QMainWindow):
 
     # ---------------------------------------------------------------- replay
     def open_replays(self, recordings: list[Any], labels: list[str]) -> None:
-        from inspector.sources.replay import ReplayController
+        from kvscope.inspector.sources.replay import ReplayController
 
         controllers = []
         for panel, rec, label in zip(self.panels, recordings, labels, strict=True):
@@ -294,7 +294,7 @@ def run_fleet(recordings: list[str], connect: list[str], screenshot: str | None 
     router's http address. Exit codes as ``inspector.app.run``."""
     import sys
 
-    from inspector.app import make_app
+    from kvscope.inspector.app import make_app
 
     app = make_app(offscreen=screenshot is not None)
     try:
@@ -334,7 +334,7 @@ def run_fleet(recordings: list[str], connect: list[str], screenshot: str | None 
 
 
 def _build(recordings: list[str], connect: list[str]) -> FleetWindow:
-    from inspector.app import open_recording
+    from kvscope.inspector.app import open_recording
 
     if recordings and connect:
         raise InspectError("give recordings or --connect endpoints, not both")

@@ -12,9 +12,9 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.events import KVState
-from engine.events.analysis.lifecycle import LifecycleIndex
-from inspector.timeline import Timeline
+from kvscope.engine.events import KVState
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.inspector.timeline import Timeline
 
 EVENT_LOG_SIZE = 20_000
 

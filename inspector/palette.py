@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from engine.events import schema as S
+from kvscope.engine.events import schema as S
 
 # Widget / plot palette.
 BG = "#12141a"

@@ -6,7 +6,7 @@ import pyqtgraph as pg
 from PySide6.QtGui import QColor, QFont, QPalette
 from PySide6.QtWidgets import QApplication
 
-from inspector import palette as P
+from kvscope.inspector import palette as P
 
 
 def apply(app: QApplication) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
 
 
 @dataclass

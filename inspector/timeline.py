@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.events import schema as S
-from engine.events.stats import StepStats
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.stats import StepStats
 
 COLUMNS = (
     "step", "time", "gpu_used", "gpu_cached", "gpu_free", "cpu_used", "cpu_cached", "cpu_free",

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from inspector.errors import InspectError
+from kvscope.inspector.errors import InspectError
 
 
 def run_vllm(*, endpoint: str | None = None, bind: bool = False,
@@ -21,13 +21,13 @@ def run_vllm(*, endpoint: str | None = None, bind: bool = False,
              screenshot: str | None = None, wait_s: float = 5.0,
              until_seq: int | None = None) -> int:
     """``until_seq`` (replay only, ``--step``): show the state after that batch seq."""
-    from inspector.app import make_app
+    from kvscope.inspector.app import make_app
 
     app = make_app(offscreen=screenshot is not None)
     from PySide6.QtCore import QTimer
 
-    from inspector.sources.vllm import VllmLiveSource, load_vllm_recording
-    from inspector.views.vllm_prefix import make_view
+    from kvscope.inspector.sources.vllm import VllmLiveSource, load_vllm_recording
+    from kvscope.inspector.views.vllm_prefix import make_view
 
     try:
         if recording is not None:

@@ -24,14 +24,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from inspector import analysis
-from inspector.model import InspectorModel
-from inspector.sources.replay import ReplayController
-from inspector.views.block_map import MODES, BlockMapView
-from inspector.views.event_log import EventLogView
-from inspector.views.replay_bar import ReplayBar
-from inspector.views.sequences import SequencesView
-from inspector.views.timelines import TimelinesView
+from kvscope.inspector import analysis
+from kvscope.inspector.model import InspectorModel
+from kvscope.inspector.sources.replay import ReplayController
+from kvscope.inspector.views.block_map import MODES, BlockMapView
+from kvscope.inspector.views.event_log import EventLogView
+from kvscope.inspector.views.replay_bar import ReplayBar
+from kvscope.inspector.views.sequences import SequencesView
+from kvscope.inspector.views.timelines import TimelinesView
 
 STATUS_FIELDS = ("source", "epoch", "seq", "loss", "rate", "position")
 

@@ -25,8 +25,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference, swap_runs
-from kernels.backend import force_backend, select_backend
+from kvscope.kernels import reference, swap_runs
+from kvscope.kernels.backend import force_backend, select_backend
 
 __all__ = ["reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks",
            "force_backend", "select_backend"]
@@ -35,7 +35,7 @@ __all__ = ["reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks",
 def _impl(device: torch.device) -> ModuleType:
     if select_backend(device) == "reference":
         return reference
-    from kernels import triton_backend  # lazy: imports triton
+    from kvscope.kernels import triton_backend  # lazy: imports triton
 
     return triton_backend
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import quant
+from kvscope.kernels import quant
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, quant, reference, validate
+from kvscope.kernels import cpu_native, quant, reference, validate
 
 # Decode sequences per SDPA call: sorted by length and cut into groups, each padded only to
 # its own longest (as kernels.reference._decode, which measured why).

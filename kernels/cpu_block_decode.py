@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from kernels import block_quant as bq
-from kernels import cpu_native
+from kvscope.kernels import block_quant as bq
+from kvscope.kernels import cpu_native
 
 SOURCE_NAME = "cpu_block_decode.c"
 

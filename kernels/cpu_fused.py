@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from kernels import cpu_native
+from kvscope.kernels import cpu_native
 
 log = logging.getLogger(__name__)
 

@@ -54,9 +54,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import block_quant as bq
-from kernels import quant
-from kernels import reference as _ref
+from kvscope.kernels import block_quant as bq
+from kvscope.kernels import quant
+from kvscope.kernels import reference as _ref
 
 FULL, BLOCK, INT8, INT4 = 0, 1, 2, 3
 FORMAT_IDS = {"full": FULL, "int8": INT8, "int4": INT4,
@@ -325,10 +325,10 @@ def paged_attention(q: torch.Tensor, layout: MixedLayout, k_arena: torch.Tensor,
     """``kernels.paged_attention`` over a mixed arena: ``code_tables [B, max_blocks]``
     holds page codes (module docstring). Triton on CUDA (or under ``force_backend``), the
     torch reference on CPU and for a layout with a block format."""
-    from kernels.backend import select_backend
+    from kvscope.kernels.backend import select_backend
 
     if layout.block_format is None and select_backend(q.device) == "triton":
-        from kernels import triton_attention
+        from kvscope.kernels import triton_attention
 
         return triton_attention.paged_attention_mixed(
             q, layout, k_arena, v_arena, k_scales, v_scales, code_tables, seq_lens,
@@ -367,10 +367,10 @@ def demote(layout: MixedLayout, arena: torch.Tensor, scales: torch.Tensor,
         rest = (fid != BLOCK).nonzero().flatten()
         values, dst_codes, fid, frame, sub = (values[rest], dst_codes[rest], fid[rest],
                                               frame[rest], sub[rest])
-    from kernels.backend import select_backend
+    from kvscope.kernels.backend import select_backend
 
     if select_backend(arena.device) == "triton":  # one scatter launch for the batch
-        from kernels import triton_cache
+        from kvscope.kernels import triton_cache
 
         triton_cache.demote_scatter(layout, arena, scales, values, dst_codes)
         return

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import validate
-from kernels.triton_cache import FORMAT_IDS, scale_args
+from kvscope.kernels import validate
+from kvscope.kernels.triton_cache import FORMAT_IDS, scale_args
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

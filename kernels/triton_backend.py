@@ -2,8 +2,8 @@
 ``kernels`` when a call routes here). swap_blocks is a copy-engine job: the same batched
 torch gather/transfer/scatter as the reference."""
 
-from kernels.reference import swap_blocks
-from kernels.triton_attention import paged_attention
-from kernels.triton_cache import copy_blocks, reshape_and_cache
+from kvscope.kernels.reference import swap_blocks
+from kvscope.kernels.triton_attention import paged_attention
+from kvscope.kernels.triton_cache import copy_blocks, reshape_and_cache
 
 __all__ = ["reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks"]

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import block_quant as bq
-from kernels.triton_attention import _INTERPRET, _NEG_BIG, LOG2E
+from kvscope.kernels import block_quant as bq
+from kvscope.kernels.triton_attention import _INTERPRET, _NEG_BIG, LOG2E
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant, validate
+from kvscope.kernels import quant, validate
 
 FORMAT_IDS = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
 # The constants of kernels.quant for the kernels (a jit function may read only constexpr

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import quant
+from kvscope.kernels import quant
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -34,9 +34,9 @@ def main() -> int:
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
-    from inspector import analysis
-    from inspector.app import make_app, open_recording
-    from inspector.window import MainWindow
+    from kvscope.inspector import analysis
+    from kvscope.inspector.app import make_app, open_recording
+    from kvscope.inspector.window import MainWindow
 
     app = make_app(offscreen=True)
     rec, notes = open_recording(args.recording)

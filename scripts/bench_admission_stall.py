@@ -45,7 +45,7 @@ def export_tree(rev: str, into: Path) -> Path:
 
 def start(root: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope.engine.cli", "serve", "--port", "0"],
                             cwd=root, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:  # type: ignore[union-attr]

@@ -30,7 +30,7 @@ import time
 def _runner(name: str, model, cfg, seqs: int, context: int, total: int):  # noqa: ANN001, ANN202
     import torch
 
-    from engine.runner.model_runner import ModelRunner, StepBatch
+    from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
 
     dtype = name.removesuffix("-torch").removesuffix("-split")
     bs = 16
@@ -78,7 +78,7 @@ class _Timed:
 def _decode(runner, tables, span: int, pos: int):  # noqa: ANN001, ANN202
     import torch
 
-    from engine.runner.model_runner import StepBatch
+    from kvscope.engine.runner.model_runner import StepBatch
 
     seqs = tables.shape[0]
     return runner.execute(StepBatch(
@@ -100,9 +100,9 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from engine.model import load_model
-    from engine.runner import block_kv
-    from kernels import cpu_block_decode
+    from kvscope.engine.model import load_model
+    from kvscope.engine.runner import block_kv
+    from kvscope.kernels import cpu_block_decode
 
     torch.set_num_threads(args.threads)
     model, _, cfg = load_model("smollm2", device="cpu", dtype=torch.float32)

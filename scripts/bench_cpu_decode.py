@@ -31,7 +31,7 @@ def worker(kernels_root: str, seqs: int, threads: int) -> None:
     import torch
 
     sys.path.insert(0, kernels_root)
-    from kernels import cpu_native
+    from kvscope.kernels import cpu_native
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)

@@ -55,7 +55,7 @@ def _use_step_plan(attn, plan_cls) -> None:  # noqa: ANN001
 def _engine(variant: str, dtype: str, seqs: int, context: int):  # noqa: ANN202
     import torch._inductor.config
 
-    from engine import LLM, SamplingParams
+    from kvscope.engine import LLM, SamplingParams
 
     os.environ["KVSCOPE_CPU_LINEAR"] = "dense" if variant in ("before", "compiled-freeze") \
         else "packed"

@@ -21,7 +21,7 @@ import time
 def _timed_generate(llm, ids: list[int],  # noqa: ANN001
                     tokens: int) -> tuple[float, float, list[int]]:
     """(wall s, process CPU s, generated ids) of one generate call."""
-    from engine import SamplingParams
+    from kvscope.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -33,9 +33,9 @@ def _timed_generate(llm, ids: list[int],  # noqa: ANN001
 def _micro(dtype, threads: int) -> list[str]:  # noqa: ANN001
     import torch
 
-    from engine.model.llama import rms_norm
-    from engine.model.rope import RotaryEmbedding
-    from kernels import cpu_fused
+    from kvscope.engine.model.llama import rms_norm
+    from kvscope.engine.model.rope import RotaryEmbedding
+    from kvscope.kernels import cpu_fused
 
     def best_us(fn, n: int = 2000) -> float:  # noqa: ANN001
         for _ in range(200):
@@ -82,8 +82,8 @@ def main() -> int:
 
     import torch
 
-    from engine import LLM
-    from kernels import cpu_fused
+    from kvscope.engine import LLM
+    from kvscope.kernels import cpu_fused
 
     torch.set_num_threads(args.threads)
     native_applies = cpu_fused.applies

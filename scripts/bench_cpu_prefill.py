@@ -27,7 +27,7 @@ def main() -> int:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT))
-    from kernels import cpu_native
+    from kvscope.kernels import cpu_native
     from tests.kernels.oracle import make_batch
 
     torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from engine.bench.events import REPO, bench_throughput
+from kvscope.engine.bench.events import REPO, bench_throughput
 
 
 def export_tree(rev: str, into: Path) -> Path:

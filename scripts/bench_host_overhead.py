@@ -42,20 +42,20 @@ def worker(root: str, seqs: int, tokens: int, final: bool, tempered: bool) -> No
 
     import torch
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.sampling import SamplingParams
 
     torch.set_num_threads(1)
     kind = {}
     if final:
         try:
-            from engine.sampling import RequestOutputKind
+            from kvscope.engine.sampling import RequestOutputKind
             kind = {"output_kind": RequestOutputKind.FINAL_ONLY}
         except ImportError:  # an earlier commit: cumulative is all it has
             kind = None
     blocks = seqs * ((120 + tokens + STEPS + 16) // 16 + 1)
-    from engine.model.dummy import PRESETS
+    from kvscope.engine.model.dummy import PRESETS
 
     shapes = {**PRESETS["tiny"], "vocab_size": 49152 if tempered else 512}
     eng = LLMEngine(EngineConfig(model="tiny", load_format="dummy", hf_config=shapes,

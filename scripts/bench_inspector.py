@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from engine.events import PROTOCOL_VERSION, KVState, ListSink  # noqa: E402
+from kvscope.engine.events import PROTOCOL_VERSION, KVState, ListSink  # noqa: E402
 
 
 def big_state(num_blocks: int, cpu_blocks: int = 0, seed: int = 0) -> KVState:
@@ -108,10 +108,10 @@ def bench_map(gpu_blocks: int, cpu_blocks: int, frames: int) -> None:
     repaint (the GUI thread's). Host tier static, then touched every frame."""
     from PySide6.QtWidgets import QApplication
 
-    from engine.events.wire import codec as C
-    from inspector import theme
-    from inspector.model import InspectorModel
-    from inspector.views.block_map import MODES, BlockMapView
+    from kvscope.engine.events.wire import codec as C
+    from kvscope.inspector import theme
+    from kvscope.inspector.model import InspectorModel
+    from kvscope.inspector.views.block_map import MODES, BlockMapView
 
     app = QApplication.instance() or QApplication([])
     theme.apply(app)
@@ -171,11 +171,11 @@ def bench_map(gpu_blocks: int, cpu_blocks: int, frames: int) -> None:
 def bench_seek(steps: int) -> None:
     from PySide6.QtWidgets import QApplication
 
-    from engine.bench.synthetic import SyntheticCache
-    from engine.events.wire.recording import Recording, RecordingWriter
-    from inspector import theme
-    from inspector.app import open_recording
-    from inspector.window import MainWindow
+    from kvscope.engine.bench.synthetic import SyntheticCache
+    from kvscope.engine.events.wire.recording import Recording, RecordingWriter
+    from kvscope.inspector import theme
+    from kvscope.inspector.app import open_recording
+    from kvscope.inspector.window import MainWindow
 
     app = QApplication.instance() or QApplication([])
     theme.apply(app)

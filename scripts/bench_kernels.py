@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+from kvscope import kernels  # noqa: E402
+from kvscope.kernels import reference  # noqa: E402
 
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (1024, 4096, 16384)

@@ -26,8 +26,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.events import PROTOCOL_VERSION  # noqa: E402
-from engine.events.analysis.lifecycle import LifecycleIndex  # noqa: E402
+from kvscope.engine.events import PROTOCOL_VERSION  # noqa: E402
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex  # noqa: E402
 
 
 def workload(num_seqs: int, per_step: int = 8) -> list[dict]:
@@ -92,8 +92,8 @@ def bench_index(batches: list[dict]) -> LifecycleIndex:
 def bench_scroll(idx: LifecycleIndex, frames: int) -> None:
     from PySide6.QtWidgets import QApplication
 
-    from inspector import theme
-    from inspector.views.lifecycle import LifecycleView
+    from kvscope.inspector import theme
+    from kvscope.inspector.views.lifecycle import LifecycleView
 
     app = QApplication.instance() or QApplication([])
     theme.apply(app)
@@ -128,9 +128,9 @@ def bench_scroll(idx: LifecycleIndex, frames: int) -> None:
 def bench_recording(steps: int) -> None:
     import tempfile
 
-    from engine.bench.synthetic import SyntheticCache
-    from engine.events import KVState, ListSink
-    from engine.events.wire.recording import Recording, RecordingWriter
+    from kvscope.engine.bench.synthetic import SyntheticCache
+    from kvscope.engine.events import KVState, ListSink
+    from kvscope.engine.events.wire.recording import Recording, RecordingWriter
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "hour.kvtrace"

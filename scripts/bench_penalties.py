@@ -24,8 +24,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     args = ap.parse_args()
 
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from kvscope.engine.llm import LLM
+    from kvscope.engine.sampling import SamplingParams
 
     llm = LLM("smollm2")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model import load_model
-from engine.sampling import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.model import load_model
+from kvscope.engine.sampling import SamplingParams
 
 
 def free_port() -> int:
@@ -136,7 +136,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from engine.device import resolve_device, resolve_dtype
+    from kvscope.engine.device import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)

@@ -27,9 +27,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     args = ap.parse_args()
 
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-    from engine.structured import GrammarMatcher, StructuredOutputsParams
+    from kvscope.engine.llm import LLM
+    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.structured import GrammarMatcher, StructuredOutputsParams
 
     llm = LLM("smollm2")
     tok = llm.tokenizer
@@ -50,8 +50,8 @@ def main() -> None:
     print(f"matcher: first {first * 1e3:.0f} ms (builds the tokenizer's index), then "
           f"{again * 1e3:.1f} ms; mask per token: median {statistics.median(masks) * 1e6:.0f} "
           f"us, max {max(masks) * 1e6:.0f} us over {len(masks)} tokens")
-    import engine.structured as structured
-    from engine.server.tools import constraint as tool_constraint
+    import kvscope.engine.structured as structured
+    from kvscope.engine.server.tools import constraint as tool_constraint
 
     weather = [{"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine.bench.events import ManagerWorkload
-from engine.cache import KVCacheManager
-from engine.events.sink import ListSink
-from engine.events.vllm import wire as W
-from engine.events.vllm.translate import VllmTranslator
-from engine.events.wire.codec import make_batch
+from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm.translate import VllmTranslator
+from kvscope.engine.events.wire.codec import make_batch
 
 
 def run(detail: bool, steps: int) -> tuple[float, list[dict]]:

@@ -62,7 +62,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from engine.events.vllm import plugin
+    from kvscope.engine.events.vllm import plugin
 
     plugin.register()  # also loaded through the entry point when kvscope is installed
     preempted_at: dict[str, float] = {}
@@ -86,8 +86,8 @@ def main() -> None:
     print(f"publishing on {stream.endpoint}; {producer.differ.prev.num_blocks} blocks",
           flush=True)
 
-    from engine.events import schema as S
-    from engine.events.wire.subscriber import Subscriber
+    from kvscope.engine.events import schema as S
+    from kvscope.engine.events.wire.subscriber import Subscriber
 
     seen_at: dict[str, float] = {}
 
@@ -155,9 +155,9 @@ def micro(num_blocks: int, requests: int = 256, steps: int = 451) -> None:
     from types import SimpleNamespace as NS
 
     sys.path.insert(0, str(ROOT))
-    from engine.events.vllm.pagetable import PageTableDiffer, read_page_table
-    from engine.events.vllm.tracker import IncrementalReader, Touched
-    from engine.events.wire.stream import EventStream
+    from kvscope.engine.events.vllm.pagetable import PageTableDiffer, read_page_table
+    from kvscope.engine.events.vllm.tracker import IncrementalReader, Touched
+    from kvscope.engine.events.wire.stream import EventStream
 
     running = NS(name="RUNNING")
     blocks = [NS(block_id=i, ref_cnt=0, _block_hash=None, is_null=i == 0)

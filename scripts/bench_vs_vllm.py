@@ -265,7 +265,7 @@ def worker_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     if args.engine == "kvscope":
-        from engine import LLM, SamplingParams
+        from kvscope.engine import LLM, SamplingParams
 
         llm = LLM(args.model, device="cpu", dtype=args.dtype,
                   kv_cache_memory_bytes=KV_CACHE_GIB << 30)
@@ -428,7 +428,7 @@ def served_cmd(engine: Engine, dtype: str, threads: int, port: int) -> list[str]
                 "--block-size", str(VLLM_BLOCK_SIZE), "--seed", "0", *common]
     # kvscope serve has no thread flag; set torch's count before the CLI starts
     return [python, "-c", f"import sys, torch; torch.set_num_threads({threads}); "
-            "from engine.cli import main; sys.exit(main(sys.argv[1:]))",
+            "from kvscope.engine.cli import main; sys.exit(main(sys.argv[1:]))",
             "serve", "--model", model, "--device", "cpu",
             "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30), *common]
 

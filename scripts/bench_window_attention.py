@@ -23,8 +23,8 @@ from unittest import mock
 
 import torch
 
-from kernels import cpu_native
-from kernels.cpu_attention import StepPlan
+from kvscope.kernels import cpu_native
+from kvscope.kernels.cpu_attention import StepPlan
 
 HQ, HKV, D, BS = 4, 1, 256, 16
 LAYERS, GLOBAL_LAYERS, WINDOW = 26, 4, 512

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.events.causes import describe  # noqa: E402
-from engine.events.wire.recording import Recording  # noqa: E402
+from kvscope.engine.events.causes import describe  # noqa: E402
+from kvscope.engine.events.wire.recording import Recording  # noqa: E402
 
 
 def main(path: str) -> int:

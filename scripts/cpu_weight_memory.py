@@ -24,8 +24,8 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    import engine
-    from engine import LLM
+    from kvscope import engine
+    from kvscope.engine import LLM
 
     torch.set_num_threads(2)
     before = _status_mb("VmRSS")

@@ -73,7 +73,7 @@ VARIANTS=("--kv-cache-dtype int8 --preemption-mode swap --swap-space 0.05"
 start_server() {  # $1: extra flags; returns 0 once ready
   rm -f "$OUT/demo.kvtrace"
   # shellcheck disable=SC2086
-  $PY -m engine.cli serve "${BASE[@]}" $1 >"$OUT/serve.log" 2>&1 &
+  $PY -m kvscope.engine.cli serve "${BASE[@]}" $1 >"$OUT/serve.log" 2>&1 &
   SERVER_PID=$!
   for _ in $(seq 1200); do
     grep -q "ready on" "$OUT/serve.log" && return 0
@@ -101,10 +101,10 @@ echo "demo: extra engine features on: ${FEATURES:-none (fp32 pages, recompute pr
 if [[ $headless == 0 ]]; then
   echo "demo: workload running; the inspector opens attached to $EVENTS"
   echo "demo: close the inspector window or press Ctrl-C to stop everything"
-  $PY -m engine.cli load --url "$URL" --workload demo --duration 86400 --no-progress \
+  $PY -m kvscope.engine.cli load --url "$URL" --workload demo --duration 86400 --no-progress \
     >"$OUT/load.txt" 2>&1 &
   LOAD_PID=$!
-  $PY -m engine.cli inspect --connect "$EVENTS" || true
+  $PY -m kvscope.engine.cli inspect --connect "$EVENTS" || true
   echo "demo: inspector closed; stopping (recording: $OUT/demo.kvtrace)"
   exit 0
 fi
@@ -117,7 +117,7 @@ LOAD_S=$(( DEMO_SECONDS - (SECONDS - START) - 18 ))
 echo "demo: headless (no DISPLAY): running the 'demo' workload for $LOAD_S s against $URL"
 # --max-wait: requests still running 3 s after the end are cancelled (the server aborts
 # them, which the recording shows too).
-$PY -m engine.cli load --url "$URL" --workload demo --duration "$LOAD_S" --max-wait 3 \
+$PY -m kvscope.engine.cli load --url "$URL" --workload demo --duration "$LOAD_S" --max-wait 3 \
   --no-progress | tee "$OUT/load.txt" || true
 echo "demo: stopping the server (drain, then the recording is closed)"
 kill -TERM "$SERVER_PID_SHOWN"
@@ -128,7 +128,7 @@ tail -n 2 "$OUT/serve.log"
 # Screenshot the busiest moment: the step with the most KV blocks in use.
 STEP=$($PY - "$OUT/demo.kvtrace" <<'EOF'
 import sys
-from engine.events.wire.recording import Recording
+from kvscope.engine.events.wire.recording import Recording
 rec = Recording(sys.argv[1])
 best, used = rec.steps[-1], -1
 for b in rec:
@@ -138,7 +138,7 @@ for b in rec:
 print(best)
 EOF
 )
-QT_QPA_PLATFORM=offscreen $PY -m engine.cli inspect "$OUT/demo.kvtrace" --step "$STEP" \
+QT_QPA_PLATFORM=offscreen $PY -m kvscope.engine.cli inspect "$OUT/demo.kvtrace" --step "$STEP" \
   --screenshot "$OUT/demo.png"
 echo
 echo "demo: done in $(( SECONDS - START )) s."

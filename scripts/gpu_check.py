@@ -47,17 +47,20 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _importable_checkout() -> None:
-    """On the device the checkout is not pip-installed: put it on the children's path too,
-    and give assets/ its installed name (``kvscope_assets``, setup.py) through a namespace
-    package link, so importlib.resources finds the workloads."""
-    paths = [str(ROOT)]
-    if importlib.util.find_spec("kvscope_assets") is None:
+    """On the device the checkout is not pip-installed: build the package ``kvscope`` as
+    setup.py maps it (assets/ its root, engine/ inspector/ kernels/ inside) from links in a
+    scratch folder, and put that on this process's and the children's path."""
+    paths: list[str] = []
+    if importlib.util.find_spec("kvscope") is None:
         import tempfile
 
-        shim = Path(tempfile.mkdtemp(prefix="kvscope-path-"))
-        (shim / "kvscope_assets").symlink_to(ROOT / "assets", target_is_directory=True)
-        sys.path.insert(0, str(shim))
-        paths.insert(0, str(shim))
+        shim = Path(tempfile.mkdtemp(prefix="kvscope-path-")) / "kvscope"
+        shim.mkdir()
+        for entry in [*(ROOT / "assets").iterdir(), *(ROOT / r for r in ("engine", "inspector",
+                                                                          "kernels"))]:
+            (shim / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+        sys.path.insert(0, str(shim.parent))
+        paths.append(str(shim.parent))
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
 
 

@@ -106,7 +106,7 @@ class Context:
 
     def model(self, name: str, dtype: torch.dtype):
         """(model, tokenizer, config), loaded once per section."""
-        from engine.model import load_model
+        from kvscope.engine.model import load_model
 
         key = (name, str(dtype))
         if key not in self._models:
@@ -244,7 +244,7 @@ def run_pytest(ctx: Context, tests: tuple[str, ...], env: dict[str, str]) -> dic
 
 def cli_json(argv: list[str]) -> dict:
     """Run a `kvscope` command in this process and parse the one JSON object it prints."""
-    from engine.cli import main
+    from kvscope.engine.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -315,9 +315,9 @@ def section_decode(ctx: Context) -> dict:
     """The 8B-shaped decode step (ModelRunner.execute: forward + logits) at batch 1..256,
     eager and replaying its CUDA graph, against its floor; then the host syncs of real
     engine decode steps, eager and with graphs."""
-    from engine.model.dummy import weight_bytes
-    from engine.runner.model_runner import ModelRunner, StepBatch
-    from engine.runner.page_format import page_format
+    from kvscope.engine.model.dummy import weight_bytes
+    from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
+    from kvscope.engine.runner.page_format import page_format
 
     name = TINY if ctx.smoke else BIG
     dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
@@ -465,9 +465,9 @@ def _decode_syncs(ctx: Context, loaded, enforce_eager: bool | None) -> dict:
     import warnings
     from collections import Counter
 
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.sampling import SamplingParams
 
     batch, steps = 8, 8
     eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
@@ -509,8 +509,8 @@ def _paged_case(ctx: Context, fmt: str, batch: int, context: int, hkv: int, head
                 block: int):
     """A decode batch over pages of ``fmt`` (1 layer): every slot written through
     kernels.reshape_and_cache from random K/V, pages a random permutation of the pool."""
-    import kernels
-    from engine.runner.page_format import PageFormat
+    from kvscope import kernels
+    from kvscope.engine.runner.page_format import PageFormat
 
     pages_per_seq = -(-context // block)
     num_blocks = batch * pages_per_seq
@@ -538,7 +538,7 @@ def _paged_case(ctx: Context, fmt: str, batch: int, context: int, hkv: int, head
 def section_attention(ctx: Context) -> dict:
     import torch.nn.functional as F
 
-    import kernels
+    from kvscope import kernels
 
     if ctx.smoke:
         hq, hkv, d, block = 4, 2, 16, 16
@@ -619,7 +619,7 @@ def _split_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: i
     """Decode time by split count at the smallest batch and context (where the first H200
     run was furthest from the copy bandwidth: 74% at B32 x 4k with the default 3 splits):
     whether the split heuristic (kernels.triton_attention.default_num_splits) is the gap."""
-    from kernels.triton_attention import default_num_splits
+    from kvscope.kernels.triton_attention import default_num_splits
 
     block_n = 16 if ctx.smoke else 64
     default = default_num_splits(ctx.device, batch, hkv, context, block_n)
@@ -650,8 +650,8 @@ def _decode_sweep(ctx: Context, formats, batch: int, context: int, hkv: int, d: 
     """Paged decode time per page format and variant: (the row's fields, extra
     ``paged_attention`` arguments, ``decode_launch`` options). A variant that fails (a
     configuration that does not fit the SM) gets its error in its row, not the section's."""
-    import kernels
-    from kernels.triton_attention import decode_launch
+    from kvscope import kernels
+    from kvscope.kernels.triton_attention import decode_launch
 
     q = torch.randn(batch, hq, d, device=ctx.device, dtype=torch.bfloat16)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
@@ -732,7 +732,7 @@ def section_events(ctx: Context) -> dict:
 
 # ---------------------------------------------------------------- run 2
 def section_offline(ctx: Context) -> dict:
-    from engine.bench.capacity import make_workload
+    from kvscope.engine.bench.capacity import make_workload
 
     name = TINY if ctx.smoke else BIG
     dtype = torch.bfloat16  # the GPU dtype, on CPU too in --smoke (dtype errors show here)
@@ -764,9 +764,9 @@ def section_offline(ctx: Context) -> dict:
 
 
 def _kvscope_offline(ctx: Context, loaded, workload, max_len: int) -> dict:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.sampling import SamplingParams
 
     eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
                                  max_model_len=max_len, enable_prefix_caching=False,
@@ -809,7 +809,7 @@ def _hf_offline(ctx: Context, name: str, dtype: torch.dtype, workload, batch: in
         import transformers
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from engine.model.dummy import PRESETS
+        from kvscope.engine.model.dummy import PRESETS
 
         hf_cfg = dict(PRESETS[name.split(":", 1)[1]])
         hf_cfg.pop("model_type")
@@ -908,9 +908,9 @@ def section_swap(ctx: Context) -> dict:
 
 def _greedy_tokens(ctx: Context, loaded, prompts: list[dict], max_tokens: int,
                    **engine_kwargs) -> list[list[int]]:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
@@ -938,7 +938,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def section_quant(ctx: Context) -> dict:
-    from engine.runner.page_format import check_supported
+    from kvscope.engine.runner.page_format import check_supported
 
     n, tokens = (4, 6) if ctx.smoke else (16, 32)
     name = TINY if ctx.smoke else SMALL

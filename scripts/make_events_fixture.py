@@ -15,9 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import PROTOCOL_VERSION
-from engine.events.wire import EventStream
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import PROTOCOL_VERSION
+from kvscope.engine.events.wire import EventStream
 
 SEED, STEPS = 32, 120
 

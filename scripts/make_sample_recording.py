@@ -21,9 +21,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.cache.manager import KVCacheManager  # noqa: E402
-from engine.events import PROTOCOL_VERSION, KVState, ListSink  # noqa: E402
-from engine.events.wire.recording import RecordingWriter  # noqa: E402
+from kvscope.engine.cache.manager import KVCacheManager  # noqa: E402
+from kvscope.engine.events import PROTOCOL_VERSION, KVState, ListSink  # noqa: E402
+from kvscope.engine.events.wire.recording import RecordingWriter  # noqa: E402
 
 T0 = 1_763_800_000.0
 GPU_BLOCKS = 288

@@ -29,7 +29,7 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import LLM, SamplingParams
+    from kvscope.engine import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
     llm = LLM("smollm2", device="cpu", dtype=args.dtype)
@@ -79,7 +79,7 @@ def main() -> int:
 def _prefill_round(eng, seqs: int, context: int, offset: int) -> int:  # noqa: ANN001
     """Add ``seqs`` distinct prompts and step until every one has sampled its first token;
     returns the number of steps. The sequences are aborted afterwards."""
-    from engine import SamplingParams
+    from kvscope.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for i in range(seqs):

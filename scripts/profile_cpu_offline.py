@@ -23,7 +23,7 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import LLM, SamplingParams
+    from kvscope.engine import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
     llm = LLM("smollm2", device="cpu", dtype=args.dtype)

@@ -77,11 +77,11 @@ class Tracer:
         return wrapper
 
     def install(self) -> None:
-        from engine import engine as engine_mod
-        from engine import scheduler as scheduler_mod
-        from engine.runner import model_runner as runner_mod
-        from engine.server import engine_loop as loop_mod
-        from engine.server import jobs as jobs_mod
+        from kvscope.engine import engine as engine_mod
+        from kvscope.engine import scheduler as scheduler_mod
+        from kvscope.engine.runner import model_runner as runner_mod
+        from kvscope.engine.server import engine_loop as loop_mod
+        from kvscope.engine.server import jobs as jobs_mod
 
         rec = self.records.append
         E = engine_mod.LLMEngine
@@ -141,7 +141,7 @@ def server_main(args: argparse.Namespace, serve_args: list[str]) -> int:
     sys.path.insert(0, args.root)
     tracer = Tracer()
     tracer.install()
-    from engine.cli import main
+    from kvscope.engine.cli import main
 
     try:
         return main(["serve", *serve_args])
@@ -155,9 +155,9 @@ def offline_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, args.root)
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="smollm2", device="cpu", dtype=args.dtype,
                                     max_model_len=bench.MAX_MODEL_LEN))
@@ -337,7 +337,7 @@ def _num(x: float) -> str:
 
 @functools.cache
 def _tokenizer() -> Any:
-    from engine.model import load_model
+    from kvscope.engine.model import load_model
 
     return load_model("smollm2")[1]
 

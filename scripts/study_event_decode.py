@@ -20,8 +20,8 @@ import time
 
 import msgpack
 
-from engine.bench.events import make_batches, realistic_batches
-from engine.events.wire import codec as C
+from kvscope.engine.bench.events import make_batches, realistic_batches
+from kvscope.engine.events.wire import codec as C
 
 
 def before(frames: list[bytes]) -> None:

@@ -74,8 +74,8 @@ def _compile_only() -> None:
 
 def _attention_case(fmt: str, dtype: torch.dtype, q_lens: list[int], num_splits: int | None,
                     head_dim: int = 128, block_size: int = 16) -> None:
-    from engine.runner.page_format import PageFormat
-    from kernels import triton_backend
+    from kvscope.engine.runner.page_format import PageFormat
+    from kvscope.kernels import triton_backend
 
     hq, hkv = 32, 8
     seq_lens = [n + 40 for n in q_lens]
@@ -107,9 +107,9 @@ def _attention_case(fmt: str, dtype: torch.dtype, q_lens: list[int], num_splits:
 def _block_case(fmt: str, dtype: torch.dtype, q_lens: list[int], head_dim: int = 128) -> None:
     """Attention over block-quantized pages (kernels/triton_block_attention.py): decode
     when every q_len is 1, else prefill with cached context."""
-    from engine.runner.block_kv import BlockKV
-    from kernels import triton_block_attention
-    from kernels.block_quant import block_format
+    from kvscope.engine.runner.block_kv import BlockKV
+    from kvscope.kernels import triton_block_attention
+    from kvscope.kernels.block_quant import block_format
 
     hq, hkv, block_size = 32, 8, 16
     kv = BlockKV(block_format(fmt), 1, 8, block_size, hkv, head_dim, dtype,

@@ -28,7 +28,7 @@ def _qt_garbage_freed_on_the_main_thread(request: pytest.FixtureRequest):  # noq
     widget off the GUI thread (inspector/gui_gc.py says what that does)."""
     yield
     if "qapp" in request.fixturenames:
-        from inspector import gui_gc
+        from kvscope.inspector import gui_gc
 
         if gui_gc.installed():  # the test ran the GUI as `kvscope inspect` does
             gui_gc.uninstall()  # collects here, then restores automatic collection

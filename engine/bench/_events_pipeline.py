@@ -32,9 +32,9 @@ def publish(batches_file: str, sink: str = "columns") -> None:
     import msgpack
 
     try:
-        from engine.events.wire.stream import EventStream
+        from kvscope.engine.events.wire.stream import EventStream
     except ImportError:  # a revision from before engine.events.wire (scripts/bench_events_ab.py)
-        from engine.events.stream import EventStream
+        from kvscope.engine.events.stream import EventStream
 
     with open(batches_file, "rb") as f:
         batches = msgpack.unpackb(f.read(), raw=False)
@@ -51,7 +51,7 @@ def publish(batches_file: str, sink: str = "columns") -> None:
          steps=len(batches))
     sys.stdin.readline()  # "go": the subscriber holds its snapshot
     if sink == "per-event":  # the reference sink: a map per event on the engine thread
-        from engine.events.sink import ListSink
+        from kvscope.engine.events.sink import ListSink
         stream.sink = ListSink()
     op = getattr(stream.sink, "block_op", None) if sink == "columns" else None
     hot = ("alloc", "free", "hit")
@@ -73,9 +73,9 @@ def publish(batches_file: str, sink: str = "columns") -> None:
 
 def subscribe(endpoint: str, snapshot_endpoint: str, last: int) -> None:
     try:
-        from engine.events.wire.subscriber import Subscriber
+        from kvscope.engine.events.wire.subscriber import Subscriber
     except ImportError:  # a revision from before engine.events.wire
-        from engine.events.subscriber import Subscriber
+        from kvscope.engine.events.subscriber import Subscriber
 
     sub = Subscriber(endpoint, snapshot_endpoint)
     deadline = time.monotonic() + 60

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.events.sink import ListSink, NullSink
+    from kvscope.engine.events.sink import ListSink, NullSink
 
     sinks = [("null", NullSink)] + ([("list", ListSink)] if args.events else [])
     results: dict[str, Any] = {
@@ -77,7 +77,7 @@ def _score(x: Any) -> float:
 
 
 def _manager(args: argparse.Namespace, sink_cls: Any) -> Any:
-    from engine.cache import KVCacheManager
+    from kvscope.engine.cache import KVCacheManager
 
     return KVCacheManager(args.blocks, args.block_size, eviction_policy=args.policy,
                           sink=sink_cls())

@@ -84,10 +84,10 @@ ARMS = {
 
 
 def run_layout(arm: dict[str, Any], workload, args, loaded) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.runner.page_format import page_format
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.runner.page_format import page_format
+    from kvscope.engine.sampling import SamplingParams
 
     model, mc = loaded[0], loaded[2]
     budget = args.budget_tokens // args.block_size * page_format(
@@ -161,7 +161,7 @@ def plot(results: dict[str, dict], budget: int, path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.model import load_model
+    from kvscope.engine.model import load_model
 
     loaded = load_model(args.model, device="cpu" if not torch.cuda.is_available() else "cuda",
                         dtype=torch.float32 if not torch.cuda.is_available() else torch.bfloat16)

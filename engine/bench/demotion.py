@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from engine.model import load_model
+    from kvscope.engine.model import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cpu", dtype=torch.float32)
@@ -123,10 +123,10 @@ def engine_config(config: str, args: argparse.Namespace, budget: int) -> dict[st
 def run_workload(loaded, name: str, config: str, args: argparse.Namespace,
                  budget: int) -> dict[str, Any]:
     """Run the workload's sessions closed-loop through one engine; return its numbers."""
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.load.workloads import load_workload, sessions
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.load.workloads import load_workload, sessions
+    from kvscope.engine.sampling import SamplingParams
 
     w = load_workload(name)
     todo = sessions(w, seed=args.seed, rate=1.0, duration=1e9, max_sessions=args.sessions,
@@ -194,9 +194,9 @@ def teacher_forced(loaded, ids: list[int], args: argparse.Namespace) -> dict[str
     import torch
     import torch.nn.functional as F
 
-    from engine.runner.mixed_kv import MixedKV
-    from engine.runner.model_runner import ModelRunner, StepBatch
-    from kernels import mixed_pages as mp
+    from kvscope.engine.runner.mixed_kv import MixedKV
+    from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
+    from kvscope.kernels import mixed_pages as mp
 
     model, _, cfg = loaded
     bs, n = args.block_size, len(ids)

@@ -84,9 +84,9 @@ def sequential_read_rate(directory: Path, nbytes: int) -> float:
 
 class Bench:
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
-        from engine.device import resolve_device, resolve_dtype
-        from engine.model import load_model
-        from engine.runner.page_format import page_format
+        from kvscope.engine.device import resolve_device, resolve_dtype
+        from kvscope.engine.model import load_model
+        from kvscope.engine.runner.page_format import page_format
 
         self.args, self.root = args, root
         self.device = resolve_device(args.device)
@@ -98,8 +98,8 @@ class Bench:
         self.n = 0
 
     def engine(self, blocks: int, tiers: bool, directory: Path | None = None, **kw):
-        from engine.config import EngineConfig
-        from engine.engine import LLMEngine
+        from kvscope.engine.config import EngineConfig
+        from kvscope.engine.engine import LLMEngine
 
         a = self.args
         extra: dict[str, Any] = {}
@@ -117,7 +117,7 @@ class Bench:
     def finish(eng, rid: str, ids: list[int], max_tokens: int = 1) -> float:
         """Run one request alone to its end; seconds taken (with ``max_tokens`` 1: its
         time to first token)."""
-        from engine.sampling import SamplingParams
+        from kvscope.engine.sampling import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
@@ -205,7 +205,7 @@ class Bench:
 
     # -------------------------------------------------------------------- 3
     def restart(self) -> dict[str, Any]:
-        from engine.load.workloads import load_workload, sessions
+        from kvscope.engine.load.workloads import load_workload, sessions
 
         a = self.args
         tok = self.loaded[1]
@@ -245,7 +245,7 @@ class Bench:
 
     # -------------------------------------------------------------------- 4
     def overhead(self) -> dict[str, Any]:
-        from engine.sampling import SamplingParams
+        from kvscope.engine.sampling import SamplingParams
 
         rng = random.Random(7)
         prompt = [rng.randrange(3, self.vocab) for _ in range(64)]

@@ -60,8 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------ workloads
 def make_batches(num_steps: int, seed: int = 0) -> list[tuple[list[dict], dict]]:
     """Pre-generated (events, stats) per step from the synthetic workload, big batches."""
-    from engine.bench.synthetic import SyntheticCache
-    from engine.events.sink import ListSink
+    from kvscope.engine.bench.synthetic import SyntheticCache
+    from kvscope.engine.events.sink import ListSink
 
     gen = SyntheticCache(seed=seed, gpu_blocks=16384, cpu_blocks=4096, max_running=256,
                          arrival_rate=0.95)
@@ -153,8 +153,8 @@ def _subscriber_proc(endpoint: str, snap: str, apply: bool, expect: int, q: Any)
     """Child process: receive until seq ``expect``; report counts and latencies."""
     import zmq
 
-    from engine.events.wire.codec import Codec
-    from engine.events.wire.subscriber import Subscriber
+    from kvscope.engine.events.wire.codec import Codec
+    from kvscope.engine.events.wire.subscriber import Subscriber
 
     if not apply:  # transport alone: SUB + decode + validate, no KVState
         ctx = zmq.Context()
@@ -203,8 +203,8 @@ def _publish(batches: list, apply: bool, pace_s: float = 0.0,
     straight from a PUB socket (the socket + codec capacity, no EventStream)."""
     import zmq
 
-    from engine.events.wire.codec import Codec, make_batch
-    from engine.events.wire.stream import EventStream
+    from kvscope.engine.events.wire.codec import Codec, make_batch
+    from kvscope.engine.events.wire.stream import EventStream
 
     if wire_only:
         codec, zctx = Codec(), zmq.Context()
@@ -284,8 +284,8 @@ def sink_call(ev: dict[str, Any]) -> tuple[str | None, Any]:
 def realistic_batches(num_steps: int, seed: int = 0) -> list[tuple[list[dict], dict]]:
     """What an engine emits: the real KVCacheManager (16384 blocks of 16) driven by the
     scheduler-like ``ManagerWorkload`` (prefix hits, forks, preemption)."""
-    from engine.cache import KVCacheManager
-    from engine.events.sink import ListSink
+    from kvscope.engine.cache import KVCacheManager
+    from kvscope.engine.events.sink import ListSink
 
     sink = ListSink()
     work = ManagerWorkload(KVCacheManager(16384, 16, sink=sink), seed=seed, max_running=256)
@@ -418,8 +418,8 @@ def bench_subscriber_side(num_steps: int, rounds: int = 3) -> dict[str, Any]:
     processes on a shared box are not counted), best of ``rounds`` passes, on both
     mixes; the per-event frames (the baseline) and protocol 3's (bulk steps as columns,
     applied with arrays) alternating, each pass checked equal."""
-    from engine.events.state import KVState
-    from engine.events.wire import codec as C
+    from kvscope.engine.events.state import KVState
+    from kvscope.engine.events.wire import codec as C
 
     out: dict[str, Any] = {}
     mixes = {"realistic": realistic_batches(num_steps),
@@ -470,15 +470,15 @@ def bench_latency(num_steps: int) -> dict[str, Any]:
 
 
 def bench_recording(num_steps: int, seeks: int) -> dict[str, Any]:
-    from engine.events.wire.recording import Recording
-    from engine.events.wire.stream import EventStream
+    from kvscope.engine.events.wire.recording import Recording
+    from kvscope.engine.events.wire.stream import EventStream
 
     batches = make_batches(min(num_steps, 2000), seed=2)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "bench.kvtrace"
         # one hour at 20 steps/s; the synthetic batches repeat is not possible (state),
         # so the long recording uses a smaller workload generated on the fly
-        from engine.bench.synthetic import SyntheticCache
+        from kvscope.engine.bench.synthetic import SyntheticCache
         t0 = time.perf_counter()
         gen = SyntheticCache(seed=3, gpu_blocks=4096, cpu_blocks=1024, max_running=64,
                              arrival_rate=0.8)
@@ -531,8 +531,8 @@ def bench_overhead(blocks: int, step_s: float = 0.010) -> dict[str, Any]:
     (``wait_idle``), so the background work is charged to it in full. Reported: the
     median over blocks of the per-step time.
     """
-    from engine.cache import KVCacheManager
-    from engine.events.wire.stream import EventStream
+    from kvscope.engine.cache import KVCacheManager
+    from kvscope.engine.events.wire.stream import EventStream
 
     out: dict[str, Any] = {"blocks_of_10_steps": blocks,
                            "workload": "KVCacheManager 4096x16 blocks, <=64 running",
@@ -581,7 +581,7 @@ def _flood_proc(endpoint: str, stop: Any) -> None:
     the publisher takes requests, and never reads a reply."""
     import zmq
 
-    from engine.events.wire import codec as C
+    from kvscope.engine.events.wire import codec as C
 
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -610,8 +610,8 @@ def bench_flood(blocks: int, step_s: float = 0.010, num_blocks: int = 65536) -> 
     flooded streams get its requests). Each stream publishes, with snapshots from the
     real KVCacheManager (``num_blocks`` x 16) under the engine lock, as LLMEngine wires
     it. Reported: the median per-step time, and the publisher's counters."""
-    from engine.cache import KVCacheManager
-    from engine.events.wire.stream import EventStream
+    from kvscope.engine.cache import KVCacheManager
+    from kvscope.engine.events.wire.stream import EventStream
 
     modes = ("quiet", "flooded", "flooded_no_coalescing")
     ctx = mp.get_context("spawn")
@@ -681,8 +681,8 @@ def bench_publish_overhead(blocks: int, sizes: tuple[int, ...] = (100, 1000),
     stream's cost does not depend on whether they are a valid history: nothing on the
     publisher applies them). No subscriber is attached (it would run in this process
     and share its GIL; a remote one costs the publisher the same bytes)."""
-    from engine.events.sink import ListSink
-    from engine.events.wire.stream import EventStream
+    from kvscope.engine.events.sink import ListSink
+    from kvscope.engine.events.wire.stream import EventStream
 
     pool = [e for ev, _ in realistic_batches(600) for e in ev]
     calls = [sink_call(e) for e in pool]
@@ -759,10 +759,10 @@ def bench_emit(passes: int, steps: int = 300) -> dict[str, Any]:
        per-event, columns) in alternating passes of ``steps`` steps; the sink's share of
        the engine thread = (time with it - time without) / events emitted.
     """
-    from engine.cache import KVCacheManager
-    from engine.events import schema as S
-    from engine.events.column_sink import ColumnSink
-    from engine.events.sink import ListSink, NullSink
+    from kvscope.engine.cache import KVCacheManager
+    from kvscope.engine.events import schema as S
+    from kvscope.engine.events.column_sink import ColumnSink
+    from kvscope.engine.events.sink import ListSink, NullSink
 
     hot = (S.ALLOC, S.FREE, S.HIT)
     calls = [[(e["kind"], e["tier"], e["seq"], e["blocks"], e.get("tokens", 0))

@@ -50,8 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def model_config(shape: str):
-    from engine.model.config import config_from_hf
-    from engine.model.dummy import PRESETS
+    from kvscope.engine.model.config import config_from_hf
+    from kvscope.engine.model.dummy import PRESETS
 
     cfg = MISTRAL_7B if shape == "mistral-7b" else PRESETS[shape]
     return config_from_hf(cfg, shape)
@@ -80,8 +80,8 @@ def _grow(m, sid: str, context: int, chunk: int, decode: int,
 
 
 def measure(shape: str, args: argparse.Namespace) -> dict[str, Any]:
-    from engine.cache import KVCacheManager
-    from engine.runner.kv_budget import hybrid_split
+    from kvscope.engine.cache import KVCacheManager
+    from kvscope.engine.runner.kv_budget import hybrid_split
 
     mc = model_config(shape)
     bs = args.block_size

@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.model import load_model
+    from kvscope.engine.model import load_model
 
     torch.set_num_threads(args.threads)
     dtypes = ["auto"] + [d for d in args.dtypes.split(",") if d and d != "auto"]
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 def capacity_table(dtypes: list[str], cfg, block_size: int, budget: int) -> dict[str, dict]:
     import torch
 
-    from engine.runner.page_format import page_format
+    from kvscope.engine.runner.page_format import page_format
 
     base = page_format("auto", torch.float16, cfg, block_size)
     fp32 = page_format("auto", torch.float32, cfg, block_size)
@@ -130,7 +130,7 @@ def teacher_forced(model, cfg, ids: list[int], dtypes: list[str], chunk: int,
     import torch
     import torch.nn.functional as F
 
-    from engine.runner.model_runner import ModelRunner, StepBatch
+    from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
 
     n = len(ids)
     num_blocks = (n + block_size - 1) // block_size
@@ -179,9 +179,9 @@ def teacher_forced(model, cfg, ids: list[int], dtypes: list[str], chunk: int,
 
 def greedy_agreement(loaded, dtypes: list[str], max_tokens: int,
                      block_size: int) -> dict[str, dict]:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from engine.load.summary import parse_metrics, percentile
+from kvscope.engine.load.summary import parse_metrics, percentile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,12 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _launch_replicas(n: int, args: argparse.Namespace) -> list[Any]:
-    from engine.router.data_parallel import Child, free_port, free_port_pair
+    from kvscope.engine.router.data_parallel import Child, free_port, free_port_pair
 
     threads = 1 if args.stand_in else max(1, (os.cpu_count() or 1) // n)
     children = []
     for i in range(n):
-        argv = [sys.executable, "-m", "engine.cli", "serve",
+        argv = [sys.executable, "-m", "kvscope.engine.cli", "serve",
                 *(["--model", "stand-in:smollm2", "--served-model-name", "smollm2"]
                   if args.stand_in else []),
                 "--port", str(free_port()), "--events", f"tcp://127.0.0.1:{free_port_pair()}",
@@ -88,9 +88,9 @@ def _stop(children: list[Any]) -> None:
 
 
 def _launch_router(children: list[Any], policy: str) -> Any:
-    from engine.router.data_parallel import Child
+    from kvscope.engine.router.data_parallel import Child
 
-    argv = [sys.executable, "-m", "engine.cli", "route", "--port", "0", "--policy", policy]
+    argv = [sys.executable, "-m", "kvscope.engine.cli", "route", "--port", "0", "--policy", policy]
     for c in children:
         argv += ["--replica", f"{c.url},{c.events},{c.snapshot}"]
     router = Child(-1, argv, {}, quiet=True, ready_re=r"kvscope route: ready on (http://\S+)")
@@ -109,8 +109,8 @@ def _launch_router(children: list[Any], policy: str) -> Any:
 
 
 def one_pass(n: int, workload: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    from engine.load.runner import run_sessions
-    from engine.load.workloads import load_workload, sessions
+    from kvscope.engine.load.runner import run_sessions
+    from kvscope.engine.load.workloads import load_workload, sessions
 
     w = load_workload(workload)
     rate = args.rate or 0.5 * n

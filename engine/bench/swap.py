@@ -53,9 +53,9 @@ def bandwidth(device, block_size: int, pool_blocks: int, swap_blocks: int,
               repeat: int, model: str = "smollm2") -> dict[str, Any]:
     import torch
 
-    from engine.model.loader import read_config
-    from engine.runner.page_format import page_format
-    from engine.runner.swapper import Swapper
+    from kvscope.engine.model.loader import read_config
+    from kvscope.engine.runner.page_format import page_format
+    from kvscope.engine.runner.swapper import Swapper
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     fmt = page_format("auto", dtype, read_config(model)[1], block_size)
@@ -103,12 +103,12 @@ def ttft(device_name: str, block_size: int, prefix_tokens: int, repeat: int,
          model: str = "smollm2") -> dict[str, Any]:
     import random
 
-    from engine.config import EngineConfig
-    from engine.device import resolve_device, resolve_dtype
-    from engine.engine import LLMEngine
-    from engine.model import load_model
-    from engine.runner.page_format import page_format
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.device import resolve_device, resolve_dtype
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.model import load_model
+    from kvscope.engine.runner.page_format import page_format
+    from kvscope.engine.sampling import SamplingParams
 
     device = resolve_device(device_name)
     dtype = resolve_dtype("auto", device)
@@ -166,7 +166,7 @@ def ttft(device_name: str, block_size: int, prefix_tokens: int, repeat: int,
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.device import resolve_device
+    from kvscope.engine.device import resolve_device
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

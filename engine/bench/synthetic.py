@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from engine.events import schema as S
-from engine.events.sink import EventSink
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import EventSink
 
 
 @dataclass

@@ -58,7 +58,7 @@ Runner = Callable[[], tuple[int, float]]  # one timed pass: (tokens generated, w
 
 def kvscope_runner(prompts: list[str], max_tokens: int, dtype: str) -> Runner:
     """Load kvscope once (with a warm-up); each call generates every prompt at once."""
-    from engine import LLM, SamplingParams
+    from kvscope.engine import LLM, SamplingParams
 
     llm = LLM("smollm2", device="cpu", dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -82,7 +82,7 @@ def hf_runner(prompts: list[str], max_tokens: int, batch: int, dtype: str) -> Ru
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model.pull import resolve_model
+    from kvscope.engine.model.pull import resolve_model
 
     path = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -4,9 +4,9 @@ Pure Python (no torch, no tensors): the runner turns the manager's decisions int
 work. Start with ``KVCacheManager`` (manager.py), whose docstring is the API contract.
 """
 
-from engine.cache.errors import CacheError
-from engine.cache.eviction import POLICIES, make_policy
-from engine.cache.manager import KVCacheManager
-from engine.cache.slots import slot_mapping
+from kvscope.engine.cache.errors import CacheError
+from kvscope.engine.cache.eviction import POLICIES, make_policy
+from kvscope.engine.cache.manager import KVCacheManager
+from kvscope.engine.cache.slots import slot_mapping
 
 __all__ = ["CacheError", "KVCacheManager", "POLICIES", "make_policy", "slot_mapping"]

@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.cache.eviction import EvictionPolicy
-from engine.events import causes as C
-from engine.events import schema as S
-from engine.events.sink import EventSink
+from kvscope.engine.cache.eviction import EvictionPolicy
+from kvscope.engine.events import causes as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import EventSink
 
 Entry = tuple[int, Any, tuple[int, ...], int]  # (hash, parent_id, tokens, serial)
 

@@ -28,11 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.cache.errors import CacheError
-from engine.cache.mixed_pool import BLOCK_FORMATS, DEMOTION_BITS
+from kvscope.engine.cache.errors import CacheError
+from kvscope.engine.cache.mixed_pool import BLOCK_FORMATS, DEMOTION_BITS
 
 if TYPE_CHECKING:
-    from engine.cache.view import CacheView
+    from kvscope.engine.cache.view import CacheView
 
 # Shares of the frames: demote when fewer are free than LOW, up to HIGH. HIGH leaves room
 # for a step's allocations (up to max_num_batched_tokens / block_size blocks) to come from

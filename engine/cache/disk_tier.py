@@ -34,16 +34,16 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from engine.cache.block_pool import BlockPool, Entry
-from engine.cache.hashing import root_hash
-from engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskOp
-from engine.events import causes as C
-from engine.events import schema as S
-from engine.events.sink import EventSink
+from kvscope.engine.cache.block_pool import BlockPool, Entry
+from kvscope.engine.cache.hashing import root_hash
+from kvscope.engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskOp
+from kvscope.engine.events import causes as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import EventSink
 
 if TYPE_CHECKING:
-    from engine.cache.host_tier import HostTier
-    from engine.cache.sequence import CacheSeq
+    from kvscope.engine.cache.host_tier import HostTier
+    from kvscope.engine.cache.sequence import CacheSeq
 
 ADOPTED = ("adopted",)  # parent_id of a block found on disk at start-up (not a serial)
 

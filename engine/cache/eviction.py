@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Protocol
 
-from engine.cache.errors import CacheError
+from kvscope.engine.cache.errors import CacheError
 
 
 class EvictionPolicy(Protocol):

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.cache.block_pool import BlockPool, Entry
-from engine.cache.transfers import IN, OUT, Order
-from engine.events import schema as S
-from engine.events.sink import EventSink
+from kvscope.engine.cache.block_pool import BlockPool, Entry
+from kvscope.engine.cache.transfers import IN, OUT, Order
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import EventSink
 
 if TYPE_CHECKING:
-    from engine.cache.sequence import CacheSeq
+    from kvscope.engine.cache.sequence import CacheSeq
 
 
 class HostTier:

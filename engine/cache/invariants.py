@@ -6,10 +6,10 @@ from __future__ import annotations
 from itertools import compress
 from typing import TYPE_CHECKING
 
-from engine.cache.hashing import chain_hashes
+from kvscope.engine.cache.hashing import chain_hashes
 
 if TYPE_CHECKING:
-    from engine.cache.view import CacheView
+    from kvscope.engine.cache.view import CacheView
 
 
 def _require(cond: bool, msg: str) -> None:

@@ -86,23 +86,23 @@ from itertools import islice
 from types import MappingProxyType
 from typing import Any
 
-from engine.cache import report
-from engine.cache.block_pool import BlockPool
-from engine.cache.demotion import DemotionPolicy, plan_demotion
-from engine.cache.disk_tier import DiskTier
-from engine.cache.errors import CacheError
-from engine.cache.eviction import make_policy
-from engine.cache.hashing import root_hash
-from engine.cache.host_tier import HostTier
-from engine.cache.mixed_pool import MixedBlockPool
-from engine.cache.sequence import CacheSeq
-from engine.cache.slots import slot_mapping
-from engine.cache.transfers import Round, plan_rounds
-from engine.cache.validation import check_count, is_int, token_list
-from engine.cache.window_group import WindowGroup
-from engine.events import causes as C
-from engine.events import schema as S
-from engine.events.sink import EventSink, NullSink
+from kvscope.engine.cache import report
+from kvscope.engine.cache.block_pool import BlockPool
+from kvscope.engine.cache.demotion import DemotionPolicy, plan_demotion
+from kvscope.engine.cache.disk_tier import DiskTier
+from kvscope.engine.cache.errors import CacheError
+from kvscope.engine.cache.eviction import make_policy
+from kvscope.engine.cache.hashing import root_hash
+from kvscope.engine.cache.host_tier import HostTier
+from kvscope.engine.cache.mixed_pool import MixedBlockPool
+from kvscope.engine.cache.sequence import CacheSeq
+from kvscope.engine.cache.slots import slot_mapping
+from kvscope.engine.cache.transfers import Round, plan_rounds
+from kvscope.engine.cache.validation import check_count, is_int, token_list
+from kvscope.engine.cache.window_group import WindowGroup
+from kvscope.engine.events import causes as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import EventSink, NullSink
 
 
 class KVCacheManager:
@@ -1024,7 +1024,7 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (see invariants.py)."""
-        from engine.cache.invariants import check_invariants
+        from kvscope.engine.cache.invariants import check_invariants
 
         check_invariants(self)
 

@@ -25,10 +25,10 @@ Eviction is frame-driven: ``take`` evicts in policy order until enough frames ar
 
 from __future__ import annotations
 
-from engine.cache.block_pool import BlockPool
-from engine.cache.eviction import EvictionPolicy
-from engine.events import schema as S
-from engine.events.sink import EventSink
+from kvscope.engine.cache.block_pool import BlockPool
+from kvscope.engine.cache.eviction import EvictionPolicy
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import EventSink
 
 # Format ids of kernels.mixed_pages (torch-free copy): int8/int4 as
 # kernels.triton_cache.FORMAT_IDS; 1 = the layout's one block-quantized format

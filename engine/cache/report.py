@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.events import schema as S
+from kvscope.engine.events import schema as S
 
 if TYPE_CHECKING:
-    from engine.cache.view import CacheView
+    from kvscope.engine.cache.view import CacheView
 
 
 def snapshot(m: CacheView) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.cache.errors import CacheError
+from kvscope.engine.cache.errors import CacheError
 
 
 def is_int(x: Any) -> bool:

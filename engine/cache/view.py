@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.cache.block_pool import BlockPool
-    from engine.cache.disk_tier import DiskTier
-    from engine.cache.host_tier import HostTier
-    from engine.cache.sequence import CacheSeq
-    from engine.cache.window_group import WindowGroup
+    from kvscope.engine.cache.block_pool import BlockPool
+    from kvscope.engine.cache.disk_tier import DiskTier
+    from kvscope.engine.cache.host_tier import HostTier
+    from kvscope.engine.cache.sequence import CacheSeq
+    from kvscope.engine.cache.window_group import WindowGroup
 
 
 class CacheView(Protocol):

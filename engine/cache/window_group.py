@@ -52,9 +52,9 @@ Limits (the cache manager refuses them with a window group): the disk tier, kv d
 
 from __future__ import annotations
 
-from engine.cache.block_pool import BlockPool, Entry
-from engine.cache.sequence import CacheSeq
-from engine.cache.slots import slot_mapping
+from kvscope.engine.cache.block_pool import BlockPool, Entry
+from kvscope.engine.cache.sequence import CacheSeq
+from kvscope.engine.cache.slots import slot_mapping
 
 RELEASED = -1  # a window-table entry whose block fell out of the window
 

@@ -8,15 +8,15 @@ import argparse
 import importlib
 import pkgutil
 
-import engine.bench
+from kvscope.engine import bench
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print measured numbers")
     bench_sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for info in sorted(pkgutil.iter_modules(engine.bench.__path__), key=lambda m: m.name):
+    for info in sorted(pkgutil.iter_modules(bench.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):  # helpers of a benchmark, not benchmarks
             continue
-        module = importlib.import_module(f"engine.bench.{info.name}")
+        module = importlib.import_module(f"kvscope.engine.bench.{info.name}")
         if hasattr(module, "register"):
             module.register(bench_sub)

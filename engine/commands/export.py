@@ -26,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.events.analysis.export import write_csv, write_perfetto
-    from engine.events.analysis.lifecycle import LifecycleIndex
-    from engine.events.wire.recording import Recording, RecordingError, RecordingWarning
+    from kvscope.engine.events.analysis.export import write_csv, write_perfetto
+    from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+    from kvscope.engine.events.wire.recording import Recording, RecordingError, RecordingWarning
 
     try:
         with warnings.catch_warnings(), Recording(args.recording) as rec:

@@ -10,12 +10,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from engine.model.errors import ModelLoadError
+    from kvscope.engine.model.errors import ModelLoadError
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        from engine import LLM, SamplingParams
+        from kvscope.engine import LLM, SamplingParams
 
         start = time.perf_counter()
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,

@@ -56,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
               "--listen-vllm")
         return 2
     if vllm or any(r.endswith(".vllmtrace") for r in args.recording or []):
-        from inspector.vllm_app import run_vllm  # Qt loads only here
+        from kvscope.inspector.vllm_app import run_vllm  # Qt loads only here
 
         return run_vllm(endpoint=vllm, bind=bool(args.listen_vllm),
                         replay_endpoint=args.vllm_replay, topic=args.vllm_topic,
@@ -67,10 +67,10 @@ def _run(args: argparse.Namespace) -> int:
     connect, recordings = args.connect or [], args.recording or []
     if len(connect) > 1 or len(recordings) > 1 or \
             any(c.startswith(("http://", "https://")) for c in connect):
-        from inspector.fleet import run_fleet  # several replicas side by side
+        from kvscope.inspector.fleet import run_fleet  # several replicas side by side
 
         return run_fleet(recordings, connect, screenshot=args.screenshot, wait_s=args.wait)
-    from inspector.app import run  # Qt loads only here
+    from kvscope.inspector.app import run  # Qt loads only here
 
     return run(recording=recordings[0] if recordings else None,
                connect=connect[0] if connect else None, screenshot=args.screenshot,

@@ -50,9 +50,9 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
     from tqdm import tqdm
 
-    from engine.load.runner import RunState, run_sessions
-    from engine.load.summary import scrape, summarize, table
-    from engine.load.workloads import WorkloadError, list_workloads, load_workload, sessions
+    from kvscope.engine.load.runner import RunState, run_sessions
+    from kvscope.engine.load.summary import scrape, summarize, table
+    from kvscope.engine.load.workloads import WorkloadError, list_workloads, load_workload, sessions
 
     if args.list:
         for name in list_workloads():
@@ -114,7 +114,7 @@ def _settle(url: str, api_key: str | None, timeout_s: float = 10.0) -> None:
     figures include those aborts."""
     import time
 
-    from engine.load.summary import scrape
+    from kvscope.engine.load.summary import scrape
 
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

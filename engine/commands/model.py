@@ -6,8 +6,8 @@ import argparse
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from engine.model.errors import ModelLoadError
-    from engine.model.pull import default_model_path, is_valid, pull
+    from kvscope.engine.model.errors import ModelLoadError
+    from kvscope.engine.model.pull import default_model_path, is_valid, pull
 
     try:
         if args.verify and not args.force:
@@ -23,8 +23,8 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from engine.model.errors import ModelLoadError
-    from engine.model.loader import read_config
+    from kvscope.engine.model.errors import ModelLoadError
+    from kvscope.engine.model.loader import read_config
 
     try:
         path, config = read_config(args.model)

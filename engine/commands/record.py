@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.events.wire.recording import RecordingWriter
-    from engine.events.wire.subscriber import Subscriber
+    from kvscope.engine.events.wire.recording import RecordingWriter
+    from kvscope.engine.events.wire.subscriber import Subscriber
 
     writer: RecordingWriter | None = None
     epoch: list[str] = []

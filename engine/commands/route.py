@@ -17,7 +17,7 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("route", help="route OpenAI requests over several replicas by their "
                                      "cached prefixes")
-    from engine.router.build import add_router_args
+    from kvscope.engine.router.build import add_router_args
 
     add_router_args(p)
     p.add_argument("--replica", action="append", default=[], metavar="URL[,EVENTS]",
@@ -37,8 +37,8 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
     import sys
 
-    from engine.router.build import build_router
-    from engine.server.daemon import bind_socket
+    from kvscope.engine.router.build import build_router
+    from kvscope.engine.server.daemon import bind_socket
 
     router, err = build_router(args.replica, args.policy, args.load_cost_tokens, args.model,
                                args.chat_template)
@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvscope route: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
-    from engine.router.serve import serve_router
+    from kvscope.engine.router.serve import serve_router
 
     line = (f"kvscope route: ready on http://{host}:{port} ({len(router.replicas)} "
             f"replicas, policy {args.policy})")

@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any
 
-from engine.server.tool_parsers import PARSERS as TOOL_PARSERS  # json only: no server stack
+from kvscope.engine.server.tool_parsers import PARSERS as TOOL_PARSERS  # json only: no server stack
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -165,7 +165,7 @@ def model_of(args: argparse.Namespace) -> str:
 
 def engine_config(args: argparse.Namespace) -> Any:
     """The EngineConfig the flags describe (ValueError/TypeError for a bad one)."""
-    from engine.config import EngineConfig
+    from kvscope.engine.config import EngineConfig
 
     return EngineConfig.from_kwargs(**{k: getattr(args, k) for k in ENGINE_FLAGS},
                                     events_endpoint=args.events, record_path=args.record,
@@ -174,7 +174,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def server_settings(args: argparse.Namespace) -> Any:
     """The daemon's ServerSettings the flags describe (after ``_run``'s checks)."""
-    from engine.server.state import ServerSettings
+    from kvscope.engine.server.state import ServerSettings
 
     return ServerSettings(served_model_name=args.served_model_name or args.model,
                           api_key=args.api_key, max_body_bytes=args.max_body_bytes,
@@ -189,7 +189,7 @@ def server_settings(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     import sys
 
-    from engine.server.daemon import run_daemon
+    from kvscope.engine.server.daemon import run_daemon
 
     try:
         args.model = model_of(args)
@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
               "llama3_json: the model family's tool-call syntax)", file=sys.stderr)
         return 2
     if args.chat_template is not None:
-        from engine.model.chat_template import load_chat_template
+        from kvscope.engine.model.chat_template import load_chat_template
 
         try:
             args.chat_template = load_chat_template(args.chat_template)
@@ -222,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.data_parallel_size < 1:
             print("kvscope serve: --data-parallel-size must be >= 1", file=sys.stderr)
             return 2
-        from engine.router.data_parallel import run_data_parallel
+        from kvscope.engine.router.data_parallel import run_data_parallel
 
         return run_data_parallel(args)
     return run_daemon(config, server_settings(args), args.host, args.port, args.log_level)

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.model.parallel import ShardedLlama, check_divisible, local_config, shard_weights
-from engine.runner.model_runner import ModelRunner, StepBatch
+from kvscope.engine.model.parallel import ShardedLlama, check_divisible, local_config, shard_weights
+from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
 
 RANK0_TIMEOUT_S = 120.0
 WORKER_IDLE_TIMEOUT = datetime.timedelta(days=7)

@@ -9,9 +9,9 @@ publisher, the engine-side EventStream, subscriber, recordings), ``engine.events
 (lifecycles, costs, ranges, trace export) and ``engine.events.vllm`` (vLLM's KV-event
 format, both ways)."""
 
-from engine.events.schema import PROTOCOL_VERSION, ProtocolError
-from engine.events.sink import EventSink, ListSink, NullSink
-from engine.events.state import KVState, SeqState, TierState
+from kvscope.engine.events.schema import PROTOCOL_VERSION, ProtocolError
+from kvscope.engine.events.sink import EventSink, ListSink, NullSink
+from kvscope.engine.events.state import KVState, SeqState, TierState
 
 __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "EventSink", "ListSink", "NullSink",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import textwrap
 
-from engine.events import schema as S
-from engine.events import stats
+from kvscope.engine.events import schema as S
+from kvscope.engine.events import stats
 
 
 def main() -> None:

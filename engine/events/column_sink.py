@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.events import schema as S
-from engine.events.columns import KIND_CODE, TIER_CODE, StepColumns, _Builder
-from engine.events.state import pack_ids
-from engine.events.state_columns import worth_arrays
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.columns import KIND_CODE, TIER_CODE, StepColumns, _Builder
+from kvscope.engine.events.state import pack_ids
+from kvscope.engine.events.state_columns import worth_arrays
 
 _OTHER = None  # a row's kind slot for an emitted map: the row is (None, map)
 

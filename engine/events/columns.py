@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.events import schema as S
-from engine.events.schema import ProtocolError
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.schema import ProtocolError
 
 OTHER = 0
 HOT_KINDS = (S.ALLOC, S.HIT, S.FREE, S.STORE, S.EVICT, S.SEQ_TOKENS)

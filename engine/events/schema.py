@@ -36,7 +36,7 @@ from typing import Any, TypeVar, Union
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from engine.events.causes import Cause
+from kvscope.engine.events.causes import Cause
 
 PROTOCOL_VERSION = 3
 # Version 2 differs from 1 only in the wire form of id lists (``BLOCK_ID_FIELDS``: packed

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from engine.events import schema as S
+from kvscope.engine.events import schema as S
 
 
 class EventSink(Protocol):

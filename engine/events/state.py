@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.events import schema as S
-from engine.events.schema import ProtocolError
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.schema import ProtocolError
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 ORPHAN = -2  # owner column: held, but not by the sequence that took it (see docstring)
@@ -609,7 +609,7 @@ class KVState:
             )
         cols = batch.get("columns")
         if cols is not None:
-            from engine.events.state_columns import apply_columns  # its friend module
+            from kvscope.engine.events.state_columns import apply_columns  # its friend module
             apply_columns(self, batch, cols)
             return
         events = batch.get("events", [])

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.events import columns as C
-from engine.events import schema as S
+from kvscope.engine.events import columns as C
+from kvscope.engine.events import schema as S
 
 # KVState and TierState (engine.events.state, which imports this module): typed Any here
 KVState = TierState = Any

@@ -129,7 +129,7 @@ def _read(cls: type[msgspec.Struct], m: Any) -> Any:
 def fields_text() -> str:
     """``running: int, ...``: the fields and their types, every one optional (``python -m
     engine.events``; what each counts is commented in ``StepStats``)."""
-    from engine.events.schema import type_name
+    from kvscope.engine.events.schema import type_name
 
     tier = ", ".join(f.name for f in msgspec.structs.fields(TierStats))
     return ", ".join(

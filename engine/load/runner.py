@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from engine.load.workloads import Session
+from kvscope.engine.load.workloads import Session
 
 
 @dataclass

@@ -24,7 +24,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-WORKLOAD_DIR = Path(str(files("kvscope_assets") / "workloads"))  # assets/ (setup.py)
+WORKLOAD_DIR = Path(str(files("kvscope") / "workloads"))  # assets/ (setup.py)
 REPO = Path(__file__).resolve().parents[2]
 
 

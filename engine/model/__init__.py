@@ -9,16 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "load_model": "engine.model.loader",
-    "read_config": "engine.model.loader",
-    "load_tokenizer": "engine.model.loader",
-    "resolve_model": "engine.model.pull",
-    "ModelConfig": "engine.model.config",
-    "ModelLoadError": "engine.model.errors",
-    "LlamaModel": "engine.model.llama",
-    "Tokenizer": "engine.model.tokenizer",
-    "AttentionBackend": "engine.model.attention",
-    "ContiguousKVCache": "engine.model.contiguous_cache",
+    "load_model": "kvscope.engine.model.loader",
+    "read_config": "kvscope.engine.model.loader",
+    "load_tokenizer": "kvscope.engine.model.loader",
+    "resolve_model": "kvscope.engine.model.pull",
+    "ModelConfig": "kvscope.engine.model.config",
+    "ModelLoadError": "kvscope.engine.model.errors",
+    "LlamaModel": "kvscope.engine.model.llama",
+    "Tokenizer": "kvscope.engine.model.tokenizer",
+    "AttentionBackend": "kvscope.engine.model.attention",
+    "ContiguousKVCache": "kvscope.engine.model.contiguous_cache",
 }
 __all__ = list(_EXPORTS)
 
@@ -28,4 +28,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine.model' has no attribute {name!r}")
+    raise AttributeError(f"module 'kvscope.engine.model' has no attribute {name!r}")

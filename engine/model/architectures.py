@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaModel
+from kvscope.engine.model.config import ModelConfig
+from kvscope.engine.model.llama import LlamaModel
 
 
 def model_class(config: ModelConfig) -> type[LlamaModel]:
     if config.architecture == "gemma3_text":
-        from engine.model.gemma3 import Gemma3Model
+        from kvscope.engine.model.gemma3 import Gemma3Model
 
         return Gemma3Model
     return LlamaModel

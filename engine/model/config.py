@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model.errors import ModelLoadError
 
 # HF `model_type` values whose weights and forward are the Llama layout kvscope implements.
 # Qwen2 differs only by q/k/v biases; Mistral is plain Llama plus its sliding window.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import ModelConfig
-from kernels.contiguous import contiguous_attention
+from kvscope.engine.model.config import ModelConfig
+from kvscope.kernels.contiguous import contiguous_attention
 
 
 class ContiguousKVCache:

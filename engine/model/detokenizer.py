@@ -3,7 +3,7 @@ and a multi-byte character split across tokens is emitted only once complete."""
 
 from __future__ import annotations
 
-from engine.model.tokenizer import Tokenizer
+from kvscope.engine.model.tokenizer import Tokenizer
 
 # Context tokens from the prompt: enough for the decoder to treat the first output token as a
 # continuation (byte-level BPE needs little; sentencepiece-style decoders need a few).

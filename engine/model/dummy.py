@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.model.config import ModelConfig, config_from_hf
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model.config import ModelConfig, config_from_hf
+from kvscope.engine.model.errors import ModelLoadError
 
 if TYPE_CHECKING:  # torch is imported where weights are made: configs stay torch-free
     import torch
@@ -142,7 +142,7 @@ def dummy_tensors(config: ModelConfig, device: torch.device | str, dtype: torch.
     ``dtype`` from one generator seeded with ``seed``, in a fixed order."""
     import torch
 
-    from engine.model.llama import expected_shapes
+    from kvscope.engine.model.llama import expected_shapes
 
     device = torch.device(device)
     gen = torch.Generator(device=device)
@@ -162,7 +162,7 @@ def load_dummy(model: str, device: torch.device | str, dtype: torch.dtype, seed:
                hf_config: dict[str, Any] | None = None):
     """(LlamaModel with random weights, None, ModelConfig): no file is read but an optional
     config.json."""
-    from engine.model.architectures import model_class
+    from kvscope.engine.model.architectures import model_class
 
     config = dummy_config(model, hf_config)
     return (model_class(config).from_tensors(config, dummy_tensors(config, device, dtype, seed),
@@ -172,7 +172,7 @@ def load_dummy(model: str, device: torch.device | str, dtype: torch.dtype, seed:
 def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     """Bytes of weights one decode step reads (the decode floor's weight term): every
     matrix once, the lm_head included; of the embedding only a few rows (not counted)."""
-    from engine.model.llama import expected_shapes
+    from kvscope.engine.model.llama import expected_shapes
 
     total = config.vocab_size * config.hidden_size  # the lm_head (tied or not)
     for name, shape in expected_shapes(config).items():

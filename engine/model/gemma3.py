@@ -15,11 +15,11 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionBackend
-from engine.model.config import ModelConfig
-from engine.model.llama import LayerWeights, LlamaModel, rms_norm
-from engine.model.rope import RotaryEmbedding
-from kernels import cpu_fused
+from kvscope.engine.model.attention import AttentionBackend
+from kvscope.engine.model.config import ModelConfig
+from kvscope.engine.model.llama import LayerWeights, LlamaModel, rms_norm
+from kvscope.engine.model.rope import RotaryEmbedding
+from kvscope.kernels import cpu_fused
 
 
 def _plus_one_norms(tensors: Iterable[tuple[str, torch.Tensor]]

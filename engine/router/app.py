@@ -34,10 +34,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.router import metrics as router_metrics
-from engine.router.policy import Decision, Policy
-from engine.router.prompt_tokens import prompt_token_ids
-from engine.router.replica import Replica
+from kvscope.engine.router import metrics as router_metrics
+from kvscope.engine.router.policy import Decision, Policy
+from kvscope.engine.router.prompt_tokens import prompt_token_ids
+from kvscope.engine.router.replica import Replica
 
 MAX_BODY_BYTES = 4 << 20
 DISCONNECT_POLL_S = 0.5  # how often a request waiting on its replica checks its client

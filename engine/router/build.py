@@ -8,7 +8,7 @@ import argparse
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    from engine.router.policy import POLICIES
+    from kvscope.engine.router.policy import POLICIES
 
     p.add_argument("--policy", default="prefix", choices=POLICIES,
                    help="prefix: least uncached prompt tokens + load (default); "
@@ -22,9 +22,9 @@ def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: st
                  chat_template: str | None = None):
     """(Router, error message): the error is for the user, the router None then.
     ``chat_template``: the replicas' --chat-template (a path or the template)."""
-    from engine.router.app import Router
-    from engine.router.policy import Policy
-    from engine.router.replica import Replica, parse_replica
+    from kvscope.engine.router.app import Router
+    from kvscope.engine.router.policy import Policy
+    from kvscope.engine.router.replica import Replica, parse_replica
 
     try:
         parsed = [parse_replica(s) for s in specs]
@@ -33,9 +33,9 @@ def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: st
         return None, str(e)
     tokenizer = None
     if model is not None:
-        from engine.model.chat_template import load_chat_template
-        from engine.model.errors import ModelLoadError
-        from engine.model.loader import load_tokenizer
+        from kvscope.engine.model.chat_template import load_chat_template
+        from kvscope.engine.model.errors import ModelLoadError
+        from kvscope.engine.model.loader import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(model)

@@ -82,7 +82,7 @@ def _die_with_parent() -> None:
 def replica_argv(args: argparse.Namespace) -> list[str]:
     """The `kvscope serve` command of one replica: the same flags, except the front's own
     (the API key travels in the environment, never on a command line)."""
-    argv = [sys.executable, "-m", "engine.cli", "serve"]
+    argv = [sys.executable, "-m", "kvscope.engine.cli", "serve"]
     for key, value in vars(args).items():
         if key in FRONT_ONLY or key == "api_key" or value is None:
             continue
@@ -193,9 +193,9 @@ def _supervise(children: list[Child], stopping: threading.Event) -> None:
 
 def _serve_front(args: argparse.Namespace, children: list[Child], stopping: threading.Event,
                  gpus: int, threads: int) -> int:
-    from engine.router.build import build_router
-    from engine.router.serve import serve_router
-    from engine.server.daemon import bind_socket
+    from kvscope.engine.router.build import build_router
+    from kvscope.engine.router.serve import serve_router
+    from kvscope.engine.server.daemon import bind_socket
 
     specs = [f"{c.url},{c.events},{c.snapshot}" for c in children]
     router, err = build_router(specs, args.routing_policy, args.load_cost_tokens, args.model,

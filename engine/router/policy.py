@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from engine.router.replica import Replica
+from kvscope.engine.router.replica import Replica
 
 POLICIES = ("prefix", "least-load", "round-robin")
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache.hashing import chain_hashes
-from engine.events import columns as C
-from engine.events import schema as S
-from engine.events.columns import StepColumns
-from engine.events.schema import ProtocolError
-from engine.events.state import unpack_ids
+from kvscope.engine.cache.hashing import chain_hashes
+from kvscope.engine.events import columns as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.columns import StepColumns
+from kvscope.engine.events.schema import ProtocolError
+from kvscope.engine.events.state import unpack_ids
 
 _BLOCK_LISTS = ("blocks", "src", "dst")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.model.tokenizer import Tokenizer
+from kvscope.engine.model.tokenizer import Tokenizer
 
 
 def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: bytes) -> list[int] | None:
@@ -16,9 +16,9 @@ def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: bytes) -> lis
         return None
     try:
         if path.endswith(("/chat/completions", "/responses")):
-            from engine.server.protocol import ChatCompletionRequest
-            from engine.server.responses_protocol import ResponsesRequest
-            from engine.server.strict import parse
+            from kvscope.engine.server.protocol import ChatCompletionRequest
+            from kvscope.engine.server.responses_protocol import ResponsesRequest
+            from kvscope.engine.server.strict import parse
 
             req = (parse(ChatCompletionRequest, body) if path.endswith("/chat/completions")
                    else parse(ResponsesRequest, body).chat_request())

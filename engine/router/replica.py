@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.events.stats import StepStats
-from engine.router.prefix_index import PrefixIndex, prompt_chain
+from kvscope.engine.events.stats import StepStats
+from kvscope.engine.router.prefix_index import PrefixIndex, prompt_chain
 
 
 def parse_replica(spec: str) -> tuple[str, str | None, str | None]:
@@ -60,7 +60,7 @@ class Replica:
         self.stats = StepStats()  # of the last batch applied
         self.sub = None
         if events is not None:
-            from engine.events.wire.subscriber import Subscriber
+            from kvscope.engine.events.wire.subscriber import Subscriber
 
             self.sub = Subscriber(events, snapshot, on_apply=self._on_apply,
                                   stale_after_s=stale_after_s)

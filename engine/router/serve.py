@@ -10,7 +10,7 @@ import signal
 import socket
 from collections.abc import Callable
 
-from engine.router.app import Router, create_app
+from kvscope.engine.router.app import Router, create_app
 
 
 async def serve_router(router: Router, sock: socket.socket, log_level: str = "warning",

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import block_quant as bq
-from kernels import cpu_block_decode, quant
-from kernels.cpu_attention import StepPlan
+from kvscope.kernels import block_quant as bq
+from kvscope.kernels import cpu_block_decode, quant
+from kvscope.kernels.cpu_attention import StepPlan
 
 _FIRST_ROWS = 8
 
@@ -150,7 +150,7 @@ class BlockPagedAttention:
         path."""
         if q.device.type != "cuda":
             return False
-        from kernels import triton_block_attention
+        from kvscope.kernels import triton_block_attention
 
         return triton_block_attention.supports(q, pages)
 
@@ -193,7 +193,7 @@ class BlockPagedAttention:
             out = cpu_block_decode.block_decode(q, pages, plan.native_tables, plan.native_lens,
                                                 self.scale).to(q.dtype)
         elif plan.keep is None and self._on_triton(q, pages):
-            from kernels import triton_block_attention  # imports triton: CUDA steps only
+            from kvscope.kernels import triton_block_attention  # imports triton: CUDA steps only
 
             b = self.batch
             out = triton_block_attention.block_attention(q, pages, b.block_tables, b.seq_lens,

@@ -38,9 +38,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionBackend
-from engine.model.linear import PackedCpuLinear
-from engine.model.llama import LlamaModel
+from kvscope.engine.model.attention import AttentionBackend
+from kvscope.engine.model.linear import PackedCpuLinear
+from kvscope.engine.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from typing import Protocol
 
 import torch
 
-from engine.model.llama import LlamaModel
+from kvscope.engine.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 

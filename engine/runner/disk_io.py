@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskOp
-from engine.runner.disk_store import DiskStore, fingerprint
+from kvscope.engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskOp
+from kvscope.engine.runner.disk_store import DiskStore, fingerprint
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import BLOCK_KV_CACHE_DTYPES, DEFAULT_CPU_KV_BYTES, EngineConfig
-from engine.runner import mixed_kv
-from engine.runner.page_format import PageFormat
-from kernels import mixed_pages as mp
+from kvscope.engine.config import BLOCK_KV_CACHE_DTYPES, DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvscope.engine.runner import mixed_kv
+from kvscope.engine.runner.page_format import PageFormat
+from kvscope.kernels import mixed_pages as mp
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def num_disk_blocks(config: EngineConfig, fmt: PageFormat) -> int:
     """Blocks of the disk tier (0: off): block files that fit ``disk_cache_size``."""
     if config.disk_cache_dir is None:
         return 0
-    from engine.runner.disk_store import file_bytes
+    from kvscope.engine.runner.disk_store import file_bytes
 
     blocks = config.disk_cache_size // file_bytes(config.block_size, fmt.bytes_per_block)
     if blocks < 1:
@@ -128,7 +128,7 @@ def _profile_cuda_budget(config: EngineConfig, model: torch.nn.Module, model_con
     n = config.max_num_batched_tokens
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     pos = torch.arange(n, device=device)
-    from kernels.contiguous import contiguous_attention
+    from kvscope.kernels.contiguous import contiguous_attention
 
     scale = model_config.head_dim ** -0.5
 

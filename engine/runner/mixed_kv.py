@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
-from engine.cache.demotion import DemotionPolicy, parse_formats
-from kernels import mixed_pages as mp
+from kvscope import kernels
+from kvscope.engine.cache.demotion import DemotionPolicy, parse_formats
+from kvscope.kernels import mixed_pages as mp
 
 
 def mixed_layout(kv_demotion: str, dtype: torch.dtype, model_config,

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
-from engine.model.llama import LlamaModel
-from engine.runner.compiled import maybe_compiled
-from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, Graph
-from engine.runner.page_format import KVPages, page_format
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from kernels import quant
-from kernels.cpu_attention import StepPlan
+from kvscope import kernels
+from kvscope.engine.model.llama import LlamaModel
+from kvscope.engine.runner.compiled import maybe_compiled
+from kvscope.engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, Graph
+from kvscope.engine.runner.page_format import KVPages, page_format
+from kvscope.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvscope.kernels import quant
+from kvscope.kernels.cpu_attention import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +174,8 @@ class ModelRunner:
         # arena does: one placeholder block of 16-bit pages stays
         self.block_kv = None
         if fmt.is_block:
-            from engine.runner.block_kv import BlockKV, BlockPagedAttention
-            from kernels.block_quant import block_format
+            from kvscope.engine.runner.block_kv import BlockKV, BlockPagedAttention
+            from kvscope.kernels.block_quant import block_format
 
             self.block_kv = BlockKV(block_format(kv_cache_dtype), model_config.num_layers,
                                     num_blocks, block_size, model_config.num_kv_heads,
@@ -199,7 +199,7 @@ class ModelRunner:
         # mixed-precision arena (engine.runner.mixed_kv), ``mixed`` = its layout
         self.mixed_kv = None
         if mixed is not None:
-            from engine.runner.mixed_kv import MixedKV, MixedPagedAttention
+            from kvscope.engine.runner.mixed_kv import MixedKV, MixedPagedAttention
 
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
             self.attn = MixedPagedAttention(self.mixed_kv, model_config.attn_scale)
@@ -214,7 +214,7 @@ class ModelRunner:
                                              max_num_seqs)
         self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
         if num_cpu_blocks:
-            from engine.runner.swapper import Swapper
+            from kvscope.engine.runner.swapper import Swapper
 
             tensors = self.kv.per_block_tensors
             if num_window_blocks:  # one swapper per cache group, over that group's pages

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import block_quant, quant
+from kvscope.kernels import block_quant, quant
 
 # Names the cache manager's tier_init events report (engine.events.schema.KV_FORMATS).
 _FLOAT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

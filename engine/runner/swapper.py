@@ -28,8 +28,8 @@ import time
 
 import torch
 
-import kernels
-from engine.cache.transfers import DiskBatch, Round
+from kvscope import kernels
+from kvscope.engine.cache.transfers import DiskBatch, Round
 
 
 class Swapper:

@@ -14,11 +14,11 @@ from typing import Any
 
 from fastapi import Request
 
-from engine import structured
-from engine.sampling import SamplingParams
-from engine.server.chat_prompt import ChatPrompt
-from engine.server.errors import APIError, bad_request, unavailable
-from engine.server.state import ServerState
+from kvscope.engine import structured
+from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.server.chat_prompt import ChatPrompt
+from kvscope.engine.server.errors import APIError, bad_request, unavailable
+from kvscope.engine.server.state import ServerState
 
 
 def server_state(request: Request) -> ServerState:

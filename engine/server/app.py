@@ -15,17 +15,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.errors import APIError
-from engine.server.openapi import install as install_openapi
-from engine.server.protocol import (
+from kvscope.engine.server.errors import APIError
+from kvscope.engine.server.openapi import install as install_openapi
+from kvscope.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeCompletionRequest,
 )
-from engine.server.responses_protocol import ResponsesRequest
-from engine.server.routes import chat, completions, meta, responses, tokenize
-from engine.server.state import ServerState
+from kvscope.engine.server.responses_protocol import ResponsesRequest
+from kvscope.engine.server.routes import chat, completions, meta, responses, tokenize
+from kvscope.engine.server.state import ServerState
 
 
 def create_app(state: ServerState) -> FastAPI:

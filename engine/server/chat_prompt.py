@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.server import tools
-from engine.server.errors import bad_request
-from engine.server.strict import Strict
+from kvscope.engine.server import tools
+from kvscope.engine.server.errors import bad_request
+from kvscope.engine.server.strict import Strict
 
 
 class TextPart(Strict):

@@ -79,9 +79,9 @@ def build_engine(factory: Callable[[Any], Any], config: Any) -> Any:
 
 def build_state(engine: Any, settings: Any) -> Any:
     """ServerState around a built engine: metrics, the engine loop (started)."""
-    from engine.server.engine_loop import EngineLoop
-    from engine.server.metrics import ServerMetrics
-    from engine.server.state import ServerState
+    from kvscope.engine.server.engine_loop import EngineLoop
+    from kvscope.engine.server.metrics import ServerMetrics
+    from kvscope.engine.server.state import ServerState
 
     metrics = ServerMetrics(settings.served_model_name, prefix=settings.metrics_prefix)
     loop = EngineLoop(engine, on_step=metrics.on_step, on_finish=metrics.on_finish,
@@ -114,7 +114,7 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
 
 async def serve_forever(state: Any, sock: socket.socket, log_level: str = "warning",
                         ready_line: str = "") -> None:
-    from engine.server.app import create_app
+    from kvscope.engine.server.app import create_app
 
     server = _uvicorn_server(create_app(state), log_level)
     stop = asyncio.Event()
@@ -198,8 +198,8 @@ def run_daemon(config: Any, settings: Any, host: str, port: int,
         return 1
     host_shown, port = sock.getsockname()[:2]
     try:
-        from engine.engine import LLMEngine
-        from engine.model.errors import ModelLoadError
+        from kvscope.engine.engine import LLMEngine
+        from kvscope.engine.model.errors import ModelLoadError
 
         try:
             engine = build_engine(LLMEngine, config)

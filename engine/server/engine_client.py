@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from engine.outputs import RequestOutput
+from kvscope.engine.outputs import RequestOutput
 
 # "constraint": the request's own output constraint failed inside the engine (its fault)
 AbortReason = Literal["client", "shutdown", "error", "constraint"]

@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.server.engine_client import (
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server.engine_client import (
     Aborted,
     AbortReason,
     Deliver,

@@ -16,13 +16,13 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import SamplingParams
-from engine.server import openai_format as fmt
-from engine.server.delivery import StepDelivery
-from engine.server.engine_client import Aborted, Delivery, EngineUnavailable
-from engine.server.errors import APIError, bad_request, unavailable
-from engine.server.state import ServerState
+from kvscope.engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.server import openai_format as fmt
+from kvscope.engine.server.delivery import StepDelivery
+from kvscope.engine.server.engine_client import Aborted, Delivery, EngineUnavailable
+from kvscope.engine.server.errors import APIError, bad_request, unavailable
+from kvscope.engine.server.state import ServerState
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is there
 

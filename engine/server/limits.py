@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.server.errors import APIError, bad_request
+from kvscope.engine.server.errors import APIError, bad_request
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.events.schema import FINISH_REASONS
-from engine.events.stats import StepStats
-from engine.outputs import RequestOutput
+from kvscope.engine.events.schema import FINISH_REASONS
+from kvscope.engine.events.stats import StepStats
+from kvscope.engine.outputs import RequestOutput
 
 P = "kvscope:"
 METRICS_PREFIXES = ("kvscope", "vllm")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.outputs import CompletionOutput, RequestOutput
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:

@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr
 
-from engine.server import tools
-from engine.server.chat_prompt import ChatPrompt
-from engine.server.errors import bad_request
-from engine.server.limits import Limits
-from engine.server.strict import Strict
-from engine.structured import StructuredOutputsParams
+from kvscope.engine.server import tools
+from kvscope.engine.server.chat_prompt import ChatPrompt
+from kvscope.engine.server.errors import bad_request
+from kvscope.engine.server.limits import Limits
+from kvscope.engine.server.strict import Strict
+from kvscope.engine.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:  # engine.sampling imports torch; the router reads requests without it
-    from engine.sampling import SamplingParams
+    from kvscope.engine.sampling import SamplingParams
 
 
 class StreamOptions(Strict):
@@ -250,7 +250,7 @@ class _Sampling(Strict):
         response that is not streamed is built from each request's last output only, so
         the engine is asked for that one (no per-step copy of the tokens, no per-step
         delivery)."""
-        from engine.sampling import RequestOutputKind, SamplingParams, SamplingParamsError
+        from kvscope.engine.sampling import RequestOutputKind, SamplingParams, SamplingParamsError
 
         assert self._checked, "a request is checked (strict.parse) before its parameters"
         limits.check_logprobs(self.logprob_counts())

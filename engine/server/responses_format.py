@@ -24,11 +24,11 @@ import secrets
 import time
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.server import openai_format as fmt
-from engine.server import tools
-from engine.server.errors import APIError
-from engine.server.tool_parsers import AutoToolStream
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server import openai_format as fmt
+from kvscope.engine.server import tools
+from kvscope.engine.server.errors import APIError
+from kvscope.engine.server.tool_parsers import AutoToolStream
 
 
 def new_id(prefix: str) -> str:

@@ -27,9 +27,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from engine.server.errors import APIError, bad_request
-from engine.server.protocol import ChatCompletionRequest
-from engine.server.strict import Strict
+from kvscope.engine.server.errors import APIError, bad_request
+from kvscope.engine.server.protocol import ChatCompletionRequest
+from kvscope.engine.server.strict import Strict
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 

@@ -15,11 +15,11 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from engine.outputs import CompletionOutput
-from engine.server import openai_format as fmt
-from engine.server.errors import APIError
-from engine.server.jobs import Job, abort_rest, deltas
-from engine.server.state import ServerState
+from kvscope.engine.outputs import CompletionOutput
+from kvscope.engine.server import openai_format as fmt
+from kvscope.engine.server.errors import APIError
+from kvscope.engine.server.jobs import Job, abort_rest, deltas
+from kvscope.engine.server.state import ServerState
 
 # (choice, output, new text, first token, end token, finished) -> one chunk's body
 MakeChunk = Callable[[int, CompletionOutput, str, int, int, bool], dict[str, Any]]

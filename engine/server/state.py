@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server.delivery import StepDelivery
-from engine.server.engine_client import EngineClient
-from engine.server.limits import Limits
-from engine.server.metrics import ServerMetrics
+from kvscope.engine.server.delivery import StepDelivery
+from kvscope.engine.server.engine_client import EngineClient
+from kvscope.engine.server.limits import Limits
+from kvscope.engine.server.metrics import ServerMetrics
 
 
 @dataclass

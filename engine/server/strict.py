@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine.server.errors import APIError, bad_request
+from kvscope.engine.server.errors import APIError, bad_request
 
 
 class Strict(BaseModel):

@@ -22,7 +22,7 @@ import json
 import secrets
 from typing import Any
 
-from engine.structured import StructuredOutputsParams
+from kvscope.engine.structured import StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}  # a function declared without parameters
 

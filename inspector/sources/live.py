@@ -19,11 +19,11 @@ from typing import Any
 import zmq
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from engine.events import ProtocolError
-from engine.events.analysis.lifecycle import LifecycleIndex
-from engine.events.wire import Codec, Subscriber
-from inspector.errors import InspectError
-from inspector.model import InspectorModel
+from kvscope.engine.events import ProtocolError
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.engine.events.wire import Codec, Subscriber
+from kvscope.inspector.errors import InspectError
+from kvscope.inspector.model import InspectorModel
 
 TICK_MS = 33  # ~30 Hz
 MAX_QUEUED = 20_000  # batches held for the GUI; beyond this the oldest are skipped

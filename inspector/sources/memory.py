@@ -12,7 +12,7 @@ import bisect
 from collections.abc import Iterator
 from typing import Any
 
-from engine.events import KVState
+from kvscope.engine.events import KVState
 
 
 class MemoryRecording:

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from engine.events import KVState, ProtocolError
-from inspector.model import InspectorModel
+from kvscope.engine.events import KVState, ProtocolError
+from kvscope.inspector.model import InspectorModel
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 FALLBACK_STEPS_PER_S = 20.0  # pace when the recording's timestamps do not advance

@@ -24,12 +24,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events import KVState
-from engine.events import schema as S
-from inspector import palette as P
-from inspector.model import InspectorModel
-from inspector.views.cell_grid import GRID_MAX_BLOCKS, CellGrid
-from inspector.views.legend import Legend
+from kvscope.engine.events import KVState
+from kvscope.engine.events import schema as S
+from kvscope.inspector import palette as P
+from kvscope.inspector.model import InspectorModel
+from kvscope.inspector.views.cell_grid import GRID_MAX_BLOCKS, CellGrid
+from kvscope.inspector.views.legend import Legend
 
 MAX_SIDE = 32767
 

@@ -14,7 +14,7 @@ from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen
 from PySide6.QtWidgets import QGraphicsObject
 
-from inspector import palette as P
+from kvscope.inspector import palette as P
 
 GRID_MAX_BLOCKS = 4096  # above this the map is an image only
 BORDER_MIN_PX = 5.0  # cell width (screen px) from which borders are drawn

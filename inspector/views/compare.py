@@ -26,12 +26,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events import KVState
-from engine.events import schema as S
-from engine.events.analysis.ranges import diff_states
-from engine.events.wire.recording import RecordingError
-from inspector import palette as P
-from inspector.views.block_map import grid_width
+from kvscope.engine.events import KVState
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.analysis.ranges import diff_states
+from kvscope.engine.events.wire.recording import RecordingError
+from kvscope.inspector import palette as P
+from kvscope.inspector.views.block_map import grid_width
 
 STATE_COLOURS = (P.FREE, P.CACHED, P.USED, P.SHARED)
 MIN_ID_CELL = 22  # px: cells at least this big show their block id
@@ -140,7 +140,7 @@ class CompareView(QWidget):
 
     def load_other(self, path: str, step: int | None = None) -> None:
         """Moment B from another recording (its last step unless ``step``)."""
-        from engine.events.wire.recording import Recording
+        from kvscope.engine.events.wire.recording import Recording
 
         with Recording(path) as rec:
             if not rec.steps:

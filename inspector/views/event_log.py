@@ -21,9 +21,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events import schema as S
-from inspector import palette as P
-from inspector.model import InspectorModel
+from kvscope.engine.events import schema as S
+from kvscope.inspector import palette as P
+from kvscope.inspector.model import InspectorModel
 
 MAX_ROWS = 5000
 COLUMNS = ("step", "kind", "seq", "tier", "details")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from PySide6.QtCore import QMargins, QPoint, QRect, QSize, Qt, QTimer
 from PySide6.QtWidgets import QLabel, QLayout, QLayoutItem, QSizePolicy, QWidget
 
-from inspector import palette as P
+from kvscope.inspector import palette as P
 
 
 class FlowLayout(QLayout):

@@ -25,9 +25,9 @@ from PySide6.QtCore import QPoint, QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import QHBoxLayout, QScrollBar, QToolTip, QVBoxLayout, QWidget
 
-from engine.events.analysis import lifecycle as L
-from engine.events.causes import describe
-from inspector import palette as P
+from kvscope.engine.events.analysis import lifecycle as L
+from kvscope.engine.events.causes import describe
+from kvscope.inspector import palette as P
 
 PHASE_COLOURS = {
     L.WAITING: P.WARN, L.PREFILL: P.ACCENT, L.RUNNING: P.USED, L.PREEMPTED: P.ERROR,

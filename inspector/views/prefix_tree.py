@@ -9,7 +9,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QLabel, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget
 
-from engine.events.analysis.lifecycle import LifecycleIndex, PrefixNode
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex, PrefixNode
 
 COLUMNS = ("prefix blocks", "tokens saved", "hits", "sequences", "age (steps)",
            "where (latest step)")

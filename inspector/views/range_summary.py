@@ -19,9 +19,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events.analysis.lifecycle import LifecycleIndex
-from engine.events.analysis.ranges import range_summary
-from inspector import palette as P
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.engine.events.analysis.ranges import range_summary
+from kvscope.inspector import palette as P
 
 FIELDS = (
     ("steps", "steps", "{:,}"), ("seconds", "duration", "{:.2f} s"),

@@ -6,8 +6,8 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QPushButton, QSlider, QWidget
 
-from inspector import palette as P
-from inspector.sources.replay import SPEEDS, ReplayController
+from kvscope.inspector import palette as P
+from kvscope.inspector.sources.replay import SPEEDS, ReplayController
 
 
 class ReplayBar(QWidget):

@@ -30,9 +30,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events import KVState
-from inspector import palette as P
-from inspector.model import InspectorModel
+from kvscope.engine.events import KVState
+from kvscope.inspector import palette as P
+from kvscope.inspector.model import InspectorModel
 
 COLUMNS = ("seq", "status", "tier", "prompt", "gen", "blocks", "shared", "hit tok",
            "preempt")

@@ -30,10 +30,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.events.analysis.costs import cost_series
-from inspector import palette as P
-from inspector.model import InspectorModel
-from inspector.views.legend import Legend
+from kvscope.engine.events.analysis.costs import cost_series
+from kvscope.inspector import palette as P
+from kvscope.inspector.model import InspectorModel
+from kvscope.inspector.views.legend import Legend
 
 TIER_ROWS = ("gpu", "cpu", "disk")  # the tier plots, rows 0..2
 FOLLOW_WINDOW = 600  # steps kept in view while following live

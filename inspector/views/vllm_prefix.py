@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.events.vllm.prefix_cache import NOT_PUBLISHED, VllmPrefixCache
+from kvscope.engine.events.vllm.prefix_cache import NOT_PUBLISHED, VllmPrefixCache
 
 MAX_ROWS = 500  # table rows per medium: the newest hashes
 MAP_COLUMNS = 64
@@ -126,7 +126,7 @@ def make_view(cache_getter: Any) -> Any:
         QWidget,
     )
 
-    from inspector import palette as P
+    from kvscope.inspector import palette as P
 
     lut = np.zeros((256, 4), dtype=np.uint8)
     young, old = np.array(P.rgba(P.OK)), np.array(P.rgba(P.CACHED))

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from engine.cache import KVCacheManager
-from engine.events.sink import ListSink
-from engine.events.state import KVState
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.state import KVState
 from tests.events.conftest import assert_declared
 
 

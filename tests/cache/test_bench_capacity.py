@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from engine.cli import main
+from kvscope.engine.cli import main
 
 # five windowed layers (W = 16) per global one, as Gemma 3's pattern
 TINY_GEMMA3 = {

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache import CacheError
-from engine.cache.demotion import DemotionPolicy
+from kvscope.engine.cache import CacheError
+from kvscope.engine.cache.demotion import DemotionPolicy
 from tests.cache.conftest import Mirrored
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache import CacheError, KVCacheManager
+from kvscope.engine.cache import CacheError, KVCacheManager
 from tests.cache.conftest import Mirrored
 
 

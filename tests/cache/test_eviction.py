@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache import CacheError, make_policy
-from engine.cache.eviction import LFUPolicy, LRUPolicy, PriorityPolicy
+from kvscope.engine.cache import CacheError, make_policy
+from kvscope.engine.cache.eviction import LFUPolicy, LRUPolicy, PriorityPolicy
 from tests.cache.conftest import Mirrored, kinds
 
 

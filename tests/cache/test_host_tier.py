@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache import CacheError
-from engine.cache.transfers import plan_rounds
+from kvscope.engine.cache import CacheError
+from kvscope.engine.cache.transfers import plan_rounds
 from tests.cache.conftest import Mirrored, kinds
 
 

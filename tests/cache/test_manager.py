@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.cache import KVCacheManager, slot_mapping
-from engine.cache.hashing import chain_hashes
+from kvscope.engine.cache import KVCacheManager, slot_mapping
+from kvscope.engine.cache.hashing import chain_hashes
 from tests.cache.conftest import Mirrored, kinds
 
 
@@ -124,7 +124,7 @@ def test_hashes_are_deterministic_across_processes():
     import subprocess
     import sys
 
-    code = ("from engine.cache.hashing import chain_hashes; "
+    code = ("from kvscope.engine.cache.hashing import chain_hashes; "
             "print(chain_hashes(list(range(64)), 16, 'salt'))")
     outs = set()
     for seed in ("1", "2"):
@@ -270,7 +270,7 @@ def test_preempt_frees_blocks_keeps_tokens_and_resume_rematches():
 def test_free_keeps_the_sequence_and_match_requires_an_empty_table():
     import pytest
 
-    from engine.cache import CacheError
+    from kvscope.engine.cache import CacheError
 
     x = Mirrored(8, 2)
     x.m.add_sequence("a", [1, 2, 3])
@@ -326,7 +326,8 @@ def test_the_cache_imports_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['torch'] = None; import engine.cache, engine.bench.blocks; "
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import kvscope.engine.cache, kvscope.engine.bench.blocks\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=".")
 
@@ -355,7 +356,7 @@ def test_fork_gives_the_child_private_blocks_for_lookahead_slots():
 def test_fork_with_lookahead_needs_free_blocks_or_changes_nothing():
     import pytest
 
-    from engine.cache import CacheError
+    from kvscope.engine.cache import CacheError
 
     x = Mirrored(3, 4)
     x.m.add_sequence("p", [1, 2, 3, 4, 5])

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.cache import CacheError
+from kvscope.engine.cache import CacheError
 from tests.cache.conftest import Mirrored
 
 _rng = random.Random(1234)

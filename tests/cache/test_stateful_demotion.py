@@ -16,7 +16,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import initialize, invariant, rule
 
-from engine.cache.demotion import DemotionPolicy
+from kvscope.engine.cache.demotion import DemotionPolicy
 from tests.cache.conftest import Mirrored
 from tests.cache.test_stateful import CacheMachine
 

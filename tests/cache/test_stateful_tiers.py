@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from engine.cache import CacheError
+from kvscope.engine.cache import CacheError
 from tests.cache.conftest import Mirrored
 from tests.cache.test_stateful import CacheMachine
 

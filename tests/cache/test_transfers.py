@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from engine.cache.transfers import IN, OUT, plan_rounds
+from kvscope.engine.cache.transfers import IN, OUT, plan_rounds
 
 
 def run_sequential(orders, gpu, cpu):

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from engine.cache import KVCacheManager
-from engine.cache.errors import CacheError
-from engine.cache.window_group import RELEASED
-from engine.events import schema as S
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.cache.errors import CacheError
+from kvscope.engine.cache.window_group import RELEASED
+from kvscope.engine.events import schema as S
 from tests.cache.conftest import Mirrored, kinds
 
 
@@ -160,7 +160,7 @@ def test_hybrid_bench_fits_more_sequences_in_one_budget():
     sequence and in sequences per budget; the pools stay within the budget."""
     import argparse
 
-    from engine.bench.hybrid import measure
+    from kvscope.engine.bench.hybrid import measure
 
     args = argparse.Namespace(context=2048, chunk=512, decode=16, budget_gib=0.125,
                               block_size=16)

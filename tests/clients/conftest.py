@@ -39,9 +39,9 @@ def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (built from the GGUF's metadata, SmolLM2's pre-tokenizer included) saved as
     tokenizer.json, which transformers loads as a PreTrainedTokenizerFast. (Converting
     the GGUF with transformers costs ~40 s here and gets the digit split wrong.)"""
-    from engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
-    from engine.model.pull import resolve_model
-    from engine.model.tokenizer import Tokenizer
+    from kvscope.engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
+    from kvscope.engine.model.pull import resolve_model
+    from kvscope.engine.model.tokenizer import Tokenizer
 
     gguf = resolve_model(MODEL_NAME)
     tok = Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(open_gguf(gguf), gguf),
@@ -76,7 +76,7 @@ def router(daemon: Daemon) -> Iterator[str]:
 
     from tests.router.conftest import launch, wait_ready
 
-    p = wait_ready(*launch([sys.executable, "-m", "engine.cli", "route", "--port", "0",
+    p = wait_ready(*launch([sys.executable, "-m", "kvscope.engine.cli", "route", "--port", "0",
                             "--replica", daemon.url]))
     yield p.url
     p.stop()

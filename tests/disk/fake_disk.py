@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskBatch
+from kvscope.engine.cache.transfers import DROP, FILL, LOAD, SAVE, DiskBatch
 
 
 class FakeDisk:
@@ -53,7 +53,7 @@ class FakeDisk:
 def scenario_steps(sink: Any) -> list[list[dict]]:
     """Every disk event kind from a real manager: a prefix spilled to disk (disk_store,
     evict on tier disk), prefetched back (prefetch, disk_load), hit."""
-    from engine.cache import KVCacheManager
+    from kvscope.engine.cache import KVCacheManager
 
     m = KVCacheManager(4, 4, num_cpu_blocks=4, num_disk_blocks=8, sink=sink)
     disk, steps = FakeDisk(), [sink.drain()]

@@ -13,11 +13,11 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import KVState
-from engine.events.wire.recording import Recording
-from engine.reference_generate import generate_reference
-from engine.runner import disk_store
-from engine.server.metrics import ServerMetrics
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire.recording import Recording
+from kvscope.engine.reference_generate import generate_reference
+from kvscope.engine.runner import disk_store
+from kvscope.engine.server.metrics import ServerMetrics
 from tests.engine.conftest import GREEDY, TEST_DTYPE, as_prompt
 from tests.waiting import HANG_S
 

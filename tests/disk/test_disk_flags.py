@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cli import build_parser
-from engine.commands.serve import engine_config, model_of
-from engine.config import EngineConfig
+from kvscope.engine.cli import build_parser
+from kvscope.engine.commands.serve import engine_config, model_of
+from kvscope.engine.config import EngineConfig
 
 
 def config(*flags: str) -> EngineConfig:

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from engine.cache.transfers import FILL, DiskOp
-from engine.runner.disk_io import DiskIO
-from engine.runner.disk_store import DiskStore, fingerprint
+from kvscope.engine.cache.transfers import FILL, DiskOp
+from kvscope.engine.runner.disk_io import DiskIO
+from kvscope.engine.runner.disk_store import DiskStore, fingerprint
 from tests.waiting import HANG_S, wait_until
 
 BS = 4

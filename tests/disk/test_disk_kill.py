@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.runner import disk_store as D
+from kvscope.engine.runner import disk_store as D
 
 BS = 16
 FP = D.fingerprint("tiny-llama", "fp32", BS, [((BS, 4, 64), "float32")] * 2)
@@ -23,7 +23,7 @@ PAYLOAD = BS * 4 * 64 * 4 * 2  # 32 KiB a block
 
 CHILD = r"""
 import os, sys, time
-from engine.runner import disk_store as D
+from kvscope.engine.runner import disk_store as D
 root, mode = sys.argv[1], sys.argv[5]
 bs, payload, fp = int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
 s = D.DiskStore(root, fp, bs, payload)

@@ -25,11 +25,11 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from engine.cache.transfers import FILL, DiskBatch
-from engine.events.vllm import wire as W
-from engine.events.vllm.prefix_cache import VllmPrefixCache
-from engine.events.vllm.translate import MEDIUM, VllmTranslator
-from engine.runner import disk_store as D
+from kvscope.engine.cache.transfers import FILL, DiskBatch
+from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
+from kvscope.engine.events.vllm.translate import MEDIUM, VllmTranslator
+from kvscope.engine.runner import disk_store as D
 from tests.cache.conftest import Mirrored
 from tests.disk.fake_disk import FakeDisk
 

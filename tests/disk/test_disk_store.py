@@ -11,7 +11,7 @@ import stat
 
 import pytest
 
-from engine.runner import disk_store as D
+from kvscope.engine.runner import disk_store as D
 
 BS = 4
 FP = D.fingerprint("tiny-llama", "fp32", BS, [((BS, 2, 8), "float32")] * 4)

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from engine.cache import CacheError
-from engine.cache.hashing import chain_hashes
-from engine.cache.transfers import FILL, SAVE, DiskBatch
+from kvscope.engine.cache import CacheError
+from kvscope.engine.cache.hashing import chain_hashes
+from kvscope.engine.cache.transfers import FILL, SAVE, DiskBatch
 from tests.cache.conftest import Mirrored, kinds
 from tests.disk.fake_disk import FakeDisk
 

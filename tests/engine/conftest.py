@@ -19,11 +19,11 @@ import zlib
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model import load_model
-from engine.reference_generate import generate_reference
-from engine.sampling import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.model import load_model
+from kvscope.engine.reference_generate import generate_reference
+from kvscope.engine.sampling import SamplingParams
 
 # Prompts and greedy params of the invariance tests (engine and swap tier alike).
 PROMPTS = [

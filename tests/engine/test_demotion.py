@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.events import KVState
-from engine.events.wire.recording import Recording
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire.recording import Recording
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 from tests.engine.test_events_fidelity import workload
 
@@ -80,7 +80,7 @@ def test_demotion_under_pressure_still_generates(make_engine):
     ({"kv_hot_window": -1}, "kv_hot_window"),
 ])
 def test_bad_demotion_settings_are_clear_errors(kwargs, match):
-    from engine.config import EngineConfig
+    from kvscope.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)

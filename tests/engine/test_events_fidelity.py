@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 import socket
 
-from engine.events import KVState
-from engine.events.wire.recording import Recording
-from engine.events.wire.subscriber import Subscriber
-from engine.sampling import SamplingParams
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire.recording import Recording
+from kvscope.engine.events.wire.subscriber import Subscriber
+from kvscope.engine.sampling import SamplingParams
 from tests.waiting import HANG_S, wait_until
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 2

@@ -14,13 +14,13 @@ import types
 import numpy as np
 import pytest
 
-from engine.commands import export as export_cmd
-from engine.events import causes as C
-from engine.events.analysis.export import COUNTER_TRACKS, REQUESTS_PID, trace_events
-from engine.events.analysis.lifecycle import PHASES, LifecycleIndex
-from engine.events.analysis.ranges import diff_states, range_summary
-from engine.events.wire.recording import Recording
-from engine.sampling import SamplingParams
+from kvscope.engine.commands import export as export_cmd
+from kvscope.engine.events import causes as C
+from kvscope.engine.events.analysis.export import COUNTER_TRACKS, REQUESTS_PID, trace_events
+from kvscope.engine.events.analysis.lifecycle import PHASES, LifecycleIndex
+from kvscope.engine.events.analysis.ranges import diff_states, range_summary
+from kvscope.engine.events.wire.recording import Recording
+from kvscope.engine.sampling import SamplingParams
 from tests.engine.test_events_fidelity import workload
 from tests.swap.test_swap_engine import swap_gib
 
@@ -70,20 +70,21 @@ class TickingClock:
 def recorded(loaded, tmp_path_factory):
     """One recompute-mode run (prefix sharing, an n=2 fork, preemptions, evictions), its
     engine and recording on a ticking clock."""
-    import engine.engine
-    import engine.events.wire.stream
-    import engine.scheduler
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.server.metrics import ServerMetrics
+    import kvscope.engine.engine
+    import kvscope.engine.events.wire.stream
+    import kvscope.engine.scheduler
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.server.metrics import ServerMetrics
 
     path = tmp_path_factory.mktemp("lifecycle") / "run.kvtrace"
     with pytest.MonkeyPatch.context() as mp:
         clock = TickingClock()
-        for module in (engine.engine, engine.scheduler):  # arrival, TTFT and step times
+        # arrival, TTFT and step times
+        for module in (kvscope.engine.engine, kvscope.engine.scheduler):
             mp.setattr(module, "time", clock.as_time_module("monotonic", "perf_counter"))
         # the recording's batch stamps, on the same clock
-        mp.setattr(engine.events.wire.stream, "time", clock.as_time_module("time"))
+        mp.setattr(kvscope.engine.events.wire.stream, "time", clock.as_time_module("time"))
         eng = LLMEngine(EngineConfig(block_size=4, num_gpu_blocks=14, watermark=0.0,
                                      record_path=str(path)), loaded=loaded)
         workload(eng)
@@ -139,8 +140,8 @@ def test_every_preemption_and_eviction_has_a_cause(recorded, loaded, tmp_path):
     path, _, _ = recorded
     paths = [path]
     # and a swap-mode run with a small host pool: swap-outs, fallbacks, host evictions
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
 
     swap_path = tmp_path / "swap.kvtrace"
     eng = LLMEngine(EngineConfig(block_size=4, num_gpu_blocks=12, watermark=0.0,
@@ -284,8 +285,8 @@ def _args(path, fmt, out):
 
 
 def test_metrics_expose_the_costs(recorded):
-    from engine.load.summary import parse_metrics
-    from engine.server.metrics import ServerMetrics
+    from kvscope.engine.load.summary import parse_metrics
+    from kvscope.engine.server.metrics import ServerMetrics
 
     _, _, eng = recorded
     m = ServerMetrics("smollm2")
@@ -300,9 +301,9 @@ def test_decode_time_by_context_equals_events(recorded):
     """/metrics' latency-creep histogram (the engine's decoded contexts and step times)
     equals the lifecycle index's decode bins (the recording's events), per context range;
     the load summary reads the same figures; the timelines' cost series agree."""
-    from engine.events.analysis.costs import cost_series
-    from engine.load.summary import DECODE_BY_CONTEXT, decode_by_context, parse_metrics
-    from engine.server.metrics import context_range
+    from kvscope.engine.events.analysis.costs import cost_series
+    from kvscope.engine.load.summary import DECODE_BY_CONTEXT, decode_by_context, parse_metrics
+    from kvscope.engine.server.metrics import context_range
 
     path, _, eng = recorded
     got = parse_metrics(SERVER_METRICS[path].render().decode())

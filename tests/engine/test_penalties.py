@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.reference_generate import generate_reference
-from engine.sampling import SamplingParams, adjust_logits
+from kvscope.engine.reference_generate import generate_reference
+from kvscope.engine.sampling import SamplingParams, adjust_logits
 from tests.engine.conftest import GREEDY, PROMPTS, as_prompt, prompt_ids, run_all
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import scheduler as scheduler_module
-from engine.sampling import SamplingParams
+from kvscope.engine import scheduler as scheduler_module
+from kvscope.engine.sampling import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
 
@@ -131,7 +131,7 @@ def test_the_cap_grows_with_the_queue(make_engine):
     """Beside decodes a step computes at most P prompt tokens, plus P for every
     WAITING_PER_CAP requests waiting: with 9 queued the first step takes more than P; as
     the queue drains the steps shrink back to P."""
-    from engine.scheduler import WAITING_PER_CAP
+    from kvscope.engine.scheduler import WAITING_PER_CAP
 
     cap = 4
     eng = make_engine(max_prefill_tokens_with_decodes=cap)

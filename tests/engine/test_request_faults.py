@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-import engine.sampler as sampler_module
-from engine.events.schema import SEQ_FINISH
-from engine.events.wire.recording import Recording
-from engine.sampling import SamplingParams
+import kvscope.engine.sampler as sampler_module
+from kvscope.engine.events.schema import SEQ_FINISH
+from kvscope.engine.events.wire.recording import Recording
+from kvscope.engine.sampling import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
 POISON_SEED = 1337

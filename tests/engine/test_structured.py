@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-from engine.reference_generate import generate_reference
-from engine.sampling import SamplingParams, sample
-from engine.structured import StructuredOutputsParams
+from kvscope.engine.reference_generate import generate_reference
+from kvscope.engine.sampling import SamplingParams, sample
+from kvscope.engine.structured import StructuredOutputsParams
 from tests.engine.conftest import GREEDY, PROMPTS, TEST_MODEL, as_prompt, prompt_ids, run_all
 
 pytestmark = pytest.mark.skipif(TEST_MODEL.startswith("dummy"),
@@ -132,8 +132,8 @@ def test_a_bad_constraint_is_a_value_error_at_add(make_engine, loaded):
 def test_max_calls_bounds_a_required_answer(loaded):
     """tool_choice "required" (engine.server.tools): an array of calls; at most max_calls
     of them (1 for parallel_tool_calls false, the Responses API's max_tool_calls)."""
-    from engine.server.tools import constraint
-    from engine.structured import GrammarMatcher
+    from kvscope.engine.server.tools import constraint
+    from kvscope.engine.structured import GrammarMatcher
 
     tok = loaded[1]
     fns = [{"name": "f", "parameters": {"type": "object", "properties": {
@@ -155,7 +155,7 @@ def test_objects_admit_only_their_listed_properties_unless_they_say_otherwise(lo
     pydantic-style schema without additionalProperties gets no extra keys (a small model
     held to an open object keeps adding keys until max_tokens); one that allows them,
     nested or not, keeps them."""
-    from engine.structured import GrammarMatcher
+    from kvscope.engine.structured import GrammarMatcher
 
     tok = loaded[1]
     inner = {"type": "object", "properties": {"n": {"type": "integer"}}}

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model.loader import load_model
-from engine.reference_generate import generate_reference
-from engine.sampling import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.model.loader import load_model
+from kvscope.engine.reference_generate import generate_reference
+from kvscope.engine.sampling import SamplingParams
 from tests.engine.conftest import run_all
 from tests.model.tiny_models import save_hf, tiny_hf_model
 
@@ -89,8 +89,8 @@ def test_swap_preemption_with_the_hybrid_cache_keeps_the_reference_and_the_mirro
     full-attention table and the window group's held blocks, each to its own host pool)
     and back; the greedy tokens are the unpreempted reference's, and the state rebuilt
     from the recording equals the engine's kv_state() after every step."""
-    from engine.events import KVState
-    from engine.events.wire.recording import Recording
+    from kvscope.engine.events import KVState
+    from kvscope.engine.events.wire.recording import Recording
 
     path = tmp_path / "hybrid-swap.kvtrace"
     eng = make_engine(block_size=4, num_gpu_blocks=24, watermark=0.0, swap_space=0.01,
@@ -124,8 +124,8 @@ def test_each_group_swaps_its_own_pages_and_scale_pages(loaded):
     take the per-token formats): group 0's rounds move the full-attention layers' K, V and
     scale pages, the window group's rounds the windowed layers', each through its own host
     pool, out and back into other blocks, bit for bit."""
-    from engine.runner.model_runner import ModelRunner
-    from engine.scheduler import SchedulerOutput
+    from kvscope.engine.runner.model_runner import ModelRunner
+    from kvscope.engine.scheduler import SchedulerOutput
 
     model, _, mc = loaded
     runner = ModelRunner(model, mc, 8, 4, torch.device("cpu"), torch.float32,
@@ -246,8 +246,8 @@ def test_hybrid_cache_recording_equals_kv_state_every_step(make_engine, tmp_path
     """The events name each block's group: the state rebuilt from a recording (through
     the wire codec) equals the engine's kv_state() after every step, window group's pool
     and tables included, through preemptions and forks."""
-    from engine.events import KVState
-    from engine.events.wire.recording import Recording
+    from kvscope.engine.events import KVState
+    from kvscope.engine.events.wire.recording import Recording
 
     path = tmp_path / "hybrid.kvtrace"  # prefix caching on: group-1 stores, hits, evicts
     eng = make_engine(block_size=4, num_gpu_blocks=12, watermark=0.0, record_path=str(path))

@@ -14,10 +14,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.events import KVState
-from engine.events import schema as S
-from engine.events.wire import EventStream
-from engine.events.wire.subscriber import Subscriber
+from kvscope.engine.events import KVState
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.wire import EventStream
+from kvscope.engine.events.wire.subscriber import Subscriber
 from tests.waiting import HANG_S
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import msgpack
 import zstandard
 
-from engine.events.wire.recording import (
+from kvscope.engine.events.wire.recording import (
     _FILE_HEAD,
     _FRAME_HEAD,
     _TRAILER,

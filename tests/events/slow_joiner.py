@@ -18,8 +18,8 @@ import itertools
 import time
 from collections.abc import Callable
 
-from engine.cache import KVCacheManager
-from engine.events.wire import EventStream
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events.wire import EventStream
 from tests.waiting import HANG_S
 
 _ids = itertools.count()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine.events import schema as S
-from engine.events.schema import PROTOCOL_VERSION, ProtocolError
-from engine.events.wire import codec as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.schema import PROTOCOL_VERSION, ProtocolError
+from kvscope.engine.events.wire import codec as C
 
 
 def good_batch(seq: int = 1) -> dict:
@@ -101,10 +101,10 @@ def _engine_batches() -> list[dict]:
     """What the real cache manager emits (a small pool: evictions with their causes,
     store details) and the synthetic workload (swaps, offloads, host hits), as batches
     of protocol 2 (ids packed) and protocol 1 (lists)."""
-    from engine.bench.events import ManagerWorkload
-    from engine.bench.synthetic import SyntheticCache
-    from engine.cache import KVCacheManager
-    from engine.events.sink import ListSink
+    from kvscope.engine.bench.events import ManagerWorkload
+    from kvscope.engine.bench.synthetic import SyntheticCache
+    from kvscope.engine.cache import KVCacheManager
+    from kvscope.engine.events.sink import ListSink
 
     sink, gen = ListSink(), SyntheticCache(seed=4)
     sink.store_detail = True

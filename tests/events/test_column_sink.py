@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.bench.events import ManagerWorkload
-from engine.cache import KVCacheManager
-from engine.events import KVState
-from engine.events.column_sink import ColumnSink
-from engine.events.columns import DTYPES, StepColumns
-from engine.events.sink import ListSink
-from engine.events.wire import EventStream, Recording
-from engine.events.wire import codec as C
+from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events import KVState
+from kvscope.engine.events.column_sink import ColumnSink
+from kvscope.engine.events.columns import DTYPES, StepColumns
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.wire import EventStream, Recording
+from kvscope.engine.events.wire import codec as C
 from tests.waiting import HANG_S
 
 CONFIGS = {  # KVCacheManager keyword arguments

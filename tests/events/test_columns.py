@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import KVState, ListSink, ProtocolError, state_columns
-from engine.events import schema as S
-from engine.events import state as state_mod
-from engine.events.columns import OTHER, StepColumns
-from engine.events.state import pack_ids, unpack_ids
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import KVState, ListSink, ProtocolError, state_columns
+from kvscope.engine.events import schema as S
+from kvscope.engine.events import state as state_mod
+from kvscope.engine.events.columns import OTHER, StepColumns
+from kvscope.engine.events.state import pack_ids, unpack_ids
 
 # ------------------------------------------------------------ comparing states
 
@@ -198,7 +198,7 @@ def test_synthetic_workload_applies_the_same(array_path, seed):
 
 
 def test_demo_recording_applies_the_same(array_path):
-    from engine.events.wire.recording import Recording
+    from kvscope.engine.events.wire.recording import Recording
 
     ref, fast = KVState(), KVState()
     with Recording("assets/sample.kvtrace") as rec:

@@ -20,13 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import KVState, ProtocolError
-from engine.events.analysis.lifecycle import LifecycleIndex
-from engine.events.sink import ListSink
-from engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
-from engine.events.wire import codec as C
-from engine.events.wire.recording import DELTAS, KEYFRAME
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import KVState, ProtocolError
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
+from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.recording import DELTAS, KEYFRAME
 from tests.events.kvtrace_craft import Frame, build, parse, zstd_bomb
 
 DEEP = os.environ.get("KVSCOPE_FUZZ_EXAMPLES")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgpack
 import zmq
 
-from engine.events import KVState
-from engine.events.wire import Subscriber
-from engine.events.wire import codec as C
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire import Subscriber
+from kvscope.engine.events.wire import codec as C
 from tests.events.conftest import poll_until
 
 TIER = {"kind": "tier_init", "tier": "gpu", "num_blocks": 8, "block_size": 16}

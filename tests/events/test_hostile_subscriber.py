@@ -8,11 +8,15 @@ import itertools
 
 import zmq
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import KVState
-from engine.events.wire import Subscriber
-from engine.events.wire import codec as C
-from engine.events.wire.publisher import MAX_REQUESTS_PER_ROUND, MAX_REQUESTS_PER_S, Publisher
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire import Subscriber
+from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.publisher import (
+    MAX_REQUESTS_PER_ROUND,
+    MAX_REQUESTS_PER_S,
+    Publisher,
+)
 from tests.events.conftest import cache_stream, poll_until, synced_to
 from tests.events.test_live_stream import run_steps
 from tests.waiting import wait_until

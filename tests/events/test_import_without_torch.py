@@ -1,4 +1,4 @@
-"""engine.events (and every submodule) imports with torch and triton unimportable."""
+"""kvscope.engine.events (and every submodule) imports with torch and triton unimportable."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Block())
-import engine.events
+import kvscope.engine.events
 names = []
-for info in pkgutil.walk_packages(engine.events.__path__, "engine.events."):
+for info in pkgutil.walk_packages(kvscope.engine.events.__path__, "kvscope.engine.events."):
     __import__(info.name)
     names.append(info.name)
 assert not any(m.split(".")[0] in ("torch", "triton") for m in sys.modules), "torch leaked"
-import engine.bench.synthetic  # the synthetic workload feeds torch-free benches and tests
+import kvscope.engine.bench.synthetic  # the synthetic workload feeds torch-free benches and tests
 assert not any(m.split(".")[0] in ("torch", "triton") for m in sys.modules), "torch leaked"
 print(" ".join(sorted(names)))
 """
@@ -38,4 +38,4 @@ def test_events_import_without_torch():
     assert out.returncode == 0, out.stderr
     for mod in ("wire.codec", "wire.stream", "wire.subscriber", "wire.recording",
                 "wire.publisher", "analysis.lifecycle", "analysis.export", "vllm.translate"):
-        assert f"engine.events.{mod}" in out.stdout.split()
+        assert f"kvscope.engine.events.{mod}" in out.stdout.split()

@@ -8,9 +8,9 @@ import copy
 
 import numpy as np
 
-from engine.events import KVState
-from engine.events import causes as C
-from engine.events.analysis.lifecycle import PHASES, LifecycleIndex
+from kvscope.engine.events import KVState
+from kvscope.engine.events import causes as C
+from kvscope.engine.events.analysis.lifecycle import PHASES, LifecycleIndex
 from tests.inspector.batches import synthetic_batches
 
 

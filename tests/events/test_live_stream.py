@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import KVState
-from engine.events.wire import EventStream, Subscriber
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire import EventStream, Subscriber
 from tests.events.conftest import cache_stream, poll_until, port_of, synced_to
 from tests.waiting import HANG_S, wait_until
 
@@ -129,16 +129,21 @@ def test_dropped_batches_are_counted_and_the_stream_resyncs(tmp_path):
         assert sub.batches_applied + sub.skipped_batches == stream.seq
         assert sub.skipped_batches >= stream.dropped_batches
         assert stream.stats.recording_ok
-    from engine.events.wire import Recording
+    from kvscope.engine.events.wire import Recording
     with Recording(path) as rec:
         assert rec.state_at(gen.step_no).canonical() == gen.canonical()
 
 
 def test_a_throttled_subscriber_loses_batches_resyncs_and_converges():
     """A subscriber that reads slowly (its thread stalls while the engine runs a burst)
-    overflows its queues (4 messages at each end here): PUB drops for it alone. It sees
-    the gap, cannot replay it (an 8-batch ring), resyncs from a snapshot and equals the
-    cache again; every seq is accounted for; a subscriber that keeps up loses nothing."""
+    overflows its queues: PUB drops for it alone. It sees the gap, cannot replay it (an
+    8-batch ring), resyncs from a snapshot and equals the cache again; every seq is
+    accounted for; a subscriber that keeps up loses nothing.
+
+    The publisher's per-subscriber queue is 64 messages, not 4: ZeroMQ refreshes a pipe's
+    flow-control credit lazily, so at 4 even a subscriber one batch behind lost batches
+    whenever its thread was scheduled late (a busy box). The slow one's bound is its own
+    4-message queue and small socket buffer, and the burst grows until it overflows."""
     # big steps (~5 KB a batch): the OS's socket buffers fill in fewer of them
     gen = SyntheticCache(seed=17, gpu_blocks=4096, cpu_blocks=512, block_size=1,
                          max_running=64)
@@ -148,7 +153,7 @@ def test_a_throttled_subscriber_loses_batches_resyncs_and_converges():
         if update["type"] == "batch" and not unthrottled.is_set():
             gate.acquire(timeout=HANG_S)  # one batch per token
 
-    with cache_stream(gen, EP, heartbeat_s=0.2, sndhwm=4, replay_size=8) as stream, \
+    with cache_stream(gen, EP, heartbeat_s=0.2, sndhwm=64, replay_size=8) as stream, \
             Subscriber(stream.endpoint, stream.snapshot_endpoint) as fast, \
             Subscriber(stream.endpoint, stream.snapshot_endpoint, rcvhwm=4, rcvbuf=4096,
                        on_apply=slow_reader) as slow:
@@ -156,7 +161,7 @@ def test_a_throttled_subscriber_loses_batches_resyncs_and_converges():
         poll_until([fast], synced_to([fast, slow], 0))
         first = slow.last_seq
         burst = 512
-        # The queues between the two hold a bounded number of batches (4 + 4 messages,
+        # The queues between the two hold a bounded number of batches (64 + 4 messages,
         # the kernel's socket buffers): a burst past that must lose some. Their size
         # is the OS's, so double the burst until one did (a healthy box: the first).
         while slow.skipped_batches == 0:
@@ -195,7 +200,7 @@ def test_an_idle_streams_recording_is_on_disk_before_it_closes(tmp_path):
     """The writer buffers deltas into frames; an engine gone idle must not leave its last
     steps only in memory (a process killed later, as vLLM kills its engine core 5 s after
     asking it to stop, would lose them)."""
-    from engine.events.wire import Recording
+    from kvscope.engine.events.wire import Recording
     from tests.waiting import wait_until
 
     gen = SyntheticCache(seed=17)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from engine.bench.synthetic import SyntheticCache
-from engine.cli import main
-from engine.events.wire import EventStream, Recording
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.cli import main
+from kvscope.engine.events.wire import EventStream, Recording
 from tests.events.conftest import poll_until
 from tests.waiting import HANG_S, wait_until
 
@@ -25,8 +25,8 @@ class _Clock:
 
 
 def test_record_cli_writes_what_was_published(tmp_path, capsys, monkeypatch):
-    from engine.commands import record
-    from engine.events.wire import subscriber
+    from kvscope.engine.commands import record
+    from kvscope.engine.events.wire import subscriber
 
     clock, recorders = _Clock(), []
 

@@ -9,12 +9,12 @@ import struct
 
 import pytest
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import PROTOCOL_VERSION, KVState
-from engine.events.sink import ListSink
-from engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
-from engine.events.wire.codec import make_batch
-from engine.events.wire.recording import RecordingWriter
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import PROTOCOL_VERSION, KVState
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
+from kvscope.engine.events.wire.codec import make_batch
+from kvscope.engine.events.wire.recording import RecordingWriter
 from tests.waiting import HANG_S, wait_until
 
 STEPS = 240
@@ -180,7 +180,7 @@ def test_keyframes_by_time(tmp_path):
 
 def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
     """A frame that is small on disk but unpacks beyond the limit is an error."""
-    import engine.events.wire.recording as R
+    import kvscope.engine.events.wire.recording as R
 
     st = KVState()
     st.apply({"v": 1, "step": 0, "events": [

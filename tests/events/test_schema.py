@@ -10,12 +10,12 @@ from pathlib import Path
 
 import msgspec
 
-from engine.bench.events import ManagerWorkload
-from engine.bench.synthetic import SyntheticCache
-from engine.cache import KVCacheManager
-from engine.events import causes as C
-from engine.events import schema as S
-from engine.events.sink import ListSink
+from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events import causes as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import ListSink
 from tests.events.conftest import assert_declared
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_every_kind_has_a_type_and_a_meaning():
 
 
 def test_python_m_engine_events_prints_the_table():
-    out = subprocess.run([sys.executable, "-m", "engine.events"], cwd=ROOT, text=True,
+    out = subprocess.run([sys.executable, "-m", "kvscope.engine.events"], cwd=ROOT, text=True,
                          capture_output=True, timeout=60, check=True).stdout
     for kind, cls in S.EVENT_TYPES.items():
         assert f"{kind}  " in out and S.fields_text(cls) in out and S.meaning(cls) in out

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import KVState, ListSink, ProtocolError
-from engine.events.state import unpack_ids
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import KVState, ListSink, ProtocolError
+from kvscope.engine.events.state import unpack_ids
 
 ALL_KINDS = {"tier_init", "seq_add", "seq_start", "alloc", "hit", "store", "evict", "free",
              "fork", "cow", "seq_tokens", "seq_preempt", "seq_resume", "seq_finish",

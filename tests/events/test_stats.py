@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.events.stats import StepStats, TierStats
-from engine.events.wire.recording import Recording
+from kvscope.engine.events.stats import StepStats, TierStats
+from kvscope.engine.events.wire.recording import Recording
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDINGS = [ROOT / "assets" / "sample.kvtrace",

@@ -10,11 +10,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from engine.bench.synthetic import SyntheticCache
-from engine.cli import main
-from engine.events import KVState
-from engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
-from engine.events.wire.recording import (
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.cli import main
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
+from kvscope.engine.events.wire.recording import (
     DELTAS,
     KEYFRAME,
     MAX_FRAME_BYTES,
@@ -195,8 +195,8 @@ def test_absurd_frame_metadata_is_not_trusted(intact, tmp_path, meta):
 
 
 def test_export_of_a_file_without_steps_fails_like_inspect(intact, tmp_path, capsys):
-    from inspector.app import open_recording
-    from inspector.errors import InspectError
+    from kvscope.inspector.app import open_recording
+    from kvscope.inspector.errors import InspectError
 
     header, frames = parse(intact)
     path = _write(tmp_path, build(header, frames[:1]), "nosteps.kvtrace")  # a keyframe only

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.events import KVState
-from engine.events.wire.recording import Recording
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire.recording import Recording
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.bench.events import ManagerWorkload, bulk_batches
-from engine.cache import KVCacheManager
-from engine.events.columns import StepColumns
-from engine.events.sink import ListSink
-from engine.events.vllm import wire as W
-from engine.events.vllm.translate import VllmTranslator
-from engine.events.wire.codec import make_batch
+from kvscope.engine.bench.events import ManagerWorkload, bulk_batches
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events.columns import StepColumns
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm.translate import VllmTranslator
+from kvscope.engine.events.wire.codec import make_batch
 
 
 def _state(tr: VllmTranslator) -> tuple[Any, ...]:
@@ -84,9 +84,9 @@ def test_publisher_translates_column_batches_after_the_stream_packs_them(tmp_pat
     """``VllmPublisher.on_batch`` of a column batch keeps its own copy of the maps: the
     stream packs them in place right after (as ``EventStream`` does), and the
     publisher's translator still ends where a per-event one does."""
-    from engine.events.vllm.config import KVEventsConfig
-    from engine.events.vllm.publisher import VllmPublisher
-    from engine.events.wire.codec import pack_events
+    from kvscope.engine.events.vllm.config import KVEventsConfig
+    from kvscope.engine.events.vllm.publisher import VllmPublisher
+    from kvscope.engine.events.wire.codec import pack_events
     from tests.waiting import HANG_S
 
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub",

@@ -12,19 +12,19 @@ import msgpack
 import pytest
 import zmq
 
-from engine.bench.events import ManagerWorkload
-from engine.cache import KVCacheManager
-from engine.cache.hashing import NO_SALT_ROOT
-from engine.events import KVState
-from engine.events.sink import ListSink
-from engine.events.vllm import wire as W
-from engine.events.vllm.config import KVEventsConfig
-from engine.events.vllm.prefix_cache import VllmPrefixCache
-from engine.events.vllm.publisher import VllmPublisher, is_bind_endpoint
-from engine.events.vllm.subscriber import VllmSubscriber
-from engine.events.vllm.translate import MEDIUM, VllmTranslator
-from engine.events.wire import EventStream
-from engine.events.wire.codec import make_batch
+from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.cache.hashing import NO_SALT_ROOT
+from kvscope.engine.events import KVState
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm.config import KVEventsConfig
+from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
+from kvscope.engine.events.vllm.publisher import VllmPublisher, is_bind_endpoint
+from kvscope.engine.events.vllm.subscriber import VllmSubscriber
+from kvscope.engine.events.vllm.translate import MEDIUM, VllmTranslator
+from kvscope.engine.events.wire import EventStream
+from kvscope.engine.events.wire.codec import make_batch
 from tests.events.slow_joiner import publish_until_received
 from tests.waiting import HANG_MS, HANG_S
 
@@ -73,7 +73,7 @@ def test_payload_is_what_msgspec_writes_for_the_typed_events():
 def test_layout_equals_the_real_vllm_capture():
     """Every event of the committed vLLM 0.32 capture has exactly the keys, in the order,
     that kvscope's encoder writes for the same event."""
-    from engine.events.vllm.recording import read_messages
+    from kvscope.engine.events.vllm.recording import read_messages
 
     _, messages = read_messages(FIXTURE)
     seen = set()
@@ -327,7 +327,7 @@ def test_subscriber_survives_garbage_and_fills_gaps_by_replay(tmp_path):
 @pytest.mark.parametrize("bad", ['{"enable_kv_cache_events": true, "endpont": "x"}',
                                  "{not json", '{"publisher": "kafka"}'])
 def test_serve_refuses_a_bad_kv_events_config_before_loading(bad, capsys):
-    from engine.cli import main
+    from kvscope.engine.cli import main
 
     assert main(["serve", "--kv-events-config", bad]) == 2
     assert "kv-events-config" in capsys.readouterr().err
@@ -337,8 +337,8 @@ def test_prefix_cache_keeps_vllm_kv_cache_groups_apart():
     """A hybrid model's vLLM stores the same hashes in its full-attention group (0) and
     its sliding-window group (1); removing them from group 1 (out of the window) leaves
     group 0's index whole."""
-    from engine.events.vllm import wire as W
-    from engine.events.vllm.prefix_cache import VllmPrefixCache
+    from kvscope.engine.events.vllm import wire as W
+    from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
 
     pc = VllmPrefixCache()
     full = W.block_stored([11, 12], None, list(range(8)), 4, "GPU")

@@ -20,17 +20,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.events import schema as S
-from engine.events.sink import ListSink
-from engine.events.state import KVState
-from engine.events.vllm.pagetable import (
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.state import KVState
+from kvscope.engine.events.vllm.pagetable import (
     RESERVED,
     PageTableDiffer,
     canonical_of,
     hash_int,
     read_page_table,
 )
-from engine.events.vllm.tracker import IncrementalReader, Touched
+from kvscope.engine.events.vllm.tracker import IncrementalReader, Touched
 
 # vLLM's RequestStatus members, as distinct objects with a name
 RUNNING, WAITING, PREEMPTED, STOPPED = (

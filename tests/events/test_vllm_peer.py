@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.events.vllm.prefix_cache import VllmPrefixCache
-from engine.events.vllm.recording import VllmRecordingWriter, read_messages
-from engine.events.vllm.subscriber import VllmSubscriber
-from engine.events.vllm.wire import decode_seq
-from inspector.sources.vllm import VllmLiveSource
+from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
+from kvscope.engine.events.vllm.recording import VllmRecordingWriter, read_messages
+from kvscope.engine.events.vllm.subscriber import VllmSubscriber
+from kvscope.engine.events.vllm.wire import decode_seq
+from kvscope.inspector.sources.vllm import VllmLiveSource
 from tests.events.slow_joiner import publish_until_received
 from tests.waiting import HANG_S, wait_until
 
@@ -77,7 +77,7 @@ def _hf_dir(tmp: Path) -> Path:
     code = f"""
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-from engine.model.pull import resolve_model
+from kvscope.engine.model.pull import resolve_model
 p = resolve_model("smollm2")
 m = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True))
@@ -148,7 +148,7 @@ def vllm_server(tmp_path_factory):
 
 
 def test_inspector_rebuilds_vllms_cached_set(vllm_server, qapp):
-    from inspector.views.vllm_prefix import make_view
+    from kvscope.inspector.views.vllm_prefix import make_view
 
     url, live, tmp = vllm_server
     words = "apple river stone cloud garden music paper window light forest ocean".split()
@@ -220,9 +220,9 @@ def test_metric_names_match_vllm(vllm_server):
 
 
 def test_vllms_classes_decode_kvscope(tmp_path):
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.sampling import SamplingParams
 
     endpoint = f"ipc://{tmp_path}/kv"
     rec = VllmRecordingWriter(tmp_path / "kvscope.vllmtrace", "kvscope")

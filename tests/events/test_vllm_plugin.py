@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import schema as S
-from engine.events.causes import R_ALLOCATE, R_RESET, REASON
-from engine.events.state import KVState
-from engine.events.vllm.pagetable import RESERVED
-from engine.events.wire.recording import Recording
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.causes import R_ALLOCATE, R_RESET, REASON
+from kvscope.engine.events.state import KVState
+from kvscope.engine.events.vllm.pagetable import RESERVED
+from kvscope.engine.events.wire.recording import Recording
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent / "vllm_plugin"

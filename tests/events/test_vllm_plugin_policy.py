@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from engine.events.vllm import plugin
+from kvscope.engine.events.vllm import plugin
 
 
 class Scheduler:

@@ -10,12 +10,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import PROTOCOL_VERSION, KVState, ListSink, ProtocolError
-from engine.events.state import pack_ids, unpack_ids
-from engine.events.wire import EventStream
-from engine.events.wire import codec as C
-from engine.events.wire.recording import Recording
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import PROTOCOL_VERSION, KVState, ListSink, ProtocolError
+from kvscope.engine.events.state import pack_ids, unpack_ids
+from kvscope.engine.events.wire import EventStream
+from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.recording import Recording
 from tests.waiting import HANG_S
 
 FIXTURES = Path(__file__).parent / "fixtures"

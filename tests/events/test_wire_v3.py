@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.bench.events import bulk_batches
-from engine.events import PROTOCOL_VERSION, KVState, ProtocolError
-from engine.events.state import unpack_ids
-from engine.events.wire import EventStream, Subscriber
-from engine.events.wire import codec as C
-from engine.events.wire.recording import Recording
+from kvscope.engine.bench.events import bulk_batches
+from kvscope.engine.events import PROTOCOL_VERSION, KVState, ProtocolError
+from kvscope.engine.events.state import unpack_ids
+from kvscope.engine.events.wire import EventStream, Subscriber
+from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.recording import Recording
 from tests.events.conftest import poll_until, synced_to
 from tests.events.test_columns import SETUP, all_arrays, full_state, schema_event
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 import threading
 
-from engine.bench.events import ManagerWorkload
-from engine.cache import KVCacheManager
-from engine.events.wire import EventStream, Recording, Subscriber
+from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events.wire import EventStream, Recording, Subscriber
 from tests.events.conftest import poll_until, synced_to
 
 

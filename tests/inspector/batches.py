@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import PROTOCOL_VERSION, ListSink
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import PROTOCOL_VERSION, ListSink
 
 
 def synthetic_batches(n: int, seed: int = 0, **kw: Any) -> list[dict[str, Any]]:
@@ -25,7 +25,7 @@ def disk_batches(n: int, seed: int = 0) -> list[dict[str, Any]]:
     stats carry each tier's block counts as the engine's do."""
     import random
 
-    from engine.cache import KVCacheManager
+    from kvscope.engine.cache import KVCacheManager
     from tests.disk.fake_disk import FakeDisk
 
     rng, sink, disk = random.Random(seed), ListSink(), FakeDisk()

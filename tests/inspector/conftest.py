@@ -10,8 +10,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
 
-from engine.events import KVState  # noqa: E402
-from engine.events.wire.recording import RecordingWriter  # noqa: E402
+from kvscope.engine.events import KVState  # noqa: E402
+from kvscope.engine.events.wire.recording import RecordingWriter  # noqa: E402
 from tests.inspector.batches import synthetic_batches  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -48,14 +48,14 @@ def artifacts() -> Path:
 def app(qapp):  # noqa: ANN001
     """The QApplication as ``kvscope inspect`` sets it up (theme, GUI-thread collection;
     tests/conftest.py collects the test's Qt garbage and restores automatic collection)."""
-    from inspector.app import make_app
+    from kvscope.inspector.app import make_app
 
     return make_app()
 
 
 @pytest.fixture
 def window(app, qtbot):  # noqa: ANN001
-    from inspector.window import MainWindow
+    from kvscope.inspector.window import MainWindow
 
     w = MainWindow()
     qtbot.addWidget(w)
@@ -66,7 +66,7 @@ def window(app, qtbot):  # noqa: ANN001
 
 @pytest.fixture
 def replay_window(window, recording_path):  # noqa: ANN001
-    from inspector.app import open_recording
+    from kvscope.inspector.app import open_recording
 
     rec, notes = open_recording(recording_path)
     assert notes == []

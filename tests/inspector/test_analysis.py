@@ -7,10 +7,10 @@ import pytest
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QFontMetrics
 
-from engine.events.analysis.lifecycle import LifecycleIndex
-from engine.events.analysis.ranges import diff_states, range_summary
-from engine.events.wire.recording import RecordingError
-from inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H, elide_middle
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.engine.events.analysis.ranges import diff_states, range_summary
+from kvscope.engine.events.wire.recording import RecordingError
+from kvscope.inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H, elide_middle
 from tests.inspector.conftest import expected_state
 from tests.waiting import HANG_MS
 
@@ -154,8 +154,8 @@ def test_compare_with_another_recording(replay_window, recording_path, batches, 
 
 def test_long_recordings_are_indexed_in_the_background(window, recording_path, qtbot,
                                                         monkeypatch):  # noqa: ANN001
-    from inspector import analysis
-    from inspector.app import open_recording
+    from kvscope.inspector import analysis
+    from kvscope.inspector.app import open_recording
 
     monkeypatch.setattr(analysis, "BACKGROUND_INDEX_STEPS", 100)  # 300 steps: "long"
     rec, _ = open_recording(recording_path)

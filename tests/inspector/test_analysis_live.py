@@ -4,7 +4,7 @@ engine restarts."""
 
 from __future__ import annotations
 
-from inspector.sources.live import LiveSource
+from kvscope.inspector.sources.live import LiveSource
 from tests.inspector.test_live import Engine, _converged, endpoints, joined  # noqa: F401
 from tests.waiting import HANG_MS
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.events import KVState
-from engine.events import schema as S
-from inspector import palette as P
-from inspector.model import InspectorModel
-from inspector.views.block_map import (
+from kvscope.engine.events import KVState
+from kvscope.engine.events import schema as S
+from kvscope.inspector import palette as P
+from kvscope.inspector.model import InspectorModel
+from kvscope.inspector.views.block_map import (
     MODES,
     BlockMapView,
     cell_codes,
@@ -179,8 +179,8 @@ def test_incremental_frames_equal_a_full_redraw(qtbot, stream: str):  # noqa: AN
     switches."""
     import random
 
-    from engine.bench.events import bulk_batches
-    from engine.events.wire import codec as C
+    from kvscope.engine.bench.events import bulk_batches
+    from kvscope.engine.events.wire import codec as C
     from tests.inspector.batches import synthetic_batches
 
     if stream == "events":

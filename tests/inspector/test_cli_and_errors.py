@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import PROTOCOL_VERSION
-from engine.events.wire.recording import RecordingWriter
-from inspector.app import open_recording, run
-from inspector.errors import InspectError
+from kvscope.engine.events import PROTOCOL_VERSION
+from kvscope.engine.events.wire.recording import RecordingWriter
+from kvscope.inspector.app import open_recording, run
+from kvscope.inspector.errors import InspectError
 from tests.inspector.conftest import write_recording
 from tests.waiting import HANG_S
 
@@ -78,13 +78,13 @@ def test_cli_screenshot_headless(tmp_path, recording_path, artifacts):  # noqa: 
     """The real command, in a fresh process: renders offscreen, exits 0, writes the PNG."""
     out = artifacts / "inspector_cli_screenshot.png"
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "inspect", str(recording_path),
+    r = subprocess.run([sys.executable, "-m", "kvscope.engine.cli", "inspect", str(recording_path),
                         "--screenshot", str(out), "--step", "150"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 20_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # A wrong endpoint, with --screenshot: a clear message and a non-zero exit, no hang.
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "inspect", "--connect",
+    r = subprocess.run([sys.executable, "-m", "kvscope.engine.cli", "inspect", "--connect",
                         "tcp://127.0.0.1:1", "--screenshot", str(tmp_path / "l.png"),
                         "--wait", "0.5"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=HANG_S)
@@ -92,7 +92,7 @@ def test_cli_screenshot_headless(tmp_path, recording_path, artifacts):  # noqa: 
 
 
 def test_bundled_sample_opens(app, window):  # noqa: ANN001
-    from inspector.app import SAMPLE
+    from kvscope.inspector.app import SAMPLE
 
     assert SAMPLE.stat().st_size < 1 << 20
     rec, notes = open_recording(SAMPLE)
@@ -106,8 +106,9 @@ def test_bundled_sample_opens(app, window):  # noqa: ANN001
 def test_inspector_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['triton'] = None\n"
-        "import inspector.app, inspector.window, inspector.sources.live\n"
-        "import inspector.sources.replay, inspector.views.block_map, engine.commands.inspect\n"
+        "import kvscope.inspector.app, kvscope.inspector.window, kvscope.inspector.sources.live\n"
+        "import kvscope.inspector.sources.replay, kvscope.inspector.views.block_map\n"
+        "import kvscope.engine.commands.inspect\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

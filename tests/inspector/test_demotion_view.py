@@ -4,11 +4,11 @@ blocks demoted per step on the timeline."""
 
 from __future__ import annotations
 
-from engine.events import KVState
-from engine.events import schema as S
-from inspector import palette as P
-from inspector.timeline import Timeline
-from inspector.views.block_map import cell_codes, describe_block
+from kvscope.engine.events import KVState
+from kvscope.engine.events import schema as S
+from kvscope.inspector import palette as P
+from kvscope.inspector.timeline import Timeline
+from kvscope.inspector.views.block_map import cell_codes, describe_block
 
 
 def _batches() -> list[dict]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from PySide6.QtCore import QPoint
 
-from engine.events import KVState
-from inspector.timeline import Timeline
+from kvscope.engine.events import KVState
+from kvscope.inspector.timeline import Timeline
 from tests.inspector.batches import disk_batches
 from tests.inspector.conftest import write_recording
 
@@ -32,7 +32,7 @@ def test_timeline_counts_prefetch_blocks_per_step():
 
 
 def test_window_draws_three_tiers_and_prefetches(window, tmp_path, qapp, artifacts):  # noqa: ANN001
-    from inspector.app import open_recording
+    from kvscope.inspector.app import open_recording
 
     batches = disk_batches(200, seed=1)
     path = write_recording(tmp_path / "disk.kvtrace", batches)
@@ -48,8 +48,8 @@ def test_window_draws_three_tiers_and_prefetches(window, tmp_path, qapp, artifac
     assert len(xs) > 0 and np.all(ys > 0)
     window.grab().save(str(artifacts / "inspector-disk-tier.png"))
     # the lifecycle: a request's prefetch is on its row, its hover says how it ended
-    from engine.events.analysis import lifecycle as L
-    from inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H
+    from kvscope.engine.events.analysis import lifecycle as L
+    from kvscope.inspector.views.lifecycle import LABEL_W, LANE_H, ROW_H
 
     panel = window.analysis
     canvas = panel.lifecycle.canvas
@@ -73,7 +73,7 @@ def test_lifecycle_has_each_requests_prefetch_and_how_it_ended():
     """Per request, its prefetch: blocks started, arrived (or missed) by the step of the
     last read, and the outcome: all arrived before it started, or it gave up waiting and
     recomputed (every fifth request here)."""
-    from engine.events.analysis import lifecycle as L
+    from kvscope.engine.events.analysis import lifecycle as L
 
     batches = disk_batches(200, seed=1)
     idx = L.LifecycleIndex.from_batches(batches)

@@ -28,8 +28,8 @@ def two_recordings(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, list
 
 
 def test_replays_share_one_time_axis(app, qtbot, two_recordings) -> None:  # noqa: ANN001
-    from engine.events.wire.recording import Recording
-    from inspector.fleet import FleetWindow
+    from kvscope.engine.events.wire.recording import Recording
+    from kvscope.inspector.fleet import FleetWindow
 
     batches, paths = two_recordings
     win = FleetWindow(["r0", "r1"])
@@ -53,7 +53,7 @@ def test_replays_share_one_time_axis(app, qtbot, two_recordings) -> None:  # noq
 def test_cli_renders_several_recordings(two_recordings, tmp_path: Path) -> None:  # noqa: ANN001
     out = tmp_path / "fleet.png"
     _, paths = two_recordings
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "inspect", *map(str, paths),
+    r = subprocess.run([sys.executable, "-m", "kvscope.engine.cli", "inspect", *map(str, paths),
                         "--screenshot", str(out)], cwd=REPO_ROOT, capture_output=True,
                        text=True, timeout=HANG_S,
                        env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
@@ -62,8 +62,8 @@ def test_cli_renders_several_recordings(two_recordings, tmp_path: Path) -> None:
 
 
 def test_a_router_address_that_is_not_a_router_is_a_clear_error() -> None:
-    from inspector.errors import InspectError
-    from inspector.fleet import resolve_router
+    from kvscope.inspector.errors import InspectError
+    from kvscope.inspector.fleet import resolve_router
 
     with pytest.raises(InspectError, match="not a kvscope router"):
         resolve_router("http://127.0.0.1:9", timeout=2.0)
@@ -71,7 +71,7 @@ def test_a_router_address_that_is_not_a_router_is_a_clear_error() -> None:
 
 def test_the_fleet_view_imports_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None; sys.modules['triton'] = None\n"
-            "import inspector.fleet\n"
+            "import kvscope.inspector.fleet\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                        text=True, timeout=HANG_S,

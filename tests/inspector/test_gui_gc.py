@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 
-from inspector import gui_gc
+from kvscope.inspector import gui_gc
 from tests.waiting import HANG_MS
 
 

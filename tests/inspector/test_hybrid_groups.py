@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 
-from engine.cache import KVCacheManager
-from engine.events import KVState
-from engine.events import schema as S
-from engine.events.sink import ListSink
+from kvscope.engine.cache import KVCacheManager
+from kvscope.engine.events import KVState
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import ListSink
 
 
 def _hybrid_state() -> KVState:
@@ -58,7 +58,7 @@ def test_block_map_draws_the_window_group_and_lights_a_sequence_there(window, qa
     lit = window.model.highlighted_blocks("cpu/1")
     assert lit == st.seqs["b"].group_tables[1] and 0 < len(lit) <= 8 // 4 + 1
     assert window.model.highlighted_blocks("gpu/1") == []
-    from inspector import palette as P
+    from kvscope.inspector import palette as P
 
     assert P.state_colours("cpu/1", "auto")[S.BLOCK_USED] == P.SWAPPED  # as the cpu tier's
     shot = os.environ.get("KVSCOPE_SCREENSHOT_DIR")

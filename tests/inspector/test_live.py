@@ -11,11 +11,11 @@ import msgpack
 import pytest
 import zmq
 
-from engine.bench.synthetic import SyntheticCache
-from engine.events import PROTOCOL_VERSION
-from engine.events.wire import EventStream
-from inspector.errors import InspectError
-from inspector.sources.live import LiveSource
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.events import PROTOCOL_VERSION
+from kvscope.engine.events.wire import EventStream
+from kvscope.inspector.errors import InspectError
+from kvscope.inspector.sources.live import LiveSource
 from tests.waiting import HANG_MS, HANG_S
 
 
@@ -149,7 +149,7 @@ def test_flood_keeps_the_gui_responsive(window, qtbot, endpoints):  # noqa: ANN0
 
 
 def test_nobody_publishing_says_so(window, qtbot, endpoints, monkeypatch):  # noqa: ANN001
-    monkeypatch.setattr("inspector.sources.live.NO_ANSWER_S", 0.3)
+    monkeypatch.setattr("kvscope.inspector.sources.live.NO_ANSWER_S", 0.3)
     live = LiveSource(endpoints[0], window.model, snapshot_endpoint=endpoints[1])
     window.attach_live(live, endpoints[0])
     live.start()
@@ -203,10 +203,10 @@ def test_column_frames_reach_the_view_as_the_per_event_path_draws_them(qapp, qtb
     the subscriber's mirror applies it with arrays (never handing it to the per-event
     reference), and what the view shows (state, block map, event log) equals the same
     stream applied event by event."""
-    from engine.events import KVState
-    from engine.events.analysis.lifecycle import LifecycleIndex
-    from inspector.model import InspectorModel
-    from inspector.views.block_map import BlockMapView, cell_codes
+    from kvscope.engine.events import KVState
+    from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+    from kvscope.inspector.model import InspectorModel
+    from kvscope.inspector.views.block_map import BlockMapView, cell_codes
     from tests.events.test_wire_v3 import bulk
 
     batches = bulk(8)
@@ -258,7 +258,7 @@ def test_a_live_screenshot_shows_what_the_stream_brought_while_watching(  # noqa
     seconds before saving: the saved window has the batches since it joined (timelines,
     lifecycles), not only the snapshot's page table (which read as a stream that does not
     move: empty timelines, 0 events/s)."""
-    from inspector.app import _open_live
+    from kvscope.inspector.app import _open_live
 
     pub, snap = endpoints
     engine = Engine(pub, snap, seed=3)

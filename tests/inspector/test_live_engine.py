@@ -8,10 +8,10 @@ import socket
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
-from inspector.sources.live import LiveSource
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.sampling import SamplingParams
+from kvscope.inspector.sources.live import LiveSource
 from tests.waiting import HANG_MS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def loaded():
     import torch
 
-    from engine.model import load_model
+    from kvscope.engine.model import load_model
 
     torch.set_num_threads(1)
     return load_model("smollm2", device="cpu", dtype=torch.float32)

@@ -9,12 +9,12 @@ import pytest
 from PySide6.QtCore import QRect, Qt
 from PySide6.QtWidgets import QLineEdit
 
-from engine.events import KVState
-from inspector import analysis
-from inspector.model import InspectorModel
-from inspector.views.block_map import BlockMapView
-from inspector.views.cell_grid import GRID_MAX_BLOCKS
-from inspector.views.timelines import SparseAxis
+from kvscope.engine.events import KVState
+from kvscope.inspector import analysis
+from kvscope.inspector.model import InspectorModel
+from kvscope.inspector.views.block_map import BlockMapView
+from kvscope.inspector.views.cell_grid import GRID_MAX_BLOCKS
+from kvscope.inspector.views.timelines import SparseAxis
 
 
 def _rect(w) -> QRect:  # noqa: ANN001
@@ -175,7 +175,7 @@ def qapp_focus():  # noqa: ANN201
 
 
 def test_costs_and_alerts_on_the_main_window(replay_window, qapp):  # noqa: ANN001
-    from engine.events.analysis.costs import cost_series
+    from kvscope.engine.events.analysis.costs import cost_series
 
     win = replay_window
     panel = win.analysis
@@ -224,7 +224,7 @@ def test_legend_keeps_its_lines_when_the_window_shrinks(replay_window, qapp):  #
 def test_highlight_over_a_selection_redraws_the_map(qtbot, qapp):  # noqa: ANN001
     """A prefix-tree highlight set while a sequence is selected lights the highlighted
     blocks, not the sequence's (the map must not keep the selection's frame)."""
-    from inspector import palette as P
+    from kvscope.inspector import palette as P
 
     model = InspectorModel()
     view = BlockMapView(model)

@@ -10,9 +10,9 @@ from PySide6.QtCore import QEvent, QPoint, QPointF, Qt
 from PySide6.QtGui import QMouseEvent
 from PySide6.QtWidgets import QApplication
 
-from engine.events import schema as S
-from inspector import palette as P
-from inspector.views.sequences import COLUMNS
+from kvscope.engine.events import schema as S
+from kvscope.inspector import palette as P
+from kvscope.inspector.views.sequences import COLUMNS
 from tests.inspector.conftest import expected_state
 from tests.waiting import HANG_MS
 

@@ -4,7 +4,7 @@ streams and hostile headers show no line (or only what is safe to show)."""
 
 from __future__ import annotations
 
-from inspector.window import engine_line
+from kvscope.inspector.window import engine_line
 
 VLLM_HEADER = {"engine": {"name": "vllm", "version": "0.32.0", "num_blocks": 24,
                           "block_size": 32, "data_parallel_rank": 0,

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import KVState
-from engine.events.vllm import wire as W
-from engine.events.vllm.config import KVEventsConfig
-from engine.events.vllm.prefix_cache import VllmPrefixCache
-from engine.events.vllm.publisher import VllmPublisher
-from engine.events.vllm.recording import VllmRecordingWriter, read_messages
-from engine.events.wire import EventStream
-from inspector.errors import InspectError
-from inspector.sources.vllm import VllmLiveSource, load_vllm_recording
-from inspector.views.vllm_prefix import age_map, block_rows, summary_text, timeline_arrays
+from kvscope.engine.events import KVState
+from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm.config import KVEventsConfig
+from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
+from kvscope.engine.events.vllm.publisher import VllmPublisher
+from kvscope.engine.events.vllm.recording import VllmRecordingWriter, read_messages
+from kvscope.engine.events.wire import EventStream
+from kvscope.inspector.errors import InspectError
+from kvscope.inspector.sources.vllm import VllmLiveSource, load_vllm_recording
+from kvscope.inspector.views.vllm_prefix import age_map, block_rows, summary_text, timeline_arrays
 from tests.events.slow_joiner import publish_until_received
 from tests.waiting import HANG_S, wait_until
 
@@ -45,7 +45,7 @@ def test_real_vllm_capture_decodes_with_zero_errors():
 
 
 def test_screenshot_of_the_capture(tmp_path, qapp):
-    from inspector.vllm_app import run_vllm
+    from kvscope.inspector.vllm_app import run_vllm
 
     out = tmp_path / "vllm.png"
     assert run_vllm(recording=str(FIXTURE), screenshot=str(out)) == 0
@@ -85,8 +85,8 @@ def test_recording_truncated_tail_and_garbage(tmp_path):
 
 @pytest.mark.parametrize("listen", [False, True])
 def test_live_source_reads_a_publisher(tmp_path, listen):
-    from engine.bench.events import ManagerWorkload
-    from engine.cache import KVCacheManager
+    from kvscope.engine.bench.events import ManagerWorkload
+    from kvscope.engine.cache import KVCacheManager
 
     if listen:  # the publisher connects (vLLM given tcp://127.0.0.1:N): we bind
         src = VllmLiveSource("tcp://127.0.0.1:0", bind=True, record_path=str(tmp_path / "r"))

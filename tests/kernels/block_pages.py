@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import block_quant as bq
+from kvscope.kernels import block_quant as bq
 
 BS, HKV, HQ, NB = 8, 2, 6, 12
 

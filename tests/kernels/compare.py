@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels import reference
+from kvscope import kernels
+from kvscope.kernels import reference
 from tests.kernels.oracle import PagedBatch
 
 # Triton vs reference. fp16/bf16 tolerances cover one rounding of the output plus, on GPU,

@@ -32,7 +32,7 @@ def triton_interpreter_on_cpu():
             "JITFunction":
         pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: the Triton kernel "
                     "tests cannot run in this process")
-    import kernels.triton_backend  # noqa: F401  (decorate the kernels as interpreted)
+    import kvscope.kernels.triton_backend  # noqa: F401  (decorate the kernels as interpreted)
 
     yield
 

@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_native, quant, reference
-from kernels.cpu_attention import DECODE_GROUP, StepPlan
+from kvscope.kernels import cpu_native, quant, reference
+from kvscope.kernels.cpu_attention import DECODE_GROUP, StepPlan
 
 BS, NB, HQ, HKV, D = 4, 64, 6, 2, 16
 HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))

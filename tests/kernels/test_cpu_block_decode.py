@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import block_quant as bq
-from kernels import cpu_block_decode, quant
+from kvscope.kernels import block_quant as bq
+from kvscope.kernels import cpu_block_decode, quant
 from tests.kernels.block_pages import HKV, HQ, block_layer, reference_decode
 
 pytestmark = pytest.mark.skipif(cpu_block_decode.kernel() is None,

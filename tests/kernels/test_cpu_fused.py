@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.llama import rms_norm
-from engine.model.rope import RotaryEmbedding
-from kernels import cpu_fused, cpu_native
+from kvscope.engine.model.llama import rms_norm
+from kvscope.engine.model.rope import RotaryEmbedding
+from kvscope.kernels import cpu_fused, cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None,
                                 reason="no C compiler: the fused kernels cannot be built")
@@ -162,7 +162,7 @@ def test_the_torch_switch_turns_the_fused_kernels_off(monkeypatch):
 
 
 def _tiny_model(dtype: torch.dtype):
-    from engine.model.dummy import load_dummy
+    from kvscope.engine.model.dummy import load_dummy
 
     model = load_dummy("dummy:tiny", "cpu", dtype, seed=0)[0]
     gen = torch.Generator().manual_seed(7)
@@ -173,7 +173,7 @@ def _tiny_model(dtype: torch.dtype):
 
 
 def _forward(model, ids: list[int]) -> torch.Tensor:
-    from engine.model.contiguous_cache import ContiguousKVCache
+    from kvscope.engine.model.contiguous_cache import ContiguousKVCache
 
     cache = ContiguousKVCache(model.config, len(ids), model.device, model.dtype)
     return model.forward(torch.tensor(ids), torch.arange(len(ids)), cache)

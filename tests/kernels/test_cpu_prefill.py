@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_native, reference
-from kernels.cpu_attention import StepPlan
+from kvscope.kernels import cpu_native, reference
+from kvscope.kernels.cpu_attention import StepPlan
 
 from .oracle import PagedBatch, dense_attention, make_batch
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from kvscope import kernels
+from kvscope.kernels import reference
 from tests.quant.pages import filled_pages
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from kvscope.kernels import reference
 from tests.kernels.compare import reference_attention
 from tests.kernels.oracle import dense_attention, make_batch
 
@@ -42,7 +42,7 @@ def test_prefill_with_and_without_cached_context_matches_oracle():
 
 def test_agrees_with_the_models_contiguous_attention():
     """Same semantics (causal offset, GQA head mapping) as the model side's contiguous path."""
-    from kernels.contiguous import contiguous_attention
+    from kvscope.kernels.contiguous import contiguous_attention
 
     batch = make_batch([70, 33], [20, 1], 9, 3, 64, 16, seed=6)
     got = reference_attention(batch, 0.125)

@@ -1,4 +1,4 @@
-"""kernels.swap_runs (the GPU <-> pinned-host fast path of swap_blocks) equals
+"""kvscope.kernels.swap_runs (the GPU <-> pinned-host fast path of swap_blocks) equals
 reference.swap_blocks, its meaning. Its copies are device-agnostic torch, so they run here
 on host tensors with the same spans the dispatcher computes; on a GPU the same code moves
 the pages (the device check's `swap` section times it)."""
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import reference, swap_runs
+from kvscope.kernels import reference, swap_runs
 
 PAGE = (4, 2, 8)  # block_size, kv heads, head_dim
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from kvscope import kernels
 from tests.kernels.compare import assert_close, reference_attention, triton_attention
 from tests.kernels.oracle import dense_attention, make_batch
 
@@ -143,7 +143,7 @@ def test_shape_errors_raise_before_launch(device):
 def test_decode_launch_options_hold_only_within_the_block():
     """The GPU check's launch sweep varies the decode kernel's warps and stages; the
     engine's launches must be Triton's defaults again afterwards, also after an error."""
-    from kernels import triton_attention as ta
+    from kvscope.kernels import triton_attention as ta
 
     with ta.decode_launch(num_warps=8, num_stages=2):
         assert ta._DECODE_LAUNCH == {"num_warps": 8, "num_stages": 2}

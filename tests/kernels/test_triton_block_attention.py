@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import block_quant as bq
+from kvscope.kernels import block_quant as bq
 from tests.kernels.block_pages import BS, HKV, HQ, block_layer, reference_decode
 
 D = 32
@@ -17,7 +17,7 @@ D = 32
 
 @pytest.mark.parametrize("name", list(bq.FORMATS))
 def test_decode_equals_the_torch_reference(name, device):
-    from kernels import triton_block_attention
+    from kvscope.kernels import triton_block_attention
 
     layer = block_layer(bq.FORMATS[name], seed=len(name), head_dim=D, device=device)
     tables = torch.tensor([[3, 2, 9, 0], [7, 11, 5, 1], [4, 6, 8, 10]], dtype=torch.int32,
@@ -36,7 +36,7 @@ def test_decode_equals_the_torch_reference(name, device):
 def test_bf16_queries_and_residual_rows(device):
     """A bf16 model: q, out and the residual rows in bf16 (on a GPU: bf16 tl.dot over the
     dequantized tiles), within bf16's rounding of the float64 reference."""
-    from kernels import triton_block_attention
+    from kvscope.kernels import triton_block_attention
 
     layer = block_layer(bq.FORMATS["k8v4"], seed=2, head_dim=D, device=device)
     layer.residual_k = layer.residual_k.bfloat16()
@@ -55,7 +55,7 @@ def test_prefill_with_cached_context_equals_the_torch_reference(name, device):
     """Prefill over cached context, a decode and a whole prompt in one batch: causal rows
     (query i of a sequence with context c sees keys <= c + i), query tiles of several
     tokens x GQA heads."""
-    from kernels import triton_block_attention
+    from kvscope.kernels import triton_block_attention
 
     layer = block_layer(bq.FORMATS[name], seed=7, head_dim=D, device=device)
     tables = torch.tensor([[3, 2, 9, 0], [7, 11, 5, 1], [4, 6, 8, 10]], dtype=torch.int32,

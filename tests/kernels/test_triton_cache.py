@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from kvscope import kernels
+from kvscope.kernels import reference
 
 
 def _caches(num_blocks, block_size, hkv, d, dtype, seed=0):

@@ -9,9 +9,9 @@ import itertools
 import pytest
 import torch
 
-import kernels
-from kernels import mixed_pages as mp
-from kernels import reference
+from kvscope import kernels
+from kvscope.kernels import mixed_pages as mp
+from kvscope.kernels import reference
 from tests.mixed.arena import filled_arena
 
 BS, HKV, HQ, D = 4, 2, 4, 16

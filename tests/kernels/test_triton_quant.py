@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import quant, reference
+from kvscope import kernels
+from kvscope.kernels import quant, reference
 from tests.quant.pages import FORMATS, empty_pages, filled_pages
 
 NB, BS, HKV, HQ, D = 8, 4, 2, 4, 16

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native, reference
-from kernels.contiguous import contiguous_attention
-from kernels.cpu_attention import StepPlan
+from kvscope.kernels import cpu_native, reference
+from kvscope.kernels.contiguous import contiguous_attention
+from kvscope.kernels.cpu_attention import StepPlan
 from tests.kernels.test_cpu_attention import BS, HAS_CC, HKV, HQ, NB, D, _caches, _step, decode_path
 
 __all__ = ["decode_path"]  # the fixture, imported for the tests here

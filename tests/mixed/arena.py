@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import block_quant as bq
-from kernels import mixed_pages as mp
-from kernels import quant
+from kvscope.kernels import block_quant as bq
+from kvscope.kernels import mixed_pages as mp
+from kvscope.kernels import quant
 
 
 def block_page_reads(k: torch.Tensor, v: torch.Tensor, fmt: bq.BlockFormat

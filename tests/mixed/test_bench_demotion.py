@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.bench import demotion
+from kvscope.engine.bench import demotion
 
 
 def test_every_config_gets_the_same_budget_and_its_page_setting():

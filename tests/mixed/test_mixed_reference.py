@@ -9,9 +9,9 @@ import itertools
 import pytest
 import torch
 
-from kernels import block_quant as bq
-from kernels import mixed_pages as mp
-from kernels import quant, reference
+from kvscope.kernels import block_quant as bq
+from kvscope.kernels import mixed_pages as mp
+from kvscope.kernels import quant, reference
 from tests.mixed.arena import block_page_reads, filled_arena
 
 BS, HKV, HQ, D = 4, 2, 4, 16

@@ -23,7 +23,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from engine.model.pull import resolve_model
+    from kvscope.engine.model.pull import resolve_model
 
     return resolve_model("smollm2")  # downloads once into $KVSCOPE_HOME
 
@@ -31,7 +31,7 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def llm(smollm2_path):
     """The LLM facade on the default model, float32 on CPU (loaded once per session)."""
-    from engine import LLM
+    from kvscope.engine import LLM
 
     return LLM(str(smollm2_path), device="cpu", dtype="float32", seed=0)
 

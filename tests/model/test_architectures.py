@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model.loader import load_model
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.model.loader import load_model
 from tests.model.tiny_models import hf_logits, our_logits, save_hf, tiny_hf_model, write_tiny_gguf
 
 PROMPT = [(11 * i + 5) % 272 for i in range(40)]
@@ -131,8 +131,8 @@ def test_longrope_long_factors_past_the_pretraining_length():
     transformers' at those positions (its rotary embedding switches on the max position)."""
     import transformers
 
-    from engine.model.config import config_from_hf
-    from engine.model.rope import RotaryEmbedding
+    from kvscope.engine.model.config import config_from_hf
+    from kvscope.engine.model.rope import RotaryEmbedding
 
     hf_config = transformers.Phi3Config(hidden_size=64, num_attention_heads=4,
                                         num_key_value_heads=2, max_position_embeddings=256,

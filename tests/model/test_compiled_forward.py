@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.runner import compiled as compiled_mod
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.runner import compiled as compiled_mod
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [11, 12], [300, 301, 302, 303, 304, 305, 306, 307, 308, 42]]
 
@@ -68,7 +68,7 @@ def test_buckets():
 
 
 def test_cli_switch():
-    from engine.cli import build_parser
+    from kvscope.engine.cli import build_parser
 
     for cmd in (["serve"], ["generate", "hi"]):
         assert build_parser().parse_args(cmd).enforce_eager is None  # the device's default

@@ -1,4 +1,4 @@
-"""engine.runner.cuda_graphs: pure decode steps run from per-bucket captured forwards over
+"""kvscope.engine.runner.cuda_graphs: pure decode steps run from per-bucket captured forwards over
 static buffers, padded rows never touch the cache, and everything else runs eagerly.
 
 On CPU the capture seam gets ``ReplayByCalling``, a double with a CUDA graph's contract (the
@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.runner import cuda_graphs
-from engine.runner.cuda_graphs import GRAPH_BUCKETS, DecodeGraphs
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.runner import cuda_graphs
+from kvscope.engine.runner.cuda_graphs import GRAPH_BUCKETS, DecodeGraphs
 
 # Five sequences that stop one after another: decode batches of 5, 4, 3, 2, 1 sequences run
 # in buckets 8, 4, 4, 2, 1.
@@ -100,7 +100,7 @@ def test_steps_that_do_not_fit_run_eagerly():
     runner = llm.llm_engine.runner
 
     def batch(n: int, width: int, tokens: int | None = None):
-        from engine.runner.model_runner import StepBatch
+        from kvscope.engine.runner.model_runner import StepBatch
 
         t = n if tokens is None else tokens
         return StepBatch(input_ids=torch.zeros(t, dtype=torch.int64),

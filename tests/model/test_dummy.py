@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cli import main
-from engine.config import EngineConfig
-from engine.model import ModelLoadError, load_model, read_config
-from engine.model.dummy import PRESETS, dummy_config, weight_bytes
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.cli import main
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.model import ModelLoadError, load_model, read_config
+from kvscope.engine.model.dummy import PRESETS, dummy_config, weight_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.loader import load_model
+from kvscope.engine.model.loader import load_model
 from tests.model.tiny_models import hf_logits, our_logits, tiny_hf_model, write_tiny_gguf
 
 IDS = [3, 17, 250, 9, 100, 42, 42, 7, 199, 0, 55, 13]

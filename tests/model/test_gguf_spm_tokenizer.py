@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from engine.model.errors import ModelLoadError
-from engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
-from engine.model.tokenizer import Tokenizer
+from kvscope.engine.model.errors import ModelLoadError
+from kvscope.engine.model.gguf_loader import gguf_tokenizer_metadata, open_gguf
+from kvscope.engine.model.tokenizer import Tokenizer
 from tests.model.tiny_models import write_spm_tokenizer
 
 TEXTS = [

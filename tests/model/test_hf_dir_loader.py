@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.model.loader import load_model
+from kvscope.engine.model.loader import load_model
 from tests.model.tiny_models import hf_logits, our_logits, save_hf, tiny_hf_model
 
 IDS = [3, 17, 250, 9, 100, 42, 42, 7, 199, 0, 55, 13]
@@ -45,7 +45,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
 
 def test_chunked_prefill_equals_one_shot(tmp_path):
     """Feeding the prompt in pieces through the contiguous cache gives the same logits."""
-    from engine.model.contiguous_cache import ContiguousKVCache
+    from kvscope.engine.model.contiguous_cache import ContiguousKVCache
 
     model, _, config = load_model(save_hf(tiny_hf_model("qwen2", seed=3), tmp_path))
     full = our_logits(model, IDS)

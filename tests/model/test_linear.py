@@ -1,4 +1,4 @@
-"""engine.model.linear: the load-time choice of linear (oneDNN packed on CPU, F.linear
+"""kvscope.engine.model.linear: the load-time choice of linear (oneDNN packed on CPU, F.linear
 otherwise) computes what F.linear computes, for every batch size including 0."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.linear import ENV_VAR, DenseLinear, PackedCpuLinear, make_linear
+from kvscope.engine.model.linear import ENV_VAR, DenseLinear, PackedCpuLinear, make_linear
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

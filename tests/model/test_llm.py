@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.model.errors import ModelLoadError
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.model.errors import ModelLoadError
 
 pytestmark = pytest.mark.slow
 

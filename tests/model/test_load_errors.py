@@ -7,8 +7,8 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine.model.errors import ModelLoadError
-from engine.model.loader import load_model, read_config
+from kvscope.engine.model.errors import ModelLoadError
+from kvscope.engine.model.loader import load_model, read_config
 from tests.model.tiny_models import save_hf, tiny_hf_model, write_tiny_gguf
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.reference_generate import generate_reference
-from engine.sampling import SamplingParams
+from kvscope.engine.reference_generate import generate_reference
+from kvscope.engine.sampling import SamplingParams
 from tests.model.tiny_models import our_logits
 
 pytestmark = pytest.mark.slow

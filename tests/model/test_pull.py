@@ -7,8 +7,8 @@ import zipfile
 
 import pytest
 
-from engine.model import pull
-from engine.model.errors import ModelLoadError
+from kvscope.engine.model import pull
+from kvscope.engine.model.errors import ModelLoadError
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 40
 

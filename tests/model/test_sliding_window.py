@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model.config import config_from_hf
-from engine.model.loader import load_model
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.model.config import config_from_hf
+from kvscope.engine.model.loader import load_model
 from tests.model.tiny_models import hf_logits, our_logits, save_hf, tiny_hf_model
 
 WINDOW = 48
@@ -79,7 +79,7 @@ def test_windowed_model_refuses_the_page_formats_that_take_no_window(windowed, e
 
 
 def test_qwen2_windowed_layers_are_refused():
-    from engine.model.errors import ModelLoadError
+    from kvscope.engine.model.errors import ModelLoadError
 
     cfg = {"model_type": "qwen2", "num_hidden_layers": 1, "hidden_size": 8,
            "num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 8,

@@ -4,8 +4,8 @@ instead of computing (engine.model.stand_in), loaded through the one ``load_mode
 
 from __future__ import annotations
 
-from engine.model import load_model, read_config
-from engine.model.stand_in import StandInModel, StepCost
+from kvscope.engine.model import load_model, read_config
+from kvscope.engine.model.stand_in import StandInModel, StepCost
 
 
 def test_stand_in_name_loads_the_target_config_without_weights():
@@ -17,7 +17,7 @@ def test_stand_in_name_loads_the_target_config_without_weights():
 
 
 def test_stand_in_engine_answers_with_its_words():
-    from engine import LLM, SamplingParams
+    from kvscope.engine import LLM, SamplingParams
 
     llm = LLM("stand-in:dummy:tiny", num_gpu_blocks=32, block_size=4)
     llm.llm_engine.model.cost = StepCost(0.0, 0.0, 0.0)  # no sleeping in a test

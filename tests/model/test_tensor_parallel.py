@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.sampling import SamplingParams
 from tests.model.tiny_models import save_hf, tiny_hf_model
 from tests.waiting import HANG_S, wait_until
 
@@ -79,8 +79,8 @@ def test_a_dead_rank_fails_the_engine_loudly(tiny_dir: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from engine.distributed.tp import TensorParallelError
-    from engine.server.engine_loop import EngineLoop
+    from kvscope.engine.distributed.tp import TensorParallelError
+    from kvscope.engine.server.engine_loop import EngineLoop
 
     engine = LLMEngine(EngineConfig(model=str(tiny_dir), tensor_parallel_size=2,
                                     num_gpu_blocks=16, block_size=4))

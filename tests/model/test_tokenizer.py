@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.detokenizer import IncrementalDetokenizer
-from engine.model.tokenizer import Tokenizer
+from kvscope.engine.model.detokenizer import IncrementalDetokenizer
+from kvscope.engine.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer, conversatio
 def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, final):
     """A chat request's assistant prefill (vLLM's ``continue_final_message``) renders as
     transformers' ``apply_chat_template(..., continue_final_message=True)``."""
-    from engine.server.protocol import ChatCompletionRequest
+    from kvscope.engine.server.protocol import ChatCompletionRequest
 
     conv = [*CONVERSATIONS[2], {"role": "assistant", "content": final}]
     req = ChatCompletionRequest.model_validate(

@@ -63,7 +63,7 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def byte_tokens() -> list[str]:
-    from engine.model.tokenizer import _bytes_to_unicode
+    from kvscope.engine.model.tokenizer import _bytes_to_unicode
 
     return list(_bytes_to_unicode().values())
 
@@ -262,7 +262,7 @@ def _write_tensors(writer, model, cfg, arch: str, qtype: str, drop: tuple[str, .
 
 def our_logits(model, ids: list[int]) -> torch.Tensor:
     """All-position logits [T, V] from our forward with a fresh contiguous cache."""
-    from engine.model.contiguous_cache import ContiguousKVCache
+    from kvscope.engine.model.contiguous_cache import ContiguousKVCache
 
     cache = ContiguousKVCache(model.config, len(ids), model.device, model.dtype)
     hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), cache)

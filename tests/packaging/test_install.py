@@ -36,6 +36,10 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 240,
                           env={**clean, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **env})
 
 
+def py_of(venv: Path) -> str:
+    return str(venv / "bin" / "python")
+
+
 def test_wheel_installs_without_torch_and_renders(tmp_path):
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
@@ -52,14 +56,23 @@ def test_wheel_installs_without_torch_and_renders(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     wheel = next((tmp_path / "dist").glob("kvscope-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "kvscope_assets/sample.kvtrace" in names
-    assert "kvscope_assets/workloads/demo.json" in names
+    assert "kvscope/sample.kvtrace" in names
+    assert "kvscope/workloads/demo.json" in names
 
     venv = tmp_path / "venv"
     assert _run([sys.executable, "-m", "venv", str(venv)], tmp_path).returncode == 0
     py, kvscope = str(venv / "bin" / "python"), str(venv / "bin" / "kvscope")
     out = tmp_path / "elsewhere"  # outside the checkout: assets come from the wheel
     out.mkdir()
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run([py_of(venv), "-c", purelib], tmp_path).stdout.strip())
+    before = {p.name for p in site.iterdir()}
+    r = _run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel)], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # one name in someone else's environment: kvscope and its dist-info, nothing else
+    assert {p.name for p in site.iterdir()} - before == {"kvscope", "kvscope-0.1.0.dist-info"}
+    assert {n.split("/")[0] for n in names} == {"kvscope", "kvscope-0.1.0.dist-info"}
+    assert "kvscope/kernels/cpu_paged_decode.c" in names  # the C kernels build from the wheel
     r = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"),
               str(wheel)], tmp_path, timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -68,7 +81,7 @@ def test_wheel_installs_without_torch_and_renders(tmp_path):
               "print([u.find_spec(n) for n in ('torch', 'PySide6', 'pyqtgraph')]); "
               "print([e.value for e in m.entry_points(group='vllm.general_plugins')])"], out)
     assert r.stdout.split("\n")[:2] == ["[None, None, None]",
-                                         "['engine.events.vllm.plugin:register']"], r.stdout
+                                         "['kvscope.engine.events.vllm.plugin:register']"], r.stdout
     r = _run([kvscope, "inspect", "--screenshot", str(out / "none.png")], out,
              QT_QPA_PLATFORM="offscreen")
     assert r.returncode == 2 and "pip install 'kvscope[inspector]'" in r.stderr, r.stderr

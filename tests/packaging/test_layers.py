@@ -16,24 +16,25 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "inspector", "kernels")
 
 # Low to high. A module belongs to the layer of the longest prefix that names it.
+E = "kvscope.engine"
 LAYERS: list[tuple[str, ...]] = [
-    ("kernels",),
-    ("engine.events",),  # the protocol and its mirror: schema, sink, causes, state
-    ("engine.events.wire", "engine.events.analysis", "engine.events.vllm"),
-    ("engine.cache", "inspector"),
-    ("engine.device", "engine.extras", "engine.config", "engine.request", "engine.outputs",
-     "engine.model", "engine.sampling", "engine.structured", "engine.completion",
-     "engine.request_state"),
-    ("engine.scheduler", "engine.runner", "engine.sampler", "engine.reference_generate"),
-    ("engine.distributed",),
-    ("engine.engine",),
-    ("engine", "engine.llm", "engine.server"),
-    ("engine.router", "engine.load"),
-    ("engine.bench",),
-    ("engine.commands", "engine.cli"),
+    ("kvscope.kernels",),
+    (f"{E}.events",),  # the protocol and its mirror: schema, sink, causes, state
+    (f"{E}.events.wire", f"{E}.events.analysis", f"{E}.events.vllm"),
+    (f"{E}.cache", "kvscope.inspector"),
+    (f"{E}.device", f"{E}.extras", f"{E}.config", f"{E}.request", f"{E}.outputs",
+     f"{E}.model", f"{E}.sampling", f"{E}.structured", f"{E}.completion",
+     f"{E}.request_state"),
+    (f"{E}.scheduler", f"{E}.runner", f"{E}.sampler", f"{E}.reference_generate"),
+    (f"{E}.distributed",),
+    (f"{E}.engine",),
+    (E, f"{E}.llm", f"{E}.server"),
+    (f"{E}.router", f"{E}.load"),
+    (f"{E}.bench",),
+    (f"{E}.commands", f"{E}.cli"),
 ]
 # inspector draws events; it may not reach into the engine's other rooms
-INSPECTOR_MAY_IMPORT = ("engine.events",)
+INSPECTOR_MAY_IMPORT = ("kvscope.engine.events",)
 
 
 def _modules() -> dict[str, Path]:
@@ -43,7 +44,7 @@ def _modules() -> dict[str, Path]:
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            out[".".join(parts)] = path
+            out[".".join(["kvscope", *parts])] = path  # the installed name (setup.py)
     return out
 
 
@@ -66,7 +67,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         else:
             continue
         for t in targets:
-            while t and t not in known:  # `import engine.x.y` of a name inside a module
+            while t and t not in known:  # `import kvscope.engine.x.y` of a name inside a module
                 t = t.rpartition(".")[0]
             if t and t != name:
                 found.add(t)
@@ -137,8 +138,8 @@ def test_no_import_runs_up_the_layers():
 
 def test_inspector_imports_only_the_event_packages():
     bad = [f"{a} imports {b}" for a, targets in sorted(_graph().items())
-           if a.startswith("inspector") for b in sorted(targets)
-           if b.startswith("engine") and not b.startswith(INSPECTOR_MAY_IMPORT)]
+           if a.startswith("kvscope.inspector") for b in sorted(targets)
+           if b.startswith("kvscope.engine") and not b.startswith(INSPECTOR_MAY_IMPORT)]
     assert not bad, "\n".join(bad)
 
 
@@ -151,12 +152,33 @@ def test_no_import_circles():
 def test_the_checks_see_what_they_must_refuse():
     """On a made-up graph the checks find the upward arrow and the circle; on the real
     graph, edges known to exist are seen (the graph is not empty by accident)."""
-    fake = {"engine.cache.manager": {"engine.cache.report"},
-            "engine.cache.report": {"engine.cache.manager"},
-            "engine.events.state": {"engine.engine"}}
+    fake = {"kvscope.engine.cache.manager": {"kvscope.engine.cache.report"},
+            "kvscope.engine.cache.report": {"kvscope.engine.cache.manager"},
+            "kvscope.engine.events.state": {"kvscope.engine.engine"}}
     assert upward_imports(fake) == [
-        "engine.events.state (layer 1) imports engine.engine (layer 7)"]
-    assert circles(fake) == [["engine.cache.manager", "engine.cache.report"]]
+        "kvscope.engine.events.state (layer 1) imports kvscope.engine.engine (layer 7)"]
+    assert circles(fake) == [["kvscope.engine.cache.manager", "kvscope.engine.cache.report"]]
     graph = _graph()
-    assert {"engine.scheduler", "engine.cache"} <= graph["engine.engine"]
-    assert "engine.events.schema" in graph["engine.cache.manager"]
+    assert {"kvscope.engine.scheduler", "kvscope.engine.cache"} <= graph["kvscope.engine.engine"]
+    assert "kvscope.engine.events.schema" in graph["kvscope.engine.cache.manager"]
+
+
+def test_every_import_of_our_code_names_kvscope():
+    """Installed, the rooms exist only as ``kvscope.engine``, ``kvscope.inspector`` and
+    ``kvscope.kernels`` (setup.py). A bare ``import engine`` still works from the
+    checkout's root, where the folders sit on the path, so only this check catches it
+    before a user's install does."""
+    rooms = ("engine", "inspector", "kernels", "kvscope_assets")
+    bad = []
+    for folder in (*PACKAGES, "tests", "scripts"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                else:
+                    continue
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                        if n.split(".")[0] in rooms]
+    assert not bad, "\n".join(bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import load_model
+from kvscope.engine.model import load_model
 
 
 @pytest.fixture(scope="session")

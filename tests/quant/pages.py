@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import quant, reference
+from kvscope.kernels import quant, reference
 
 FORMATS = ("fp8", "int8", "int4")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from engine.bench.quant import capacity_table, teacher_forced
+from kvscope.engine.bench.quant import capacity_table, teacher_forced
 
 
 def test_teacher_forced_metrics_on_a_short_text(loaded):

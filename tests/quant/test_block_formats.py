@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.runner.block_kv import BlockKV, BlockPagedAttention
-from engine.runner.model_runner import StepBatch
-from kernels import block_quant as bq
+from kvscope.engine.runner.block_kv import BlockKV, BlockPagedAttention
+from kvscope.engine.runner.model_runner import StepBatch
+from kvscope.kernels import block_quant as bq
 
 FORMATS = list(bq.FORMATS.values())
 BS, HKV, D = 8, 2, 16
@@ -205,7 +205,7 @@ def test_residual_window_then_block_codes_through_prefill_and_decode(name):
 def test_steps_on_a_gpu_take_the_triton_kernel(monkeypatch):
     """The dispatch a GPU takes (kernels/triton_block_attention.py for the prefill and every
     decode step), here under the Triton interpreter: same answers."""
-    from kernels import cpu_block_decode, triton_block_attention
+    from kvscope.kernels import cpu_block_decode, triton_block_attention
 
     calls = []
     kernel = triton_block_attention.block_attention

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.runner.page_format import check_supported
-from engine.sampling import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.runner.page_format import check_supported
+from kvscope.engine.sampling import SamplingParams
 from tests.engine.conftest import run_all
 from tests.quant.test_engine_quant import _agreement
 

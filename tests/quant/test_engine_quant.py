@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.engine import LLMEngine
+from kvscope.engine.sampling import SamplingParams
 
 PROMPTS = ["The capital of France is", "List three colours of the rainbow:"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -88,7 +88,7 @@ def test_pool_is_sized_from_the_byte_budget_with_scales(loaded):
 
 
 def test_tier_init_event_carries_the_format(loaded, tmp_path):
-    from engine.events.wire.recording import Recording
+    from kvscope.engine.events.wire.recording import Recording
 
     path = tmp_path / "int4.kvtrace"
     eng = LLMEngine(EngineConfig(kv_cache_dtype="int4", num_gpu_blocks=8,

@@ -1,11 +1,11 @@
-"""kernels.quant: quantize -> dequantize stays within each format's step; layouts."""
+"""kvscope.kernels.quant: quantize -> dequantize stays within each format's step; layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import quant
+from kvscope.kernels import quant
 
 
 def _vectors(seed: int = 0) -> torch.Tensor:

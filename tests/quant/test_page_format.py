@@ -1,4 +1,4 @@
-"""engine.runner.page_format: bytes per block (scales included), the pool from a budget,
+"""kvscope.engine.runner.page_format: bytes per block (scales included), the pool from a budget,
 allocation, and start-up checks of what a device can run."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.runner.page_format import check_supported, page_format
+from kvscope.engine.runner.page_format import check_supported, page_format
 
 SMOLLM2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
 

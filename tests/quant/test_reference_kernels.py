@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from kvscope import kernels
+from kvscope.kernels import reference
 from tests.quant.pages import FORMATS, QuantPages, empty_pages, filled_pages
 
 NB, BS, HKV, HQ, D = 10, 4, 2, 6, 16

@@ -114,7 +114,7 @@ class ReplicaSpec:
         return f"tcp://127.0.0.1:{self.events_port}"
 
     def serve_cmd(self) -> list[str]:
-        return [sys.executable, "-m", "engine.cli", "serve", "--port", str(self.http_port),
+        return [sys.executable, "-m", "kvscope.engine.cli", "serve", "--port", str(self.http_port),
                 "--events", self.events, *REPLICA_ARGS]
 
 
@@ -152,7 +152,8 @@ def cluster() -> Iterator[Cluster]:
     try:
         for p, ready in started:
             replicas.append(wait_ready(p, ready))
-        cmd = [sys.executable, "-m", "engine.cli", "route", "--port", "0", "--policy", "prefix"]
+        cmd = [sys.executable, "-m", "kvscope.engine.cli", "route", "--port", "0",
+               "--policy", "prefix"]
         for s in specs:
             cmd += ["--replica", f"{s.url},{s.events}"]
         router = wait_ready(*launch(cmd))

@@ -33,7 +33,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_serve_data_parallel_starts_routes_restarts_and_stops(tiny_dir: Path) -> None:
-    front = wait_ready(*launch([sys.executable, "-m", "engine.cli", "serve", "--model",
+    front = wait_ready(*launch([sys.executable, "-m", "kvscope.engine.cli", "serve", "--model",
                                 str(tiny_dir), "--data-parallel-size", "2", "--port", "0",
                                 "--num-gpu-blocks", "32", "--max-model-len", "128"]))
     try:

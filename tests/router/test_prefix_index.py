@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 
-from engine.bench.synthetic import SyntheticCache
-from engine.cache.hashing import chain_hashes
-from engine.events.sink import ListSink
-from engine.events.state import KVState
-from engine.router.policy import Policy
-from engine.router.prefix_index import PrefixIndex, prompt_chain
-from engine.router.replica import Replica, parse_replica
+from kvscope.engine.bench.synthetic import SyntheticCache
+from kvscope.engine.cache.hashing import chain_hashes
+from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.state import KVState
+from kvscope.engine.router.policy import Policy
+from kvscope.engine.router.prefix_index import PrefixIndex, prompt_chain
+from kvscope.engine.router.replica import Replica, parse_replica
 
 
 def _mirror_counts(state: KVState) -> dict[int, int]:
@@ -104,8 +104,8 @@ def test_parse_replica() -> None:
 def test_index_from_column_frames_equals_the_per_event_index(monkeypatch) -> None:  # noqa: ANN001
     """Protocol 3: fed the decoded column frames (every hot step as columns), the index
     equals the one fed the same steps' events, and the mirror, after every batch."""
-    from engine.events import state_columns
-    from engine.events.wire import codec as C
+    from kvscope.engine.events import state_columns
+    from kvscope.engine.events.wire import codec as C
 
     monkeypatch.setattr(state_columns, "SMALL_RUN", 0)  # every step with ids as columns
     monkeypatch.setattr(state_columns, "BULK_IDS", 0)

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from engine.router.app import Router, create_app
-from engine.router.policy import Policy
-from engine.router.replica import Replica
+from kvscope.engine.router.app import Router, create_app
+from kvscope.engine.router.policy import Policy
+from kvscope.engine.router.replica import Replica
 from tests.waiting import HANG_S
 
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
@@ -213,7 +213,7 @@ def test_a_client_that_leaves_releases_its_replica(stream: bool, headers_first: 
     waiting for an answer nobody reads. The daemon sends a non-streamed answer's headers
     only when it is complete (headers_first False); a stream's right away. Meanwhile the
     request counts as in flight on its replica."""
-    import engine.router.app as app_module
+    import kvscope.engine.router.app as app_module
 
     monkeypatch.setattr(app_module, "DISCONNECT_POLL_S", 0.01)
     started, closed = asyncio.Event(), []

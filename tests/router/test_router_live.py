@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from engine.load.summary import parse_metrics
+from kvscope.engine.load.summary import parse_metrics
 from tests.router.conftest import Cluster, launch_replica, wait_ready
 from tests.waiting import HANG_S
 
@@ -77,7 +77,7 @@ def test_fleet_view_of_the_routers_replicas(cluster: Cluster, qapp) -> None:  # 
     stream, with the router's per-replica figures."""
     import time
 
-    from inspector.fleet import _build
+    from kvscope.inspector.fleet import _build
 
     win = _build([], [cluster.router.url])
 

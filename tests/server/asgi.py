@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
-from engine.load.summary import parse_metrics
-from engine.server.app import create_app
-from engine.server.state import ServerState
+from kvscope.engine.load.summary import parse_metrics
+from kvscope.engine.server.app import create_app
+from kvscope.engine.server.state import ServerState
 from tests.waiting import HANG_S
 
 BASE = "http://kvscope"
@@ -94,8 +94,8 @@ def serve_double(engine: Any, *, tokenizer: Any = None, max_model_len: int = 204
                  vocab_size: int = 49152, **settings: Any) -> InProcess:
     """The app in front of an engine double (tests/server/doubles.py), with these
     ServerSettings."""
-    from engine.server.metrics import ServerMetrics
-    from engine.server.state import ServerSettings
+    from kvscope.engine.server.metrics import ServerMetrics
+    from kvscope.engine.server.state import ServerSettings
 
     s = ServerSettings(**settings)
     return InProcess(ServerState(engine=engine, metrics=ServerMetrics(s.served_model_name),

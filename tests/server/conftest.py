@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.load.summary import parse_metrics
+from kvscope.engine.load.summary import parse_metrics
 from tests.server.asgi import InProcess
 from tests.waiting import HANG_S
 
@@ -71,7 +71,7 @@ class Daemon:
 
 
 def start_daemon(*args: str, record: Path | None = None,
-                 env: dict[str, str] | None = None, module: str = "engine.cli") -> Daemon:
+                 env: dict[str, str] | None = None, module: str = "kvscope.engine.cli") -> Daemon:
     """``module`` runs instead of engine.cli (e.g. tests.server.faulty_serve)."""
     cmd = [sys.executable, "-m", module, "serve", "--port", "0", *args]
     if record is not None:
@@ -128,11 +128,11 @@ def serve_in_process(*args: str) -> InProcess:
     """``kvscope serve ARGS`` in this process: the same flags make the same engine and
     settings (engine.commands.serve), the engine loop runs on its own thread, and the app
     is called through ASGI."""
-    from engine.cli import build_parser
-    from engine.commands.serve import engine_config, model_of, server_settings
-    from engine.engine import LLMEngine
-    from engine.model.chat_template import load_chat_template
-    from engine.server.daemon import build_engine, build_state
+    from kvscope.engine.cli import build_parser
+    from kvscope.engine.commands.serve import engine_config, model_of, server_settings
+    from kvscope.engine.engine import LLMEngine
+    from kvscope.engine.model.chat_template import load_chat_template
+    from kvscope.engine.server.daemon import build_engine, build_state
 
     ns = build_parser().parse_args(["serve", *args])
     ns.model = model_of(ns)

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import RequestOutputKind, SamplingParams
-from engine.server.engine_client import (
+from kvscope.engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.sampling import RequestOutputKind, SamplingParams
+from kvscope.engine.server.engine_client import (
     Aborted,
     AbortReason,
     Deliver,

@@ -17,8 +17,8 @@ KILLER_TOKEN = 4242
 
 
 def _inject() -> None:
-    import engine.sampler as sampler_module
-    from engine.runner.model_runner import ModelRunner
+    import kvscope.engine.sampler as sampler_module
+    from kvscope.engine.runner.model_runner import ModelRunner
 
     real_sample, real_sample_batch = sampler_module.sample, sampler_module.sample_batch
     real_execute = ModelRunner.execute_keeping
@@ -46,6 +46,6 @@ def _inject() -> None:
 
 if __name__ == "__main__":
     _inject()
-    from engine.cli import main
+    from kvscope.engine.cli import main
 
     sys.exit(main())

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.cli import build_parser
+from kvscope.engine.cli import build_parser
 from tests.server.asgi import InProcess, serve_double
 from tests.server.doubles import SimulatedEngine
 

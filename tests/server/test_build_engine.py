@@ -1,4 +1,4 @@
-"""engine.server.daemon.build_engine: the daemon loads its engine on a short-lived thread,
+"""kvscope.engine.server.daemon.build_engine: the daemon loads its engine on a short-lived thread,
 so the OpenMP threads that loading starts end with it (the engine thread's team is then the
 process's only one, and libgomp keeps spinning at its barriers instead of sleeping)."""
 
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from engine.server.daemon import build_engine
+from kvscope.engine.server.daemon import build_engine
 from tests.waiting import HANG_S
 
 
@@ -41,7 +41,7 @@ def test_the_loaders_openmp_threads_end_with_it():
     leave the main thread's pool alive (the control: shows the count sees a pool)."""
     script = textwrap.dedent("""
         import os, time, torch
-        from engine.server.daemon import build_engine
+        from kvscope.engine.server.daemon import build_engine
         torch.set_num_threads(2)
         tasks = lambda: len(os.listdir("/proc/self/task"))
         def load(_):

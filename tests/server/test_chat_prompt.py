@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.server.errors import APIError
-from engine.server.protocol import ChatCompletionRequest
-from engine.server.strict import parse
+from kvscope.engine.server.errors import APIError
+from kvscope.engine.server.protocol import ChatCompletionRequest
+from kvscope.engine.server.strict import parse
 
 
 class TrimmingTemplate:
@@ -103,7 +103,7 @@ def test_the_template_sees_tools_only_when_a_call_is_asked_for():
 
 
 def test_required_calls_stream_whole_once_each_closes():
-    from engine.server.tools import RequiredCallStream
+    from kvscope.engine.server.tools import RequiredCallStream
 
     text = '[{"name": "f", "parameters": {"s": "a}b", "n": [1, {"x": 2}]}}, {"name": "g", ' \
            '"parameters": {}}]'
@@ -122,7 +122,7 @@ def test_required_calls_stream_whole_once_each_closes():
 
 def test_chat_template_kwargs_reach_the_template_and_cannot_override_the_request():
     """vLLM's chat_template_kwargs (Qwen3's enable_thinking is the common one)."""
-    from engine.model.chat_template import render_chat
+    from kvscope.engine.model.chat_template import render_chat
 
     class Thinking:
         def apply_chat_template(self, conv: list[dict], add_generation_prompt: bool,

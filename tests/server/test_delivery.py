@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine.server.delivery import StepDelivery
+from kvscope.engine.server.delivery import StepDelivery
 from tests.waiting import HANG_S
 
 

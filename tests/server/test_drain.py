@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.server.daemon import drain
+from kvscope.engine.server.daemon import drain
 from tests.server.asgi import InProcess, serve_double
 from tests.server.doubles import CharTokenizer, SimulatedEngine
 from tests.waiting import HANG_S

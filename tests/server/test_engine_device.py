@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from engine.server.engine_loop import EngineLoop
+from kvscope.engine.server.engine_loop import EngineLoop
 from tests.server.doubles import ScriptedLLMEngine
 
 

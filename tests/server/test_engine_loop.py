@@ -10,10 +10,10 @@ import queue
 
 import pytest
 
-from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
-from engine.server.engine_client import Aborted, EngineClient, EngineUnavailable
-from engine.server.engine_loop import EngineLoop
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.server.engine_client import Aborted, EngineClient, EngineUnavailable
+from kvscope.engine.server.engine_loop import EngineLoop
 from tests.server.doubles import ScriptedLLMEngine, SimulatedEngine
 from tests.waiting import HANG_S
 

@@ -17,8 +17,8 @@ import openai
 import pytest
 from openai.types.responses.response_usage import ResponseUsage
 
-from engine import structured
-from engine.server import admission
+from kvscope.engine import structured
+from kvscope.engine.server import admission
 from tests.server.asgi import InProcess
 
 REGEX = "(a{1000}){1000}"  # QA: answered 500 with the grammar and the engine's state
@@ -154,7 +154,7 @@ def test_admission_never_runs_on_the_event_loop(served: InProcess, monkeypatch):
     monkeypatch.setattr(tok, "encode", watch("encode", tok.encode))
     monkeypatch.setattr(structured.StructuredOutputsParams, "compile",
                         watch("compile", structured.StructuredOutputsParams.compile))
-    from engine.server import chat_prompt
+    from kvscope.engine.server import chat_prompt
 
     monkeypatch.setattr(chat_prompt.ChatPrompt, "prompt_text",
                         watch("template", chat_prompt.ChatPrompt.prompt_text))

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.events.wire.recording import Recording
+from kvscope.engine.events.wire.recording import Recording
 from tests.server.conftest import Daemon, start_daemon, stop_daemon
 from tests.waiting import HANG_S
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from engine.load.workloads import list_workloads
+from kvscope.engine.load.workloads import list_workloads
 from tests.server.conftest import REPO, Daemon
 from tests.waiting import HANG_S
 
@@ -19,7 +19,7 @@ from tests.waiting import HANG_S
 def test_workload_summary_agrees_with_metrics(daemon: Daemon, workload: str) -> None:
     before = daemon.metrics()
     run = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "load", "--url", daemon.url, "--workload",
+        [sys.executable, "-m", "kvscope.engine.cli", "load", "--url", daemon.url, "--workload",
          workload, "--num-requests", "2", "--max-tokens", "3", "--rate", "50",
          "--duration", "60", "--json", "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
@@ -54,17 +54,17 @@ def test_workload_summary_agrees_with_metrics(daemon: Daemon, workload: str) -> 
 
 def test_table_output_and_bad_arguments(daemon: Daemon) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "load", "--url", daemon.url, "--workload",
+        [sys.executable, "-m", "kvscope.engine.cli", "load", "--url", daemon.url, "--workload",
          "shared_system_chat", "--num-requests", "1", "--max-tokens", "2", "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr
     for row in ("TTFT p50 / p99", "TPOT p50 / p99", "throughput", "prefix hit rate",
                 "preemptions", "swaps", "decode by context"):
         assert row in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "engine.cli", "load", "--workload", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "kvscope.engine.cli", "load", "--workload", "nope"],
                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert bad.returncode == 2 and "named ones" in bad.stderr
-    down = subprocess.run([sys.executable, "-m", "engine.cli", "load", "--url",
+    down = subprocess.run([sys.executable, "-m", "kvscope.engine.cli", "load", "--url",
                            "http://127.0.0.1:9", "--num-requests", "1"],
                           cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert down.returncode == 1 and "cannot read" in down.stderr

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.events.state import KVState
-from engine.events.wire.recording import Recording, RecordingWarning
+from kvscope.engine.events.state import KVState
+from kvscope.engine.events.wire.recording import Recording, RecordingWarning
 from tests.server.conftest import Daemon, start_daemon, stop_daemon
 from tests.waiting import HANG_S
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.metrics import ServerMetrics
+from kvscope.engine.server.metrics import ServerMetrics
 from tests.server.doubles import ScriptedLLMEngine
 
 LIST = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-metrics.json"

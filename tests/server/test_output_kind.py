@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from engine.sampling import RequestOutputKind
-from engine.server.limits import Limits
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from engine.server.strict import parse
+from kvscope.engine.sampling import RequestOutputKind
+from kvscope.engine.server.limits import Limits
+from kvscope.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvscope.engine.server.strict import parse
 
 
 @pytest.mark.parametrize("stream, kind", [(False, RequestOutputKind.FINAL_ONLY),

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from engine.server.errors import APIError
-from engine.server.limits import Limits
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from engine.server.responses_protocol import ResponsesRequest, responses_names
-from engine.server.strict import parse
+from kvscope.engine.server.errors import APIError
+from kvscope.engine.server.limits import Limits
+from kvscope.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvscope.engine.server.responses_protocol import ResponsesRequest, responses_names
+from kvscope.engine.server.strict import parse
 from tests.server.asgi import InProcess
 from tests.server.conftest import REPO
 from tests.waiting import HANG_S
@@ -72,7 +72,7 @@ def test_a_structured_request_compiles_its_grammar_once(served: InProcess, monke
     starts from a copy of it)."""
     import llguidance
 
-    from engine import structured
+    from kvscope.engine import structured
 
     built = []
     real = llguidance.LLMatcher
@@ -100,9 +100,9 @@ def test_a_structured_request_compiles_its_grammar_once(served: InProcess, monke
 
 def test_the_request_models_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from engine.server.protocol import ChatCompletionRequest\n"
-            "from engine.server.strict import parse\n"
-            "from engine.server.responses_protocol import ResponsesRequest\n"
+            "from kvscope.engine.server.protocol import ChatCompletionRequest\n"
+            "from kvscope.engine.server.strict import parse\n"
+            "from kvscope.engine.server.responses_protocol import ResponsesRequest\n"
             "parse(ChatCompletionRequest, b'{\"messages\": [{\"role\": \"user\", "
             "\"content\": \"hi\"}], \"response_format\": {\"type\": \"json_object\"}}')\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")

@@ -13,10 +13,10 @@ from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from engine.server.errors import APIError
-from engine.server.responses_format import ResponseEvents, ResponseShape, output_items
-from engine.server.responses_protocol import ResponsesRequest
-from engine.server.strict import parse
+from kvscope.engine.server.errors import APIError
+from kvscope.engine.server.responses_format import ResponseEvents, ResponseShape, output_items
+from kvscope.engine.server.responses_protocol import ResponsesRequest
+from kvscope.engine.server.strict import parse
 
 USAGE = {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2,
          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 5}

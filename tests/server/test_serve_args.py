@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cli import build_parser, main
-from engine.commands.serve import model_of
-from engine.router.data_parallel import replica_argv
+from kvscope.engine.cli import build_parser, main
+from kvscope.engine.commands.serve import model_of
+from kvscope.engine.router.data_parallel import replica_argv
 
 
 @pytest.mark.parametrize(("argv", "model"), [(["serve"], "smollm2"),

@@ -15,8 +15,8 @@ from tests.waiting import HANG_S
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--model", "dummy:tiny",
-           "--num-gpu-blocks", "16", *args]
+    cmd = [sys.executable, "-m", "kvscope.engine.cli", "serve", "--port", "0",
+           "--model", "dummy:tiny", "--num-gpu-blocks", "16", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
 
 

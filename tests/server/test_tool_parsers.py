@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.server.tool_parsers import PARSERS, AutoToolStream
+from kvscope.engine.server.tool_parsers import PARSERS, AutoToolStream
 
 HERMES = PARSERS["hermes"]
 LLAMA = PARSERS["llama3_json"]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine.load.summary import percentile
-from engine.load.workloads import (
+from kvscope.engine.load.summary import percentile
+from kvscope.engine.load.workloads import (
     WorkloadError,
     list_workloads,
     load_workload,

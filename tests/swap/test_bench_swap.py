@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from engine.cli import main
+from kvscope.engine.cli import main
 
 
 def test_bench_swap_json(capsys):

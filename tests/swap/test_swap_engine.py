@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.events import KVState
-from engine.events.wire.recording import Recording
-from engine.reference_generate import generate_reference
+from kvscope.engine.events import KVState
+from kvscope.engine.events.wire.recording import Recording
+from kvscope.engine.reference_generate import generate_reference
 from tests.engine.conftest import GREEDY, PROMPTS, TEST_DTYPE, as_prompt
 
 

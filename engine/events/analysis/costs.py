@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
 
 COST_SERIES = ("recompute_share", "fragmentation", "prefix_saved", "decode_ms",
                "decode_context")

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.events.analysis.lifecycle import STEP_COLUMNS, LifecycleIndex
-from engine.events.causes import describe
+from kvscope.engine.events.analysis.lifecycle import STEP_COLUMNS, LifecycleIndex
+from kvscope.engine.events.causes import describe
 
 REQUESTS_PID, CACHE_PID = 1, 2
 COUNTER_TRACKS = ("blocks", "hit rate", "sequences", "recompute share", "occupancy")

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.events import schema as S
-from engine.events.stats import StepStats
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.stats import StepStats
 
 # phases (the lifecycle Gantt's colours); "finished" is the row's end, not a phase
 WAITING = "waiting"  # added, never scheduled
@@ -605,7 +605,7 @@ class LifecycleIndex:
         s.preemptions.append(p)
         self.preemptions.append((s.seq_id, p))
         self._row["preemptions"] += 1
-        from engine.events.causes import describe
+        from kvscope.engine.events.causes import describe
 
         new = "swapped" if mode == "swap" else "waiting"
         self._status(s, s.status, new)

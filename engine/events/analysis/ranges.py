@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.events.analysis.lifecycle import LifecycleIndex
-from engine.events.state import KVState
+from kvscope.engine.events.analysis.lifecycle import LifecycleIndex
+from kvscope.engine.events.state import KVState
 
 
 def range_summary(idx: LifecycleIndex, first: int, last: int) -> dict[str, Any]:

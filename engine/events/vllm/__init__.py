@@ -10,11 +10,11 @@
 - ``recording``: raw-message recordings (``.vllmtrace``) of such a stream.
 """
 
-from engine.events.vllm.config import KVEventsConfig
-from engine.events.vllm.prefix_cache import NOT_PUBLISHED, VllmPrefixCache
-from engine.events.vllm.subscriber import VllmBatch, VllmSubscriber
-from engine.events.vllm.translate import VllmTranslator
-from engine.events.vllm.wire import VllmWireError
+from kvscope.engine.events.vllm.config import KVEventsConfig
+from kvscope.engine.events.vllm.prefix_cache import NOT_PUBLISHED, VllmPrefixCache
+from kvscope.engine.events.vllm.subscriber import VllmBatch, VllmSubscriber
+from kvscope.engine.events.vllm.translate import VllmTranslator
+from kvscope.engine.events.vllm.wire import VllmWireError
 
 __all__ = ["KVEventsConfig", "NOT_PUBLISHED", "VllmBatch", "VllmPrefixCache",
            "VllmSubscriber", "VllmTranslator", "VllmWireError"]

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from engine.events import causes as C
-from engine.events import schema as S
-from engine.events.sink import EventSink
+from kvscope.engine.events import causes as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.sink import EventSink
 
 TIER = "gpu"
 RESERVED = "vllm:reserved"  # the null block and blocks held without a live request

@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.events import causes as C
-from engine.events.vllm.pagetable import PageTableDiffer
-from engine.events.vllm.tracker import IncrementalReader, Touched
+from kvscope.engine.events import causes as C
+from kvscope.engine.events.vllm.pagetable import PageTableDiffer
+from kvscope.engine.events.vllm.tracker import IncrementalReader, Touched
 
 log = logging.getLogger("kvscope.vllm")
 
@@ -247,7 +247,7 @@ class Producer:
     difference as one batch (engine-core thread), answers snapshots from its mirror."""
 
     def __init__(self, scheduler: Any, cfg: Config, running: Any, version: str) -> None:
-        from engine.events.wire.stream import EventStream
+        from kvscope.engine.events.wire.stream import EventStream
 
         self.on = False
         self.running = running

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.events.schema import group_pool
-from engine.events.vllm import wire as W
+from kvscope.engine.events.schema import group_pool
+from kvscope.engine.events.vllm import wire as W
 
 NOT_PUBLISHED = ("vLLM's KV events publish the prefix-cache index only: no block ids, "
                  "allocation, block tables, ref counts, preemption or swaps, and no cache "

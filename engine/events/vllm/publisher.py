@@ -29,10 +29,10 @@ from typing import Any
 
 import zmq
 
-from engine.events.columns import StepColumns
-from engine.events.vllm import wire as W
-from engine.events.vllm.config import KVEventsConfig
-from engine.events.vllm.translate import VllmTranslator
+from kvscope.engine.events.columns import StepColumns
+from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm.config import KVEventsConfig
+from kvscope.engine.events.vllm.translate import VllmTranslator
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import wire as W
 
 
 @dataclass

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from engine.events.vllm.pagetable import (
+from kvscope.engine.events.vllm.pagetable import (
     RESERVED,
     PageTable,
     SeqView,

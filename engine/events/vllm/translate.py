@@ -60,10 +60,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.events import columns as C
-from engine.events import schema as S
-from engine.events.columns import StepColumns
-from engine.events.vllm import wire as W
+from kvscope.engine.events import columns as C
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.columns import StepColumns
+from kvscope.engine.events.vllm import wire as W
 
 MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU, "disk": W.MEDIUM_STORAGE}
 STORE_PARENTS = S.STORE_PARENTS

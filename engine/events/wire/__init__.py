@@ -2,15 +2,15 @@
 publisher, the engine-side ``EventStream`` (publisher + recorder), the ``Subscriber`` and
 recordings. Torch-free."""
 
-from engine.events.wire.codec import Codec
-from engine.events.wire.recording import (
+from kvscope.engine.events.wire.codec import Codec
+from kvscope.engine.events.wire.recording import (
     Recording,
     RecordingError,
     RecordingWarning,
     RecordingWriter,
 )
-from engine.events.wire.stream import BatchConsumer, EventStream
-from engine.events.wire.subscriber import Subscriber
+from kvscope.engine.events.wire.stream import BatchConsumer, EventStream
+from kvscope.engine.events.wire.subscriber import Subscriber
 
 __all__ = ["Codec", "EventStream", "BatchConsumer", "Subscriber", "Recording",
            "RecordingWriter", "RecordingError", "RecordingWarning"]

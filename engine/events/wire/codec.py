@@ -40,16 +40,16 @@ import msgpack
 import msgspec
 from msgspec import UNSET
 
-from engine.events import schema as S
-from engine.events.columns import StepColumns
-from engine.events.schema import (
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.columns import StepColumns
+from kvscope.engine.events.schema import (
     BLOCK_ID_FIELDS,
     PROTOCOL_VERSION,
     READABLE_VERSIONS,
     ProtocolError,
 )
-from engine.events.state import pack_ids
-from engine.events.state_columns import worth_arrays
+from kvscope.engine.events.state import pack_ids
+from kvscope.engine.events.state_columns import worth_arrays
 
 TOPIC = b"kv"
 

@@ -41,8 +41,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from engine.events.schema import ProtocolError
-from engine.events.wire import codec as C
+from kvscope.engine.events.schema import ProtocolError
+from kvscope.engine.events.wire import codec as C
 
 log = logging.getLogger(__name__)
 

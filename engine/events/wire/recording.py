@@ -55,9 +55,9 @@ from typing import Any, BinaryIO
 import msgpack
 import zstandard
 
-from engine.events.schema import PROTOCOL_VERSION, READABLE_VERSIONS, ProtocolError
-from engine.events.state import KVState
-from engine.events.wire.codec import MSG_BATCH, Codec, check_envelope, typed_events
+from kvscope.engine.events.schema import PROTOCOL_VERSION, READABLE_VERSIONS, ProtocolError
+from kvscope.engine.events.state import KVState
+from kvscope.engine.events.wire.codec import MSG_BATCH, Codec, check_envelope, typed_events
 
 MAGIC = b"KVSTRACE"
 TRAILER_MAGIC = b"KVSINDEX"

@@ -54,15 +54,15 @@ from typing import Any, Protocol
 
 import msgspec
 
-from engine.events import schema as S
-from engine.events.column_sink import ColumnSink, RecordedStep
-from engine.events.schema import ProtocolError
-from engine.events.sink import EventSink, NullSink
-from engine.events.state import KVState
-from engine.events.stats import StepStats
-from engine.events.wire import codec as C
-from engine.events.wire.publisher import Publisher
-from engine.events.wire.recording import RecordingWriter
+from kvscope.engine.events import schema as S
+from kvscope.engine.events.column_sink import ColumnSink, RecordedStep
+from kvscope.engine.events.schema import ProtocolError
+from kvscope.engine.events.sink import EventSink, NullSink
+from kvscope.engine.events.state import KVState
+from kvscope.engine.events.stats import StepStats
+from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.publisher import Publisher
+from kvscope.engine.events.wire.recording import RecordingWriter
 
 log = logging.getLogger(__name__)
 
@@ -499,14 +499,14 @@ def open_stream(endpoint: str | None, record_path: str | None, kv_events_config:
     """The engine's event stream: publishing on ``endpoint``, recording to ``record_path``
     and/or vLLM-format KV events (``kv_events_config``, vLLM's JSON); None when none is
     asked for. A consumer opened before a failing stream is closed again."""
-    from engine.events.vllm.config import KVEventsConfig
+    from kvscope.engine.events.vllm.config import KVEventsConfig
 
     vllm_events = KVEventsConfig.from_json(kv_events_config or "{}")
     if not (endpoint or record_path or vllm_events.enabled):
         return None
     consumers = []
     if vllm_events.enabled:
-        from engine.events.vllm.publisher import VllmPublisher
+        from kvscope.engine.events.vllm.publisher import VllmPublisher
 
         consumers.append(VllmPublisher(vllm_events))
     try:

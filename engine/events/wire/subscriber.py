@@ -48,11 +48,11 @@ from typing import Any
 
 import zmq
 
-from engine.events.schema import ProtocolError
-from engine.events.state import KVState
-from engine.events.stats import StepStats
-from engine.events.wire import codec as C
-from engine.events.wire.publisher import snapshot_endpoint_for
+from kvscope.engine.events.schema import ProtocolError
+from kvscope.engine.events.state import KVState
+from kvscope.engine.events.stats import StepStats
+from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.publisher import snapshot_endpoint_for
 
 Update = dict[str, Any]
 

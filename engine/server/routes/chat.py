@@ -11,10 +11,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.outputs import RequestOutput
-from engine.server import openai_format as fmt
-from engine.server import sse, tools
-from engine.server.admission import (
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server import openai_format as fmt
+from kvscope.engine.server import sse, tools
+from kvscope.engine.server.admission import (
     admit,
     chat_tokens,
     check_model,
@@ -23,13 +23,13 @@ from engine.server.admission import (
     read_body,
     server_state,
 )
-from engine.server.errors import bad_request
-from engine.server.jobs import Job, collect, submit
-from engine.server.openapi import request_body
-from engine.server.protocol import ChatCompletionRequest
-from engine.server.state import ServerState
-from engine.server.strict import parse
-from engine.server.tool_parsers import PARSERS, AutoToolStream
+from kvscope.engine.server.errors import bad_request
+from kvscope.engine.server.jobs import Job, collect, submit
+from kvscope.engine.server.openapi import request_body
+from kvscope.engine.server.protocol import ChatCompletionRequest
+from kvscope.engine.server.state import ServerState
+from kvscope.engine.server.strict import parse
+from kvscope.engine.server.tool_parsers import PARSERS, AutoToolStream
 
 router = APIRouter()
 

@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.outputs import RequestOutput
-from engine.server import openai_format as fmt
-from engine.server import sse
-from engine.server.admission import (
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server import openai_format as fmt
+from kvscope.engine.server import sse
+from kvscope.engine.server.admission import (
     admit,
     check_model,
     check_prompt_length,
@@ -22,12 +22,12 @@ from engine.server.admission import (
     read_body,
     server_state,
 )
-from engine.server.errors import bad_request
-from engine.server.jobs import Job, collect, submit
-from engine.server.openapi import request_body
-from engine.server.protocol import CompletionRequest
-from engine.server.state import ServerState
-from engine.server.strict import parse
+from kvscope.engine.server.errors import bad_request
+from kvscope.engine.server.jobs import Job, collect, submit
+from kvscope.engine.server.openapi import request_body
+from kvscope.engine.server.protocol import CompletionRequest
+from kvscope.engine.server.state import ServerState
+from kvscope.engine.server.strict import parse
 
 router = APIRouter()
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.server.admission import authorize, check_model, server_state
-from engine.server.state import ServerState
+from kvscope.engine.server.admission import authorize, check_model, server_state
+from kvscope.engine.server.state import ServerState
 
 router = APIRouter()
 

@@ -10,23 +10,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.outputs import RequestOutput
-from engine.server import openai_format as fmt
-from engine.server import responses_format as rfmt
-from engine.server import sse
-from engine.server.admission import admit, check_model, off_loop, read_body, server_state
-from engine.server.errors import APIError
-from engine.server.jobs import Job, abort_rest, collect, deltas
-from engine.server.openapi import request_body
-from engine.server.protocol import ChatCompletionRequest
-from engine.server.responses_protocol import (
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.server import openai_format as fmt
+from kvscope.engine.server import responses_format as rfmt
+from kvscope.engine.server import sse
+from kvscope.engine.server.admission import admit, check_model, off_loop, read_body, server_state
+from kvscope.engine.server.errors import APIError
+from kvscope.engine.server.jobs import Job, abort_rest, collect, deltas
+from kvscope.engine.server.openapi import request_body
+from kvscope.engine.server.protocol import ChatCompletionRequest
+from kvscope.engine.server.responses_protocol import (
     ResponsesRequest,
     responses_field,
     responses_names,
 )
-from engine.server.routes.chat import auto_parser, submit_chat
-from engine.server.state import ServerState
-from engine.server.strict import parse
+from kvscope.engine.server.routes.chat import auto_parser, submit_chat
+from kvscope.engine.server.state import ServerState
+from kvscope.engine.server.strict import parse
 
 router = APIRouter()
 

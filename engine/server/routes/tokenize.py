@@ -8,7 +8,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from engine.server.admission import (
+from kvscope.engine.server.admission import (
     authorize,
     chat_prompt,
     check_model,
@@ -17,14 +17,14 @@ from engine.server.admission import (
     server_state,
     tokenizer,
 )
-from engine.server.errors import bad_request
-from engine.server.openapi import request_body
-from engine.server.protocol import (
+from kvscope.engine.server.errors import bad_request
+from kvscope.engine.server.openapi import request_body
+from kvscope.engine.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from engine.server.strict import parse
+from kvscope.engine.server.strict import parse
 
 router = APIRouter()
 
