@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from kvscope.engine.sampling import SamplingParams
+        from kvscope.engine.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "StructuredOutputsParams":

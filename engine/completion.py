@@ -24,7 +24,8 @@ import torch
 from kvscope.engine.model.detokenizer import IncrementalDetokenizer
 from kvscope.engine.model.tokenizer import Tokenizer
 from kvscope.engine.outputs import CompletionOutput
-from kvscope.engine.sampling import SamplingParams, adjust_logits
+from kvscope.engine.sampling_ops import adjust_logits
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.structured import GrammarMatcher
 
 

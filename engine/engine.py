@@ -28,14 +28,15 @@ from kvscope.engine.events.sink import NullSink
 from kvscope.engine.events.stats import StepStats, TierStats
 from kvscope.engine.model import load_model
 from kvscope.engine.outputs import RequestOutput
-from kvscope.engine.request import Sequence
 from kvscope.engine.request_state import RequestState
 from kvscope.engine.runner import kv_budget, mixed_kv
 from kvscope.engine.runner.model_runner import ModelRunner
 from kvscope.engine.runner.page_format import check_supported, check_windowed, page_format
 from kvscope.engine.sampler import SampleError, Sampler, SampleRow
-from kvscope.engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
+from kvscope.engine.sampling_ops import prompt_logprobs
+from kvscope.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvscope.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from kvscope.engine.sequence import Sequence
 from kvscope.engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)

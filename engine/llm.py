@@ -16,7 +16,7 @@ from kvscope.engine.device import resolve_device, resolve_dtype
 from kvscope.engine.engine import LLMEngine
 from kvscope.engine.model.tokenizer import Tokenizer
 from kvscope.engine.outputs import RequestOutput
-from kvscope.engine.sampling import RequestOutputKind, SamplingParams
+from kvscope.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any]
 Conversation = list[dict[str, Any]]

@@ -10,7 +10,8 @@ from kvscope.engine.model.contiguous_cache import ContiguousKVCache
 from kvscope.engine.model.llama import LlamaModel
 from kvscope.engine.model.tokenizer import Tokenizer
 from kvscope.engine.outputs import CompletionOutput
-from kvscope.engine.sampling import SamplingParams, make_generator, sample, top_logprobs
+from kvscope.engine.sampling_ops import make_generator, sample, top_logprobs
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
@@ -38,7 +39,7 @@ def generate_reference(model: LlamaModel, tokenizer: Tokenizer | None,
     generator = None
     if not params.greedy:
         base = params.seed if params.seed is not None else (seed or 0)
-        generator = make_generator(base, index, "cpu")  # as the engine's (engine.sampling)
+        generator = make_generator(base, index, "cpu")  # as the engine's (engine.sampling_ops)
     eos_ids = set(config.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
     state = CompletionState(index, params, tokenizer, prompt_token_ids, eos_ids, budget)
     feed = torch.tensor(prompt_token_ids, device=model.device)

@@ -16,8 +16,9 @@ import torch
 from kvscope.engine.completion import CompletionState
 from kvscope.engine.model.tokenizer import Tokenizer
 from kvscope.engine.outputs import RequestMetrics, RequestOutput
-from kvscope.engine.request import Sequence
-from kvscope.engine.sampling import SamplingParams, make_generator
+from kvscope.engine.sampling_ops import make_generator
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.sequence import Sequence
 
 
 @dataclass

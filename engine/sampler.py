@@ -1,8 +1,9 @@
 """Sampler: a step's logits in, each sampling sequence's next token out.
 
-``engine.sampling`` holds the pure functions (and ``SamplingParams``); this module runs
-them over a step's rows. A row is one sequence that samples this step (``SampleRow``; the
-children of an n > 1 fork share their parent's logits row in the step that forks them).
+``engine.sampling_ops`` holds the pure functions, ``engine.sampling_params`` the
+params; this module runs them over a step's rows. A row is one sequence that samples
+this step (``SampleRow``; the children of an n > 1 fork share their parent's logits row
+in the step that forks them).
 
 Per step: the rows that ban nothing are drawn in one batch (``_draw_batched``: greedy
 rows by one argmax, tempered rows by one ``sample_batch`` with each row's own generator,
@@ -23,8 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.completion import CompletionState
-from kvscope.engine.request import Sequence
-from kvscope.engine.sampling import (
+from kvscope.engine.sampling_ops import (
     adjust_logits,
     greedy_batch,
     sample,
@@ -33,6 +33,7 @@ from kvscope.engine.sampling import (
     top_logprobs_batch,
 )
 from kvscope.engine.scheduler import SampledToken
+from kvscope.engine.sequence import Sequence
 from kvscope.engine.structured import ConstraintError
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ from kvscope.engine.cache.transfers import DiskBatch, Round
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.events import causes as C
 from kvscope.engine.events.analysis.lifecycle import classify_chunk
-from kvscope.engine.request import Sequence
+from kvscope.engine.sequence import Sequence
 
 # Every this many waiting requests raise the prefill cap beside decodes by one more P.
 WAITING_PER_CAP = 2

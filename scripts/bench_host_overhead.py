@@ -44,13 +44,13 @@ def worker(root: str, seqs: int, tokens: int, final: bool, tempered: bool) -> No
 
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     kind = {}
     if final:
         try:
-            from kvscope.engine.sampling import RequestOutputKind
+            from kvscope.engine.sampling_params import RequestOutputKind
             kind = {"output_kind": RequestOutputKind.FINAL_ONLY}
         except ImportError:  # an earlier commit: cumulative is all it has
             kind = None

@@ -1,4 +1,4 @@
-"""What sampling penalties cost (vLLM's repetition/frequency/presence, engine.sampling): the
+"""What sampling penalties cost (repetition/frequency/presence, engine.sampling_ops): the
 decode step of a batch whose rows all carry penalties against the same batch without, on the
 embedded model (SmolLM2, CPU), greedy, side by side in one process, alternating rounds, best
 round. Prints the numbers; nothing is asserted.
@@ -25,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvscope.engine.llm import LLM
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     llm = LLM("smollm2")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -25,7 +25,7 @@ import torch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
 from kvscope.engine.model import load_model
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def free_port() -> int:

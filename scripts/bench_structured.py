@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvscope.engine.llm import LLM
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
     from kvscope.engine.structured import GrammarMatcher, StructuredOutputsParams
 
     llm = LLM("smollm2")

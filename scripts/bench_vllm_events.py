@@ -16,7 +16,7 @@ import time
 from kvscope.engine.bench.events import ManagerWorkload
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events.sink import ListSink
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 from kvscope.engine.events.vllm.translate import VllmTranslator
 from kvscope.engine.events.wire.codec import make_batch
 

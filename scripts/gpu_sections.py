@@ -467,7 +467,7 @@ def _decode_syncs(ctx: Context, loaded, enforce_eager: bool | None) -> dict:
 
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     batch, steps = 8, 8
     eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
@@ -766,7 +766,7 @@ def section_offline(ctx: Context) -> dict:
 def _kvscope_offline(ctx: Context, loaded, workload, max_len: int) -> dict:
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,
                                  max_model_len=max_len, enable_prefix_caching=False,
@@ -910,7 +910,7 @@ def _greedy_tokens(ctx: Context, loaded, prompts: list[dict], max_tokens: int,
                    **engine_kwargs) -> list[list[int]]:
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     eng = LLMEngine(EngineConfig(device=str(ctx.device), dtype=loaded[0].dtype,

@@ -157,7 +157,7 @@ def offline_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, args.root)
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="smollm2", device="cpu", dtype=args.dtype,
                                     max_model_len=bench.MAX_MODEL_LEN))

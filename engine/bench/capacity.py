@@ -87,7 +87,7 @@ def run_layout(arm: dict[str, Any], workload, args, loaded) -> dict[str, Any]:
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
     from kvscope.engine.runner.page_format import page_format
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     model, mc = loaded[0], loaded[2]
     budget = args.budget_tokens // args.block_size * page_format(

@@ -3,7 +3,7 @@
 
 Per page configuration, in process (no server, so the numbers are the engine's alone):
 
-- workloads (assets/workloads, engine.load.workloads: the same sessions for every config):
+- workloads (assets/workloads, engine.loadgen.workloads: the same sessions for every config):
   ``--sessions`` sessions, at most ``--concurrency`` in flight (closed loop: a session's
   next turn is queued when its previous answer is done, the answer joining the history),
   greedy. Reported: mean and peak running sequences per step, prefix hit rate
@@ -125,8 +125,8 @@ def run_workload(loaded, name: str, config: str, args: argparse.Namespace,
     """Run the workload's sessions closed-loop through one engine; return its numbers."""
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.load.workloads import load_workload, sessions
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.loadgen.workloads import load_workload, sessions
+    from kvscope.engine.sampling_params import SamplingParams
 
     w = load_workload(name)
     todo = sessions(w, seed=args.seed, rate=1.0, duration=1e9, max_sessions=args.sessions,

@@ -117,7 +117,7 @@ class Bench:
     def finish(eng, rid: str, ids: list[int], max_tokens: int = 1) -> float:
         """Run one request alone to its end; seconds taken (with ``max_tokens`` 1: its
         time to first token)."""
-        from kvscope.engine.sampling import SamplingParams
+        from kvscope.engine.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
@@ -205,7 +205,7 @@ class Bench:
 
     # -------------------------------------------------------------------- 3
     def restart(self) -> dict[str, Any]:
-        from kvscope.engine.load.workloads import load_workload, sessions
+        from kvscope.engine.loadgen.workloads import load_workload, sessions
 
         a = self.args
         tok = self.loaded[1]
@@ -245,7 +245,7 @@ class Bench:
 
     # -------------------------------------------------------------------- 4
     def overhead(self) -> dict[str, Any]:
-        from kvscope.engine.sampling import SamplingParams
+        from kvscope.engine.sampling_params import SamplingParams
 
         rng = random.Random(7)
         prompt = [rng.randrange(3, self.vocab) for _ in range(64)]

@@ -181,7 +181,7 @@ def greedy_agreement(loaded, dtypes: list[str], max_tokens: int,
                      block_size: int) -> dict[str, dict]:
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}

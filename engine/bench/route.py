@@ -3,7 +3,7 @@
 For each replica count N (``--replicas 2,3,4``), each workload (``multi_turn``,
 ``doc_qa``) and each policy (prefix, least-load, round-robin), one pass: N fresh replicas
 (empty caches) on loopback, a ``kvscope route`` in front, the same seeded sessions driven
-through it by the load generator (``engine.load``). Per pass it prints the cluster-wide
+through it by the load generator (``engine.loadgen``). Per pass it prints the cluster-wide
 prefix hit rate (sum of every response's ``usage.prompt_tokens_details.cached_tokens``
 over its prompt tokens), the router's predicted cached tokens against those actual ones,
 completed requests, output tokens/s, TTFT p50/p99 (client side, streamed) and how the
@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from kvscope.engine.load.summary import parse_metrics, percentile
+from kvscope.engine.loadgen.summary import parse_metrics, percentile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -109,8 +109,8 @@ def _launch_router(children: list[Any], policy: str) -> Any:
 
 
 def one_pass(n: int, workload: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    from kvscope.engine.load.runner import run_sessions
-    from kvscope.engine.load.workloads import load_workload, sessions
+    from kvscope.engine.loadgen.runner import run_sessions
+    from kvscope.engine.loadgen.workloads import load_workload, sessions
 
     w = load_workload(workload)
     rate = args.rate or 0.5 * n

@@ -108,7 +108,7 @@ def ttft(device_name: str, block_size: int, prefix_tokens: int, repeat: int,
     from kvscope.engine.engine import LLMEngine
     from kvscope.engine.model import load_model
     from kvscope.engine.runner.page_format import page_format
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     device = resolve_device(device_name)
     dtype = resolve_dtype("auto", device)

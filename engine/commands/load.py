@@ -50,9 +50,14 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
     from tqdm import tqdm
 
-    from kvscope.engine.load.runner import RunState, run_sessions
-    from kvscope.engine.load.summary import scrape, summarize, table
-    from kvscope.engine.load.workloads import WorkloadError, list_workloads, load_workload, sessions
+    from kvscope.engine.loadgen.runner import RunState, run_sessions
+    from kvscope.engine.loadgen.summary import scrape, summarize, table
+    from kvscope.engine.loadgen.workloads import (
+        WorkloadError,
+        list_workloads,
+        load_workload,
+        sessions,
+    )
 
     if args.list:
         for name in list_workloads():
@@ -114,7 +119,7 @@ def _settle(url: str, api_key: str | None, timeout_s: float = 10.0) -> None:
     figures include those aborts."""
     import time
 
-    from kvscope.engine.load.summary import scrape
+    from kvscope.engine.loadgen.summary import scrape
 
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

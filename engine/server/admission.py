@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 
 from kvscope.engine import structured
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.server.chat_prompt import ChatPrompt
 from kvscope.engine.server.errors import APIError, bad_request, unavailable
 from kvscope.engine.server.state import ServerState

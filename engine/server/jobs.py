@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from kvscope.engine.outputs import CompletionOutput, RequestOutput
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.server import openai_format as fmt
 from kvscope.engine.server.delivery import StepDelivery
 from kvscope.engine.server.engine_client import Aborted, Delivery, EngineUnavailable

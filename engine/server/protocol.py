@@ -36,8 +36,8 @@ from kvscope.engine.server.limits import Limits
 from kvscope.engine.server.strict import Strict
 from kvscope.engine.structured import StructuredOutputsParams
 
-if TYPE_CHECKING:  # engine.sampling imports torch; the router reads requests without it
-    from kvscope.engine.sampling import SamplingParams
+if TYPE_CHECKING:  # types only: the request models stay free of the engine
+    from kvscope.engine.sampling_params import SamplingParams
 
 
 class StreamOptions(Strict):
@@ -250,7 +250,11 @@ class _Sampling(Strict):
         response that is not streamed is built from each request's last output only, so
         the engine is asked for that one (no per-step copy of the tokens, no per-step
         delivery)."""
-        from kvscope.engine.sampling import RequestOutputKind, SamplingParams, SamplingParamsError
+        from kvscope.engine.sampling_params import (
+            RequestOutputKind,
+            SamplingParams,
+            SamplingParamsError,
+        )
 
         assert self._checked, "a request is checked (strict.parse) before its parameters"
         limits.check_logprobs(self.logprob_counts())

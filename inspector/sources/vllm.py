@@ -15,10 +15,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from kvscope.engine.events.vllm.kv_events_recording import VllmRecordingWriter, read_batches
+from kvscope.engine.events.vllm.kv_events_subscriber import VllmBatch, VllmSubscriber
+from kvscope.engine.events.vllm.kv_events_wire import VllmWireError
 from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
-from kvscope.engine.events.vllm.recording import VllmRecordingWriter, read_batches
-from kvscope.engine.events.vllm.subscriber import VllmBatch, VllmSubscriber
-from kvscope.engine.events.vllm.wire import VllmWireError
 from kvscope.inspector.errors import InspectError
 
 MAX_QUEUED = 20_000  # batches held for the GUI; beyond this the oldest are dropped

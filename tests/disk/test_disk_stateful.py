@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvscope.engine.cache.transfers import FILL, DiskBatch
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
 from kvscope.engine.events.vllm.translate import MEDIUM, VllmTranslator
 from kvscope.engine.runner import disk_store as D

@@ -23,7 +23,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
 from kvscope.engine.model import load_model
 from kvscope.engine.reference_generate import generate_reference
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 # Prompts and greedy params of the invariance tests (engine and swap tier alike).
 PROMPTS = [

@@ -10,7 +10,7 @@ import socket
 from kvscope.engine.events import KVState
 from kvscope.engine.events.wire.recording import Recording
 from kvscope.engine.events.wire.subscriber import Subscriber
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.waiting import HANG_S, wait_until
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope.engine.reference_generate import generate_reference
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, as_prompt, prompt_ids, run_all
 
 

@@ -20,7 +20,7 @@ from kvscope.engine.events.analysis.export import COUNTER_TRACKS, REQUESTS_PID, 
 from kvscope.engine.events.analysis.lifecycle import PHASES, LifecycleIndex
 from kvscope.engine.events.analysis.ranges import diff_states, range_summary
 from kvscope.engine.events.wire.recording import Recording
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.test_events_fidelity import workload
 from tests.swap.test_swap_engine import swap_gib
 
@@ -285,7 +285,7 @@ def _args(path, fmt, out):
 
 
 def test_metrics_expose_the_costs(recorded):
-    from kvscope.engine.load.summary import parse_metrics
+    from kvscope.engine.loadgen.summary import parse_metrics
     from kvscope.engine.server.metrics import ServerMetrics
 
     _, _, eng = recorded
@@ -302,7 +302,7 @@ def test_decode_time_by_context_equals_events(recorded):
     equals the lifecycle index's decode bins (the recording's events), per context range;
     the load summary reads the same figures; the timelines' cost series agree."""
     from kvscope.engine.events.analysis.costs import cost_series
-    from kvscope.engine.load.summary import DECODE_BY_CONTEXT, decode_by_context, parse_metrics
+    from kvscope.engine.loadgen.summary import DECODE_BY_CONTEXT, decode_by_context, parse_metrics
     from kvscope.engine.server.metrics import context_range
 
     path, _, eng = recorded

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvscope.engine.reference_generate import generate_reference
-from kvscope.engine.sampling import SamplingParams, adjust_logits
+from kvscope.engine.sampling_ops import adjust_logits
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, as_prompt, prompt_ids, run_all
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope.engine import scheduler as scheduler_module
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
 

@@ -9,7 +9,7 @@ import pytest
 import kvscope.engine.sampler as sampler_module
 from kvscope.engine.events.schema import SEQ_FINISH
 from kvscope.engine.events.wire.recording import Recording
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, run_all
 
 POISON_SEED = 1337

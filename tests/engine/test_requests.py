@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.engine.sampling import RequestOutputKind, SamplingParams
+from kvscope.engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine.conftest import run_all
 
 OK = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -90,7 +90,7 @@ def test_output_kinds(make_engine):
 
 
 def test_token_ids_between_is_a_slice_of_all_token_ids():
-    from kvscope.engine.request import Sequence
+    from kvscope.engine.sequence import Sequence
 
     seq = Sequence("s", "r", 0, [1, 2, 3], None, output_token_ids=[4, 5])
     for start in range(6):

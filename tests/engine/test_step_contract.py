@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.conftest import PROMPTS, as_prompt
 from tests.swap.test_swap_engine import swap_gib
 

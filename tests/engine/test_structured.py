@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvscope.engine.reference_generate import generate_reference
-from kvscope.engine.sampling import SamplingParams, sample
+from kvscope.engine.sampling_ops import sample
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.structured import StructuredOutputsParams
 from tests.engine.conftest import GREEDY, PROMPTS, TEST_MODEL, as_prompt, prompt_ids, run_all
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from kvscope.engine.cache.hashing import NO_SALT_ROOT
+from kvscope.engine.events.vllm.kv_events_subscriber import VllmSubscriber
 from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
-from kvscope.engine.events.vllm.subscriber import VllmSubscriber
 from tests.engine.test_events_fidelity import workload
 from tests.events.slow_joiner import publish_until_received
 from tests.waiting import HANG_S

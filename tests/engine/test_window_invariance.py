@@ -13,7 +13,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
 from kvscope.engine.model.loader import load_model
 from kvscope.engine.reference_generate import generate_reference
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_all
 from tests.model.tiny_models import save_hf, tiny_hf_model
 

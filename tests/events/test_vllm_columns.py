@@ -11,7 +11,7 @@ from kvscope.engine.bench.events import ManagerWorkload, bulk_batches
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events.columns import StepColumns
 from kvscope.engine.events.sink import ListSink
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 from kvscope.engine.events.vllm.translate import VllmTranslator
 from kvscope.engine.events.wire.codec import make_batch
 
@@ -85,7 +85,7 @@ def test_publisher_translates_column_batches_after_the_stream_packs_them(tmp_pat
     stream packs them in place right after (as ``EventStream`` does), and the
     publisher's translator still ends where a per-event one does."""
     from kvscope.engine.events.vllm.config import KVEventsConfig
-    from kvscope.engine.events.vllm.publisher import VllmPublisher
+    from kvscope.engine.events.vllm.kv_events_publisher import VllmPublisher
     from kvscope.engine.events.wire.codec import pack_events
     from tests.waiting import HANG_S
 

@@ -17,11 +17,11 @@ from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.cache.hashing import NO_SALT_ROOT
 from kvscope.engine.events import KVState
 from kvscope.engine.events.sink import ListSink
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 from kvscope.engine.events.vllm.config import KVEventsConfig
+from kvscope.engine.events.vllm.kv_events_publisher import VllmPublisher, is_bind_endpoint
+from kvscope.engine.events.vllm.kv_events_subscriber import VllmSubscriber
 from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
-from kvscope.engine.events.vllm.publisher import VllmPublisher, is_bind_endpoint
-from kvscope.engine.events.vllm.subscriber import VllmSubscriber
 from kvscope.engine.events.vllm.translate import MEDIUM, VllmTranslator
 from kvscope.engine.events.wire import EventStream
 from kvscope.engine.events.wire.codec import make_batch
@@ -73,7 +73,7 @@ def test_payload_is_what_msgspec_writes_for_the_typed_events():
 def test_layout_equals_the_real_vllm_capture():
     """Every event of the committed vLLM 0.32 capture has exactly the keys, in the order,
     that kvscope's encoder writes for the same event."""
-    from kvscope.engine.events.vllm.recording import read_messages
+    from kvscope.engine.events.vllm.kv_events_recording import read_messages
 
     _, messages = read_messages(FIXTURE)
     seen = set()
@@ -337,7 +337,7 @@ def test_prefix_cache_keeps_vllm_kv_cache_groups_apart():
     """A hybrid model's vLLM stores the same hashes in its full-attention group (0) and
     its sliding-window group (1); removing them from group 1 (out of the window) leaves
     group 0's index whole."""
-    from kvscope.engine.events.vllm import wire as W
+    from kvscope.engine.events.vllm import kv_events_wire as W
     from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
 
     pc = VllmPrefixCache()

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.engine.events.vllm.kv_events_recording import VllmRecordingWriter, read_messages
+from kvscope.engine.events.vllm.kv_events_subscriber import VllmSubscriber
+from kvscope.engine.events.vllm.kv_events_wire import decode_seq
 from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
-from kvscope.engine.events.vllm.recording import VllmRecordingWriter, read_messages
-from kvscope.engine.events.vllm.subscriber import VllmSubscriber
-from kvscope.engine.events.vllm.wire import decode_seq
 from kvscope.inspector.sources.vllm import VllmLiveSource
 from tests.events.slow_joiner import publish_until_received
 from tests.waiting import HANG_S, wait_until
@@ -222,7 +222,7 @@ def test_metric_names_match_vllm(vllm_server):
 def test_vllms_classes_decode_kvscope(tmp_path):
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.engine import LLMEngine
-    from kvscope.engine.sampling import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     endpoint = f"ipc://{tmp_path}/kv"
     rec = VllmRecordingWriter(tmp_path / "kvscope.vllmtrace", "kvscope")

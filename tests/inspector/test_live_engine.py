@@ -10,7 +10,7 @@ import pytest
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.inspector.sources.live import LiveSource
 from tests.waiting import HANG_MS
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kvscope.engine.events import KVState
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 from kvscope.engine.events.vllm.config import KVEventsConfig
+from kvscope.engine.events.vllm.kv_events_publisher import VllmPublisher
+from kvscope.engine.events.vllm.kv_events_recording import VllmRecordingWriter, read_messages
 from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
-from kvscope.engine.events.vllm.publisher import VllmPublisher
-from kvscope.engine.events.vllm.recording import VllmRecordingWriter, read_messages
 from kvscope.engine.events.wire import EventStream
 from kvscope.inspector.errors import InspectError
 from kvscope.inspector.sources.vllm import VllmLiveSource, load_vllm_recording

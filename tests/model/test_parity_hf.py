@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvscope.engine.reference_generate import generate_reference
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.model.tiny_models import our_logits
 
 pytestmark = pytest.mark.slow

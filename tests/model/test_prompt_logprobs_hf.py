@@ -9,7 +9,7 @@ import torch
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 GPL = open("/usr/share/common-licenses/GPL-3", encoding="utf-8").read()
 TOLERANCE = 2e-3  # nats; the forward's logits agree within 1e-3 (test_parity_hf)

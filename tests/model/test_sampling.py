@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.engine.sampling import (
-    RequestOutputKind,
-    SamplingParams,
+from kvscope.engine.sampling_ops import (
     greedy_batch,
     make_generator,
     sample,
@@ -15,6 +13,7 @@ from kvscope.engine.sampling import (
     top_logprobs,
     top_logprobs_batch,
 )
+from kvscope.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_defaults_are_vllms():
@@ -187,7 +186,7 @@ def test_batched_draws_with_grammar_masks_are_what_sample_returns_row_by_row():
 def test_inverse_cdf_never_picks_a_token_of_probability_zero():
     """At the ends of [0, 1) and around zero-probability tokens (first, middle, last):
     u = 0 takes the first possible token, the largest u below 1 the last possible one."""
-    from kvscope.engine.sampling import _inverse_cdf
+    from kvscope.engine.sampling_ops import _inverse_cdf
 
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0]] * 4)
     below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
@@ -202,7 +201,7 @@ def test_inverse_cdf_never_picks_a_token_of_probability_zero():
 def test_inverse_cdf_stays_within_the_row_whatever_the_probs_dtype(dtype):
     """A half-precision row's u of 0.999 rounds to 1.0 and a subnormal total absorbs
     u < 1: neither may search past the last token of nonzero probability."""
-    from kvscope.engine.sampling import _inverse_cdf
+    from kvscope.engine.sampling_ops import _inverse_cdf
 
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]], dtype=dtype)
     for u in (0.999, 0.9999, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))):

@@ -11,7 +11,7 @@ import pytest
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.model.tiny_models import save_hf, tiny_hf_model
 from tests.waiting import HANG_S, wait_until
 

@@ -10,7 +10,7 @@ import torch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
 from kvscope.engine.runner.page_format import check_supported
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_all
 from tests.quant.test_engine_quant import _agreement
 

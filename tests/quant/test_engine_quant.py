@@ -8,7 +8,7 @@ import torch
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.engine import LLMEngine
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "List three colours of the rainbow:"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from kvscope.engine.load.summary import parse_metrics
+from kvscope.engine.loadgen.summary import parse_metrics
 from tests.router.conftest import Cluster, launch_replica, wait_ready
 from tests.waiting import HANG_S
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
-from kvscope.engine.load.summary import parse_metrics
+from kvscope.engine.loadgen.summary import parse_metrics
 from kvscope.engine.server.app import create_app
 from kvscope.engine.server.state import ServerState
 from tests.waiting import HANG_S

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvscope.engine.load.summary import parse_metrics
+from kvscope.engine.loadgen.summary import parse_metrics
 from tests.server.asgi import InProcess
 from tests.waiting import HANG_S
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscope.engine.outputs import CompletionOutput, RequestOutput
-from kvscope.engine.sampling import RequestOutputKind, SamplingParams
+from kvscope.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvscope.engine.server.engine_client import (
     Aborted,
     AbortReason,

@@ -11,7 +11,7 @@ import queue
 import pytest
 
 from kvscope.engine.outputs import RequestOutput
-from kvscope.engine.sampling import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.server.engine_client import Aborted, EngineClient, EngineUnavailable
 from kvscope.engine.server.engine_loop import EngineLoop
 from tests.server.doubles import ScriptedLLMEngine, SimulatedEngine

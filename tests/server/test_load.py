@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvscope.engine.load.workloads import list_workloads
+from kvscope.engine.loadgen.workloads import list_workloads
 from tests.server.conftest import REPO, Daemon
 from tests.waiting import HANG_S
 

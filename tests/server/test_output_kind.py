@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvscope.engine.sampling import RequestOutputKind
+from kvscope.engine.sampling_params import RequestOutputKind
 from kvscope.engine.server.limits import Limits
 from kvscope.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvscope.engine.server.strict import parse

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvscope.engine.load.summary import percentile
-from kvscope.engine.load.workloads import (
+from kvscope.engine.loadgen.summary import percentile
+from kvscope.engine.loadgen.workloads import (
     WorkloadError,
     list_workloads,
     load_workload,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvscope.engine.events.schema import group_pool
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 
 NOT_PUBLISHED = ("vLLM's KV events publish the prefix-cache index only: no block ids, "
                  "allocation, block tables, ref counts, preemption or swaps, and no cache "

@@ -4,7 +4,7 @@ Input: the in-memory batch dicts the EventStream closes each step (``engine.even
 kinds, before any encoding; a bulk step's batch may hold ``columns``, an
 ``engine.events.columns.StepColumns``, whose ``store``/``evict`` rows are then read from
 its arrays and its other events from ``others``, with the same result). Output: the
-events of one vLLM ``EventBatch`` (dicts built by ``engine.events.vllm.wire``, whose
+events of one vLLM ``EventBatch`` (dicts built by ``engine.events.vllm.kv_events_wire``, whose
 types are vLLM's). vLLM's stream is the
 prefix-cache INDEX per medium, not the page table, so only the kinds that change which
 hashes a tier holds matter (their fields: the types in ``engine.events.schema``):
@@ -63,7 +63,7 @@ import numpy as np
 from kvscope.engine.events import columns as C
 from kvscope.engine.events import schema as S
 from kvscope.engine.events.columns import StepColumns
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 
 MEDIUM = {"gpu": W.MEDIUM_GPU, "cpu": W.MEDIUM_CPU, "disk": W.MEDIUM_STORAGE}
 STORE_PARENTS = S.STORE_PARENTS

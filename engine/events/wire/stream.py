@@ -506,7 +506,7 @@ def open_stream(endpoint: str | None, record_path: str | None, kv_events_config:
         return None
     consumers = []
     if vllm_events.enabled:
-        from kvscope.engine.events.vllm.publisher import VllmPublisher
+        from kvscope.engine.events.vllm.kv_events_publisher import VllmPublisher
 
         consumers.append(VllmPublisher(vllm_events))
     try:

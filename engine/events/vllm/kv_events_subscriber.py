@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 
 
 @dataclass

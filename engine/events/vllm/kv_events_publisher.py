@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from kvscope.engine.events.columns import StepColumns
-from kvscope.engine.events.vllm import wire as W
+from kvscope.engine.events.vllm import kv_events_wire as W
 from kvscope.engine.events.vllm.config import KVEventsConfig
 from kvscope.engine.events.vllm.translate import VllmTranslator
 

@@ -16,8 +16,8 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from kvscope.engine.events.vllm.subscriber import VllmBatch, decode_frames
-from kvscope.engine.events.vllm.wire import VllmWireError
+from kvscope.engine.events.vllm.kv_events_subscriber import VllmBatch, decode_frames
+from kvscope.engine.events.vllm.kv_events_wire import VllmWireError
 
 FORMAT = "kvscope-vllm-events"
 VERSION = 1

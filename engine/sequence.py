@@ -19,7 +19,7 @@ class Sequence:
     request_id: str
     index: int  # output index within the request (0..n-1)
     prompt_token_ids: list[int]
-    params: Any  # engine.sampling.SamplingParams (kept untyped: this module is torch-free)
+    params: Any  # engine.sampling_params.SamplingParams (untyped: no engine import here)
     priority: int = 0  # lower value runs first (vLLM's convention)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

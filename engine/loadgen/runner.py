@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvscope.engine.load.workloads import Session
+from kvscope.engine.loadgen.workloads import Session
 
 
 @dataclass

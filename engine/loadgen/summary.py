@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvscope.engine.load.runner import RequestRecord
+from kvscope.engine.loadgen.runner import RequestRecord
 
 # /metrics samples the summary reads (sums over labels).
 SERVER_COUNTERS = {
