@@ -1,10 +1,11 @@
 """The event stream end to end, this tree against another revision, side by side in one
 run: ``python scripts/bench_events_ab.py REV [--steps N] [--rounds R]``.
 
-REV's ``engine/`` is exported with ``git archive`` into a temporary directory; both trees
-publish the same pre-generated batches (``kvscope bench events``' two mixes) to a
-subscriber in another process, alternating, best of R. Needs a git checkout, so it lives
-here and not in ``engine/bench`` (which ships in the wheel)."""
+REV's ``engine/`` and ``assets/`` are exported with ``git archive`` into a temporary
+directory and loaded as the package ``kvscope`` (scripts/checkout.py; REV must have that
+package, i.e. be at or after the commit that introduced it); both trees publish the same
+pre-generated batches (bench_events.py's two mixes) to a subscriber in another process,
+alternating, best of R."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kvscope.engine.bench.events import REPO, bench_throughput
+from bench_events import REPO, bench_throughput
 
 
 def export_tree(rev: str, into: Path) -> Path:
     root = into / rev.replace("/", "_")
     root.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "engine"],
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "engine", "assets"],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
     return root

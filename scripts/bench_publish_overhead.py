@@ -1,7 +1,7 @@
 """Publishing overhead on a real engine step: the same seeded workload on two LLMEngines
 sharing one loaded model, one with events off, one publishing on loopback AND recording,
 stepped alternately so both see the same machine load. Prints median step times and the
-overhead; `kvscope bench events` measures the stream itself.
+overhead; `scripts/bench_events.py` measures the stream itself.
 
     .venv/bin/python scripts/bench_publish_overhead.py [--requests 24] [--threads 1]
         [--model dummy:llama-3-8b --device cuda]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.bench.event_workloads import ManagerWorkload
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events.sink import ListSink
 from kvscope.engine.events.vllm import kv_events_wire as W

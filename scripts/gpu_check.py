@@ -47,20 +47,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _importable_checkout() -> None:
-    """On the device the checkout is not pip-installed: build the package ``kvscope`` as
-    setup.py maps it (assets/ its root, engine/ inspector/ kernels/ inside) from links in a
-    scratch folder, and put that on this process's and the children's path."""
+    """On the device the checkout is not pip-installed: build the package ``kvscope`` from
+    it (scripts/checkout.py) and put it on this process's and the children's path."""
     paths: list[str] = []
     if importlib.util.find_spec("kvscope") is None:
-        import tempfile
+        from checkout import importable
 
-        shim = Path(tempfile.mkdtemp(prefix="kvscope-path-")) / "kvscope"
-        shim.mkdir()
-        for entry in [*(ROOT / "assets").iterdir(), *(ROOT / r for r in ("engine", "inspector",
-                                                                          "kernels"))]:
-            (shim / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-        sys.path.insert(0, str(shim.parent))
-        paths.append(str(shim.parent))
+        paths.append(importable(ROOT))
+        sys.path.insert(0, paths[0])
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
 
 

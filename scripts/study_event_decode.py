@@ -20,7 +20,7 @@ import time
 
 import msgpack
 
-from kvscope.engine.bench.events import make_batches, realistic_batches
+from kvscope.engine.bench.event_workloads import make_batches, realistic_batches
 from kvscope.engine.events.wire import codec as C
 
 

@@ -42,7 +42,7 @@ _HOT_NAMES = ("",) + C.HOT_KINDS  # kind code -> wire name
 # path pays ~40 numpy calls per run, more than scalar code spends on a few blocks
 SMALL_RUN = 256
 # ... and a batch whose hot events hold fewer ids than this on average: measured (the
-# realistic mix of `kvscope bench events`, 1-4 blocks an event, steps of 17-1,000
+# realistic mix of `scripts/bench_events.py`, 1-4 blocks an event, steps of 17-1,000
 # events) its sub-runs are a few events long and the array path costs ~1.5x the reference
 BULK_IDS = 32
 # other kinds whose handlers read and write only sequence state (never a block column,

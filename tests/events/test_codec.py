@@ -101,7 +101,7 @@ def _engine_batches() -> list[dict]:
     """What the real cache manager emits (a small pool: evictions with their causes,
     store details) and the synthetic workload (swaps, offloads, host hits), as batches
     of protocol 2 (ids packed) and protocol 1 (lists)."""
-    from kvscope.engine.bench.events import ManagerWorkload
+    from kvscope.engine.bench.event_workloads import ManagerWorkload
     from kvscope.engine.bench.synthetic import SyntheticCache
     from kvscope.engine.cache import KVCacheManager
     from kvscope.engine.events.sink import ListSink

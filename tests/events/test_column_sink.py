@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.bench.event_workloads import ManagerWorkload
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events import KVState
 from kvscope.engine.events.column_sink import ColumnSink

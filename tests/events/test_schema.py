@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.bench.event_workloads import ManagerWorkload
 from kvscope.engine.bench.synthetic import SyntheticCache
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events import causes as C

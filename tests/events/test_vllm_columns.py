@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvscope.engine.bench.events import ManagerWorkload, bulk_batches
+from kvscope.engine.bench.event_workloads import ManagerWorkload, bulk_batches
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events.columns import StepColumns
 from kvscope.engine.events.sink import ListSink

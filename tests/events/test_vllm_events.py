@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.bench.event_workloads import ManagerWorkload
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.cache.hashing import NO_SALT_ROOT
 from kvscope.engine.events import KVState

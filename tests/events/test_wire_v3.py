@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope.engine.bench.events import bulk_batches
+from kvscope.engine.bench.event_workloads import bulk_batches
 from kvscope.engine.events import PROTOCOL_VERSION, KVState, ProtocolError
 from kvscope.engine.events.state import unpack_ids
 from kvscope.engine.events.wire import EventStream, Subscriber

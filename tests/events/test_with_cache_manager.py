@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import threading
 
-from kvscope.engine.bench.events import ManagerWorkload
+from kvscope.engine.bench.event_workloads import ManagerWorkload
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events.wire import EventStream, Recording, Subscriber
 from tests.events.conftest import poll_until, synced_to

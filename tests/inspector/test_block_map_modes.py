@@ -179,7 +179,7 @@ def test_incremental_frames_equal_a_full_redraw(qtbot, stream: str):  # noqa: AN
     switches."""
     import random
 
-    from kvscope.engine.bench.events import bulk_batches
+    from kvscope.engine.bench.event_workloads import bulk_batches
     from kvscope.engine.events.wire import codec as C
     from tests.inspector.batches import synthetic_batches
 

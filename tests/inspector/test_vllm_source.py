@@ -85,7 +85,7 @@ def test_recording_truncated_tail_and_garbage(tmp_path):
 
 @pytest.mark.parametrize("listen", [False, True])
 def test_live_source_reads_a_publisher(tmp_path, listen):
-    from kvscope.engine.bench.events import ManagerWorkload
+    from kvscope.engine.bench.event_workloads import ManagerWorkload
     from kvscope.engine.cache import KVCacheManager
 
     if listen:  # the publisher connects (vLLM given tcp://127.0.0.1:N): we bind

@@ -1,4 +1,4 @@
-"""One end-to-end run of the event pipeline, for ``kvscope bench events``: an EventStream
+"""One end-to-end run of the event pipeline, for ``scripts/bench_events.py``: an EventStream
 in one process publishing pre-generated batches as fast as it can, a ``Subscriber`` (its
 own KVState mirror) in another, over loopback.
 
