@@ -4,8 +4,8 @@ Reproducibility: each request samples with its own torch.Generator (on the CPU) 
 exactly one number from it per sampled token, so a seeded request produces the same tokens
 whatever other requests share its batch. The token is found by inverse transform: the first
 whose running probability sum exceeds that number times the total (``_inverse_cdf``), which
-costs one draw instead of a vocabulary's worth (an exponential race over 128k tokens drew
-128k numbers per token: 17 ns each on the development machine, 2 ms per sequence per step).
+costs one draw instead of a vocabulary's worth (an exponential race draws one number per
+vocabulary entry, 128k a token).
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 ``swap_blocks`` (``reference.swap_blocks`` is its meaning; tests/kernels/test_swap_runs.py
 proves them equal on random mappings).
 
-Why: the first device run (H200, 2026-11-27) measured the reference's swap at 2.2 GB/s out
-and 7.7 GB/s in against a 55 GB/s pinned copy. Out, it gathered on the GPU and copied into
-PAGEABLE memory, then scattered with a single-threaded host ``index_copy_``; in, it gathered
-on the host into a freshly pinned buffer. The host side is pinned already (the Swapper's
-tier tensors), and the cache manager hands out host blocks mostly in runs of consecutive
-ids, so each run of host pages is one slice: one DMA each way into or out of it, with the
-gather or scatter done on the GPU, where it is cheap.
+Why: the reference's swap runs far below a pinned copy's bandwidth (docs/GPU.md). Out, it
+gathers on the GPU and copies into PAGEABLE memory, then scatters with a single-threaded
+host ``index_copy_``; in, it gathers on the host into a freshly pinned buffer. The host
+side is pinned already (the Swapper's tier tensors), and the cache manager hands out host
+blocks mostly in runs of consecutive ids, so each run of host pages is one slice: one DMA
+each way into or out of it, with the gather or scatter done on the GPU, where it is cheap.
 
 ``runs(idx)``: the maximal runs of consecutive indices in mapping order. The run path is
 taken only when the runs are few (on average at least ``MIN_RUN`` pages each); a scattered

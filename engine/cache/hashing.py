@@ -2,13 +2,12 @@
 
     h(block i) = hash((h(block i-1), tokens_i))      h(block -1) = root_hash(cache_salt)
 
-``hash`` is CPython's tuple hash over ints. It is fast (0.3-0.5 us for a 16-token block on
-the dev box, where packing the ints to bytes plus blake2b or sha256 costs 2 us and more)
-and deterministic across processes: PYTHONHASHSEED randomizes only str/bytes hashes, never
-int or tuple-of-int hashes (the int hash is fixed by the language; the tuple hash has been
-CPython's xxHash-style combiner since 3.8, on 64-bit builds a signed 64-bit value, so it
-fits msgpack int64). The one string in a key, the cache salt, goes through blake2b once
-per request instead.
+``hash`` is CPython's tuple hash over ints. It is fast (several times cheaper than packing
+the ints to bytes for blake2b or sha256) and deterministic across processes:
+PYTHONHASHSEED randomizes only str/bytes hashes, never int or tuple-of-int hashes (the int
+hash is fixed by the language; the tuple hash has been CPython's xxHash-style combiner
+since 3.8, on 64-bit builds a signed 64-bit value, so it fits msgpack int64). The one
+string in a key, the cache salt, goes through blake2b once per request instead.
 
 The hash is NOT collision resistant, so it is only an index, never proof: a hit is
 verified by exact comparison (see ``BlockPool``): the cached block's token ids must equal

@@ -4,9 +4,8 @@ load time per weight: oneDNN pre-packed weights on CPU, plain ``F.linear`` elsew
 Why packing: ``F.linear`` on CPU runs a GEMM over the row-major ``[out, in]`` weight and
 re-lays it out inside the BLAS call on every step. oneDNN's packed linear (the op inductor's
 CPU freezing pass and vLLM-CPU's unquantized GEMM dispatch use) reorders the weight once into
-its blocked layout; measured on the 2-core dev box with SmolLM2 shapes, 30 layers
-(``scripts/bench_cpu_linear.py``): fp32 M=32 2.2x and M=128 2.3x faster, bf16 1.2-1.3x, M=1
-equal or better. The packed layout does not depend on the batch size (the hint only tunes it).
+its blocked layout, so a step pays no relayout (docs/cpu-kernels.md has the numbers).
+The packed layout does not depend on the batch size (the hint only tunes it).
 
 Invariants: a ``Linear`` returns exactly the shape and dtype ``F.linear(x, weight, bias)``
 would, for 2-D ``x [M, in]`` with any M >= 0; its ``weight`` is the unpacked ``[out, in]``
