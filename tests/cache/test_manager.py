@@ -210,7 +210,7 @@ def test_copy_on_write_after_fork():
     assert x.m.status("c") == "running" and x.m.token_ids("c") == [1, 2, 3, 4, 5, 6]
     assert x.state.tiers["gpu"].ref.tolist()[:2] == [2, 2]
     x.m.append_token_ids("c", [9])
-    assert x.m.can_allocate("c", 1) and x.m._blocks_needed(x.m.sequences["c"], 1) == 1
+    assert x.m.can_allocate("c", 1) and x.m._alloc.blocks_needed(x.m.sequences["c"], 1) == 1
     assert x.m.allocate_slots("c", 1) == [2 * 4 + 2]  # private copy of block 1 is block 2
     assert x.m.take_copy_orders() == [(1, 2)]
     assert x.m.take_copy_orders() == []
