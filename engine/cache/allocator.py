@@ -3,8 +3,8 @@
 The allocation half of the manager (manager.py), over the pools of ``CacheTiers``
 (tiers.py) and the ``CacheSeq`` records the manager hands in. It counts the blocks an
 allocation needs, allocates them (group 0, and the window group's share), moves a
-sequence off a shared partial last block before writing into it (copy-on-write), gives
-a forked child private copies of its lookahead blocks, and releases tables.
+sequence off a shared partial last block before writing into it (copy-on-write), forks
+a sequence (shared blocks, private copies of its lookahead blocks), and releases tables.
 
 Invariants:
 - An allocation either happens whole or not at all: ``allocate`` checks both groups'
@@ -19,6 +19,7 @@ known. Marking the sequence's token count as moved is left to the manager.
 
 from __future__ import annotations
 
+from kvscope.engine.cache.errors import CacheError
 from kvscope.engine.cache.prefix_index import PrefixIndex
 from kvscope.engine.cache.sequence import CacheSeq
 from kvscope.engine.cache.slots import slot_mapping
@@ -122,24 +123,63 @@ class SlotAllocator:
         if blocks:
             emit(S.ALLOC, tier="gpu", seq=sid, group=1, blocks=blocks)
 
-    def fork_private(self, child: CacheSeq, first_private: int, known: int) -> None:
-        """Give ``child`` (a fork sharing its parent's whole table) private blocks from
-        logical block ``first_private`` on: those hold slots of not yet known tokens.
-        Only the block whose first positions are computed (``known`` tokens) needs a
-        copy order. The caller checked that the pool has the blocks."""
-        table = child.block_table
-        logical = list(range(first_private, len(table)))
-        src = table[first_private:]
-        dst = self.gpu.allocate(len(logical))
-        for i, a, b in zip(logical, src, dst, strict=True):
-            self.ref[a] -= 1  # stays >= 1: the parent keeps it
-            table[i] = b
-        if known % self.block_size:
-            self.copy_orders.append((src[0], dst[0]))
-            self.num_cow_copies += 1
+    def fork(self, parent: CacheSeq, child_id: str) -> CacheSeq:
+        """A new sequence ``child_id`` sharing every block of ``parent`` (ref + 1), with
+        its token ids, counts and status; emits the child's ``seq_add``, ``fork`` (and
+        ``seq_start`` when it runs). Blocks holding slots of not yet known tokens get
+        private copies at once (``cow``; a copy order only for the block whose first
+        positions are computed). Raises CacheError, with nothing changed, when the window
+        group would need private copies or the pool is short of them. The caller checked
+        the ids and that the parent is on the gpu, and registers the child."""
+        parent_id = parent.seq_id
+        bs, table, known = self.block_size, parent.block_table, len(parent.token_ids)
+        first_private = known // bs if parent.num_tokens > known else len(table)
+        num_private = len(table) - first_private
+        if num_private and self.window is not None:
+            raise CacheError(f"cannot fork {parent_id!r}: its lookahead slots would need "
+                             "private window-group copies (not supported yet)")
+        self.tiers.asking(child_id, C.R_FORK)
+        if num_private > self.gpu.num_free_blocks:
+            raise CacheError(f"cannot fork {parent_id!r}: its {num_private} blocks of "
+                             "lookahead slots need private copies and the pool is short")
+        child = CacheSeq(
+            child_id, list(parent.token_ids), parent.priority, parent.cache_salt,
+            parent.root_hash,
+        )
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.block_table = list(table)
+        child.num_tokens = parent.num_tokens
+        child.reported_tokens = parent.reported_tokens  # what the mirror's fork copies
+        child.chain_hash, child.chain_id = parent.chain_hash, parent.chain_id
+        child.num_stored = parent.num_stored
+        child.status, child.started = parent.status, parent.started
+        self.gpu.add_ref(table)
+        if self.window is not None:
+            self.window.fork(parent, child)
         if self.sink.enabled:
-            self.sink.emit(S.COW, tier="gpu", seq=child.seq_id, logical=logical, src=src,
-                           dst=dst)
+            emit = self.sink.emit
+            emit(S.SEQ_ADD, seq=child_id, prompt_tokens=child.num_prompt_tokens,
+                 priority=child.priority, parent=parent_id)
+            emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, blocks=list(table))
+            if child.status == "running":
+                emit(S.SEQ_START, seq=child_id)
+            if self.window is not None and child.window_table:
+                emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, group=1,
+                     blocks=child.window_table[child.window_first:])
+        if num_private:
+            logical = list(range(first_private, len(table)))
+            src = table[first_private:]
+            dst = self.gpu.allocate(num_private)
+            for i, a, b in zip(logical, src, dst, strict=True):
+                self.ref[a] -= 1  # stays >= 1: the parent keeps it
+                child.block_table[i] = b
+            if known % bs:
+                self.copy_orders.append((src[0], dst[0]))
+                self.num_cow_copies += 1
+            if self.sink.enabled:
+                self.sink.emit(S.COW, tier="gpu", seq=child_id, logical=logical, src=src,
+                               dst=dst)
+        return child
 
     def free(self, seq: CacheSeq) -> None:
         """Release both groups' tables of ``seq`` in the tier they point into."""

@@ -5,6 +5,13 @@ copy orders) into tensor work. Every state change is reported to ``sink`` as the
 ``engine.events.schema`` (meaning: ``engine.events.state.KVState.apply``), so that a
 KVState fed with them equals ``snapshot()`` after every engine step.
 
+Shape: this class is the facade (the API below, the sequence table, status transitions
+and their events, the prefix counters, the inline decode fast path) over helpers that
+share the pools and receive ``CacheSeq`` records, never importing this module:
+``CacheTiers`` (tiers.py: pools of every tier and group, swaps, eviction causes, disk
+persistence), ``PrefixIndex`` (prefix_index.py: match, store of full blocks) and
+``SlotAllocator`` (allocator.py: allocation, copy-on-write, fork, free).
+
 The scheduler's flow, per sequence::
 
     add_sequence(sid, prompt_ids, priority=, cache_salt=)   # waiting, no blocks
@@ -36,9 +43,8 @@ Rules:
 - Prefix caching: a block is indexed (``store``) as soon as it is full of slots AND all its
   token ids are known: inside ``allocate_slots`` for prompt and decode tokens (their ids
   are known before their slots), inside ``append_token_ids`` when slots were allocated
-  ahead of the ids (lookahead). Hashes are chained CPython tuple hashes, deterministic
-  across processes; a hit is verified by exact token and parent comparison, so a hash
-  collision is a miss, never a wrong hit (engine.cache.hashing explains the choice).
+  ahead of the ids (lookahead). A hit is verified by exact token and parent comparison:
+  a hash collision is a miss, never a wrong hit (prefix_index, engine.cache.hashing).
 - ``match_prefix`` shares at most ``len(token_ids) - 1`` tokens: the last token is always
   computed, because its logits are needed. Hits and queries are counted in tokens, once
   per ``match_prefix`` call (a request retried after ``free`` is counted again).
@@ -50,13 +56,11 @@ Rules:
   evicted. ``priority``: larger = more important (kept longer by the "priority" policy).
 - Every bad call raises CacheError before changing anything.
 - The "cpu" tier exists when ``num_cpu_blocks > 0`` (engine.cache.host_tier): swap space
-  for ``preempt(mode="swap")``, and, with prefix caching, a write-back host prefix cache:
-  an evicted cached gpu block is copied to the host, and ``match_prefix`` continues past
-  the gpu index into the host index, loading those blocks back (``host_hit``). A swapped
-  sequence's table holds host block ids; it can only be finished or swapped in. Beside a
-  window group (``window``) the cpu tier is swap space only, with a host pool per group
-  (``num_window_cpu_blocks`` for group 1: engine.cache.window_group); swap events name
-  the group and ``take_window_swap_rounds`` carries group 1's copies.
+  for ``preempt(mode="swap")`` and, with prefix caching, a write-back host prefix cache
+  that ``match_prefix`` continues into (``host_hit``). A swapped sequence's table holds
+  host block ids; it can only be finished or swapped in. Beside a window group the cpu
+  tier is swap space only, a host pool per group (engine.cache.window_group);
+  ``take_window_swap_rounds`` carries group 1's copies.
 - The "disk" tier exists when ``num_disk_blocks > 0`` (it needs the cpu tier and prefix
   caching; engine.cache.disk_tier): hashed host blocks that the host evicts are written
   to disk; ``prefetch(sid)`` starts reading a waiting sequence's prefix from disk into the
@@ -88,7 +92,7 @@ from typing import Any
 from kvscope.engine.cache import report
 from kvscope.engine.cache.allocator import SlotAllocator
 from kvscope.engine.cache.block_pool import BlockPool
-from kvscope.engine.cache.demotion import DemotionPolicy, plan_demotion
+from kvscope.engine.cache.demotion import DemotionPolicy, merge_orders, plan_demotion
 from kvscope.engine.cache.disk_tier import DiskTier
 from kvscope.engine.cache.errors import CacheError
 from kvscope.engine.cache.hashing import root_hash
@@ -97,7 +101,13 @@ from kvscope.engine.cache.prefix_index import PrefixIndex
 from kvscope.engine.cache.sequence import CacheSeq
 from kvscope.engine.cache.tiers import CacheTiers, check_config
 from kvscope.engine.cache.transfers import Round
-from kvscope.engine.cache.validation import check_count, is_int, token_list
+from kvscope.engine.cache.validation import (
+    check_count,
+    check_new_id,
+    check_watermark,
+    is_int,
+    token_list,
+)
 from kvscope.engine.cache.window_group import WindowGroup
 from kvscope.engine.events import causes as C
 from kvscope.engine.events import schema as S
@@ -105,18 +115,6 @@ from kvscope.engine.events.sink import EventSink, NullSink
 
 
 class KVCacheManager:
-    """The facade: the scheduler's and runner's API, the sequences and their statuses.
-
-    The work is done by three helpers that share the pools and receive ``CacheSeq``
-    records (none imports this module): ``CacheTiers`` (tiers.py: the pools of every tier
-    and group, swaps, eviction causes, disk persistence), ``PrefixIndex``
-    (prefix_index.py: matching and storing full blocks) and ``SlotAllocator``
-    (allocator.py: allocation, copy-on-write, freeing). This class validates every call
-    before anything changes, owns the sequence table, the status transitions and their
-    events, the prefix counters, and the decode fast path (kept inline: it is the
-    per-token hot path).
-    """
-
     def __init__(
         self,
         num_gpu_blocks: int,
@@ -189,10 +187,7 @@ class KVCacheManager:
     ) -> None:
         """A new waiting sequence with no blocks. ``prompt_token_ids``: a non-empty
         sequence of non-negative ints (list, tuple or numpy array)."""
-        if not isinstance(seq_id, str):
-            raise CacheError(f"sequence ids are str, got {seq_id!r}")
-        if seq_id in self._seqs:
-            raise CacheError(f"duplicate sequence id {seq_id!r}")
+        check_new_id(self._seqs, seq_id)
         if not is_int(priority):
             raise CacheError(f"priority must be an int, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -235,49 +230,10 @@ class KVCacheManager:
         parent = self._get(parent_id)
         if parent.tier != "gpu":
             raise CacheError(f"cannot fork {parent_id!r}: it is swapped out")
-        if not isinstance(child_id, str):
-            raise CacheError(f"sequence ids are str, got {child_id!r}")
-        if child_id in self._seqs:
-            raise CacheError(f"duplicate sequence id {child_id!r}")
-        bs, table, known = self.block_size, parent.block_table, len(parent.token_ids)
-        first_private = known // bs if parent.num_tokens > known else len(table)
-        num_private = len(table) - first_private
-        if num_private and self.window is not None:
-            raise CacheError(f"cannot fork {parent_id!r}: its lookahead slots would need "
-                             "private window-group copies (not supported yet)")
-        self._tiers.asking(child_id, C.R_FORK)
-        if num_private > self.gpu.num_free_blocks:
-            raise CacheError(f"cannot fork {parent_id!r}: its {num_private} blocks of "
-                             "lookahead slots need private copies and the pool is short")
-        child = CacheSeq(
-            child_id, list(parent.token_ids), parent.priority, parent.cache_salt,
-            parent.root_hash,
-        )
-        child.num_prompt_tokens = parent.num_prompt_tokens
-        child.block_table = list(table)
-        child.num_tokens = parent.num_tokens
-        child.reported_tokens = parent.reported_tokens  # what the mirror's fork copies
+        check_new_id(self._seqs, child_id)
+        child = self._seqs[child_id] = self._alloc.fork(parent, child_id)
         if child.num_tokens != child.reported_tokens and self._sink.enabled:
             self._moved[child_id] = child
-        child.chain_hash, child.chain_id = parent.chain_hash, parent.chain_id
-        child.num_stored = parent.num_stored
-        child.status, child.started = parent.status, parent.started
-        self.gpu.add_ref(table)
-        if self.window is not None:
-            self.window.fork(parent, child)
-        self._seqs[child_id] = child
-        if self._sink.enabled:
-            emit = self._sink.emit
-            emit(S.SEQ_ADD, seq=child_id, prompt_tokens=child.num_prompt_tokens,
-                 priority=child.priority, parent=parent_id)
-            emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, blocks=list(table))
-            if child.status == "running":
-                emit(S.SEQ_START, seq=child_id)
-            if self.window is not None and child.window_table:
-                emit(S.FORK, tier="gpu", seq=child_id, parent=parent_id, group=1,
-                     blocks=child.window_table[child.window_first:])
-        if num_private:
-            self._alloc.fork_private(child, first_private, known)
 
     def start(self, seq_id: str) -> None:
         """First schedule: waiting -> running."""
@@ -330,8 +286,7 @@ class KVCacheManager:
         num_new_tokens)`` would succeed and leave ``watermark * num_gpu_blocks`` blocks."""
         seq = self._swapped(seq_id)
         check_count(num_new_tokens)
-        if not (isinstance(watermark, (int, float)) and 0.0 <= watermark < 1.0):
-            raise CacheError(f"watermark must be in [0, 1), got {watermark!r}")
+        check_watermark(watermark)
         return self._tiers.swap_in_fits(seq, num_new_tokens, watermark)
 
     def swap_in(self, seq_id: str) -> bool:
@@ -455,8 +410,7 @@ class KVCacheManager:
         ``watermark * num_gpu_blocks`` blocks (free or evictable) for running sequences."""
         seq = self._get(seq_id)
         check_count(num_new_tokens)
-        if not (isinstance(watermark, (int, float)) and 0.0 <= watermark < 1.0):
-            raise CacheError(f"watermark must be in [0, 1), got {watermark!r}")
+        check_watermark(watermark)
         if seq.tier != "gpu":
             raise CacheError(f"{seq_id!r} is swapped out: use can_swap_in")
         return self._alloc.fits(seq, num_new_tokens, watermark)
@@ -543,14 +497,9 @@ class KVCacheManager:
 
     def take_demotion_orders(self) -> list[tuple[int, int]]:
         """(source page code, destination page code) per block demoted since the last call,
-        for ONE batched gather-then-scatter: a block demoted twice (int8, then int4) is
-        one order from its full-precision page straight to its int4 page (better codes,
-        and no order reads a page another order of the batch writes first)."""
-        origin: dict[int, int] = {}  # destination -> where its data is now
-        for old, new in self._demotion_orders:
-            origin[new] = origin.pop(old, old)
-        self._demotion_orders = []
-        return [(src, dst) for dst, src in origin.items()]
+        for ONE batched gather-then-scatter (engine.cache.demotion.merge_orders)."""
+        out, self._demotion_orders = merge_orders(self._demotion_orders), []
+        return out
 
     def page_codes(self, table: list[int]) -> list[int]:
         """The kernels' page codes of a block table (mixed pools only)."""
