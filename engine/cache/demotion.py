@@ -115,6 +115,17 @@ def plan_demotion(m: CacheView, reserve: int = 0) -> list[tuple[int, int]]:
     return orders
 
 
+def merge_orders(orders: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(source, destination) page codes for ONE batched gather-then-scatter of the
+    (old, new) moves ``orders``, in order: a block moved twice (int8, then int4) is one
+    order from its first page straight to its last (better codes, and no order reads a
+    page another order of the batch writes first)."""
+    origin: dict[int, int] = {}  # destination -> where its data is now
+    for old, new in orders:
+        origin[new] = origin.pop(old, old)
+    return [(src, dst) for dst, src in origin.items()]
+
+
 def _coldness(m: CacheView, hot_window: int) -> dict[int, float]:
     """Demotable blocks (holding a page, full, outside every user's hot window), coldest
     first: cached free blocks in eviction order (distance inf), then blocks in use by the

@@ -16,6 +16,19 @@ def check_count(n: Any) -> None:
         raise CacheError(f"token counts are ints >= 0, got {n!r}")
 
 
+def check_new_id(known: Any, seq_id: Any) -> None:
+    """A new sequence id: a str that ``known`` (the sequence table) does not hold."""
+    if not isinstance(seq_id, str):
+        raise CacheError(f"sequence ids are str, got {seq_id!r}")
+    if seq_id in known:
+        raise CacheError(f"duplicate sequence id {seq_id!r}")
+
+
+def check_watermark(w: Any) -> None:
+    if not (isinstance(w, (int, float)) and 0.0 <= w < 1.0):
+        raise CacheError(f"watermark must be in [0, 1), got {w!r}")
+
+
 def token_list(ids: Any, copy: bool) -> list[int]:
     """Validate token ids (non-negative ints) and return them as a list (a new one if
     ``copy``)."""

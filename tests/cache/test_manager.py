@@ -210,7 +210,7 @@ def test_copy_on_write_after_fork():
     assert x.m.status("c") == "running" and x.m.token_ids("c") == [1, 2, 3, 4, 5, 6]
     assert x.state.tiers["gpu"].ref.tolist()[:2] == [2, 2]
     x.m.append_token_ids("c", [9])
-    assert x.m.can_allocate("c", 1) and x.m._blocks_needed(x.m.sequences["c"], 1) == 1
+    assert x.m.can_allocate("c", 1) and x.m._alloc.blocks_needed(x.m.sequences["c"], 1) == 1
     assert x.m.allocate_slots("c", 1) == [2 * 4 + 2]  # private copy of block 1 is block 2
     assert x.m.take_copy_orders() == [(1, 2)]
     assert x.m.take_copy_orders() == []
@@ -366,3 +366,20 @@ def test_fork_with_lookahead_needs_free_blocks_or_changes_nothing():
     with pytest.raises(CacheError, match="lookahead"):
         x.m.fork("p", "c")
     assert x.m.snapshot() == snap and "c" not in x.m and x.sync() == []
+
+
+def test_a_sink_set_after_construction_receives_every_kind():
+    # The manager's work is spread over helpers (tiers, prefix index, allocator): setting
+    # ``sink`` must re-point them all, as it did when the manager emitted everything.
+    from kvscope.engine.events.sink import ListSink
+
+    m = KVCacheManager(8, 2)
+    m.sink = sink = ListSink()
+    m.add_sequence("a", [1, 2, 3, 4, 5])
+    m.allocate_slots("a", 5)  # alloc, then store of the two full blocks
+    m.fork("a", "b")
+    m.free("a")
+    m.add_sequence("c", [1, 2, 3, 4, 9])
+    m.match_prefix("c")  # hit
+    assert [e["kind"] for e in sink.drain()] == [
+        "seq_add", "alloc", "store", "seq_add", "fork", "free", "seq_add", "hit"]
