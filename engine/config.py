@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvscope.engine.events import formats
+
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = ("recompute", "swap")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
-# block-quantized pages (kernels.block_quant): keys per channel, a full-precision residual
-BLOCK_KV_CACHE_DTYPES = ("kivi4", "k8v4", "kivi2")
+# the page formats' registry (engine.events.formats); block-quantized pages
+# (kernels.block_quant): keys per channel, a full-precision residual
+KV_CACHE_DTYPES = formats.KV_CACHE_DTYPES
+BLOCK_KV_CACHE_DTYPES = formats.BLOCK_KV_CACHE_DTYPES
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 
 # KV memory when the user gives neither num_gpu_blocks nor kv_cache_memory_bytes and no

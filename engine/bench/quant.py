@@ -33,8 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvscope.engine.events import formats
+
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
-DTYPES = ("auto", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
+DTYPES = formats.KV_CACHE_DTYPES  # the registry's (engine.events.formats)
 # The prompts of tests/engine/test_invariance.py.
 PROMPTS = [
     "The capital of France is",
