@@ -26,13 +26,14 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.device import resolve_device, resolve_dtype
 from kvscope.engine.events.sink import NullSink
 from kvscope.engine.events.stats import StepStats, TierStats
+from kvscope.engine.features import check_model
 from kvscope.engine.model import load_model
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.request import Sequence
 from kvscope.engine.request_state import RequestState
 from kvscope.engine.runner import kv_budget, mixed_kv
 from kvscope.engine.runner.model_runner import ModelRunner
-from kvscope.engine.runner.page_format import check_supported, check_windowed, page_format
+from kvscope.engine.runner.page_format import check_supported, page_format
 from kvscope.engine.sampler import SampleError, Sampler, SampleRow
 from kvscope.engine.sampling import RequestOutputKind, SamplingParams, prompt_logprobs
 from kvscope.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
@@ -71,7 +72,8 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
-        check_windowed(mc, config.kv_cache_dtype, config.kv_demotion)
+        check_model(config, mc)  # what combines, now that the model is known (its fallbacks:
+        # the hybrid cache's in kv_budget, CUDA graphs' in the runner)
         self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
         # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
         self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
@@ -97,11 +99,6 @@ class LLMEngine:
             self.events.snapshot_fn = self.cache.snapshot
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
         if config.tensor_parallel_size > 1:  # rank 0 of N (engine.distributed.tp)
-            if self.mixed is not None:
-                raise ValueError("--kv-demotion is not supported with "
-                                 "--tensor-parallel-size > 1")
-            if mc.architecture == "gemma3_text":  # its ranks would run the Llama forward
-                raise ValueError("gemma3_text is not supported with --tensor-parallel-size > 1")
             from kvscope.engine.distributed.tp import start_tensor_parallel
 
             self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,

@@ -117,9 +117,8 @@ def start_tensor_parallel(config: Any, model: Any, model_config: Any, num_blocks
     join the process group as rank 0 and return rank 0's runner."""
     world = config.tensor_parallel_size
     check_divisible(model_config, world)
-    if config.kv_layout != "paged" or config.swap_space:
-        raise ValueError("tensor_parallel_size > 1 needs kv_layout='paged' and no swap tier "
-                         "(swap_space=0)")
+    # refused with their reasons by the features table (engine.features)
+    assert config.kv_layout == "paged" and not config.swap_space and not config.kv_demotion
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; "
                          f"{torch.cuda.device_count()} visible")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvscope.engine.config import BLOCK_KV_CACHE_DTYPES, DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvscope.engine import features
+from kvscope.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from kvscope.engine.runner import mixed_kv
 from kvscope.engine.runner.page_format import PageFormat
 from kvscope.kernels import mixed_pages as mp
@@ -45,11 +46,11 @@ def plan(config: EngineConfig, fmt: PageFormat, mixed: mp.MixedLayout | None,
     num_blocks = num_gpu_blocks(config, fmt, mixed, model, model_config, device)
     num_cpu = num_cpu_blocks(config, fmt)
     num_disk = num_disk_blocks(config, fmt)
-    if not hybrid_applies(config, model_config, num_disk):
-        if model_config.windowed and not config.disable_hybrid_kv_cache_manager:
-            log.warning("%s has sliding-window layers, but the hybrid KV cache does not "
-                        "support a disk tier, a contiguous layout or tensor parallelism "
-                        "yet: every layer keeps every block", model_config.architecture)
+    if not hybrid_applies(config, model_config):
+        for clash in features.fallbacks(features.active(config, model_config),
+                                        "hybrid KV cache"):
+            log.warning("%s has sliding-window layers, but %s", model_config.architecture,
+                        clash.message())
         return KVPlan(num_blocks, num_cpu, num_disk)
     window = max(w for w in model_config.layer_windows if w is not None)
     num_full, num_window = hybrid_split(config, model_config, num_blocks, max_model_len)
@@ -64,15 +65,12 @@ def plan(config: EngineConfig, fmt: PageFormat, mixed: mp.MixedLayout | None,
     return KVPlan(num_full, num_cpu, num_disk, window, num_window, num_window_cpu)
 
 
-def hybrid_applies(config: EngineConfig, model_config, num_disk_blocks: int) -> bool:
+def hybrid_applies(config: EngineConfig, model_config) -> bool:
     """Whether a windowed model gets the hybrid cache (prefix caching and swap included):
-    not when switched off, and not yet beside a disk tier, demotion, block formats or
-    tensor parallelism (it then keeps every block, as before)."""
-    return bool(model_config.windowed and not config.disable_hybrid_kv_cache_manager
-                and config.kv_layout == "paged" and not num_disk_blocks
-                and not config.kv_demotion
-                and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
-                and config.tensor_parallel_size == 1)
+    not when switched off, and not where the features table (engine.features) says it
+    falls back (it then keeps every block, as before)."""
+    on = features.active(config, model_config)
+    return "hybrid KV cache" in on and not features.fallbacks(on, "hybrid KV cache")
 
 
 def num_gpu_blocks(config: EngineConfig, fmt: PageFormat, mixed: mp.MixedLayout | None,

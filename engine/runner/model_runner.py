@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvscope import kernels
+from kvscope.engine import features
 from kvscope.engine.model.llama import LlamaModel
 from kvscope.engine.runner.compiled import maybe_compiled
 from kvscope.engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, Graph
@@ -204,12 +205,15 @@ class ModelRunner:
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
             self.attn = MixedPagedAttention(self.mixed_kv, model_config.attn_scale)
         # CUDA: pure decode steps replay captured graphs unless enforce_eager is True
-        # (engine.runner.cuda_graphs); not over the mixed arena, whose kernels were never
-        # captured on a device.
+        # (engine.runner.cuda_graphs), or the features table says they fall back
+        # (engine.features: this runner's own features, as built)
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and enforce_eager is not True and mixed is None and \
-                self.block_kv is None and not num_window_blocks and \
-                type(model) is LlamaModel:
+        on = {name for name, yes in (
+            ("CUDA graphs", device.type == "cuda" and enforce_eager is not True),
+            ("kv_demotion", mixed is not None), ("block format", self.block_kv is not None),
+            ("hybrid KV cache", bool(num_window_blocks)),
+            ("not the LlamaModel forward", type(model) is not LlamaModel)) if yes}
+        if "CUDA graphs" in on and not features.fallbacks(on, "CUDA graphs"):
             self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
                                              max_num_seqs)
         self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
