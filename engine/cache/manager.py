@@ -97,6 +97,7 @@ from kvscope.engine.cache.host_tier import HostTier
 from kvscope.engine.cache.mixed_pool import MixedBlockPool
 from kvscope.engine.cache.sequence import CacheSeq
 from kvscope.engine.cache.slots import slot_mapping
+from kvscope.engine.cache.spec import KVSpec
 from kvscope.engine.cache.transfers import Round, plan_rounds
 from kvscope.engine.cache.validation import check_count, is_int, token_list
 from kvscope.engine.cache.window_group import WindowGroup
@@ -108,9 +109,10 @@ from kvscope.engine.events.sink import EventSink, NullSink
 class KVCacheManager:
     def __init__(
         self,
-        num_gpu_blocks: int,
-        block_size: int,
+        num_gpu_blocks: int | None = None,
+        block_size: int | None = None,
         *,
+        spec: KVSpec | None = None,
         num_cpu_blocks: int = 0,
         num_disk_blocks: int = 0,
         enable_prefix_caching: bool = True,
@@ -122,6 +124,17 @@ class KVCacheManager:
         num_window_blocks: int = 0,
         num_window_cpu_blocks: int = 0,
     ) -> None:
+        # ``spec``: the engine's whole layout (engine.cache.spec), in place of the sizes,
+        # window and format one by one (which tests and tools still give)
+        if spec is not None:
+            if num_gpu_blocks is not None or block_size is not None or num_cpu_blocks or \
+                    num_disk_blocks or window is not None or num_window_blocks or \
+                    num_window_cpu_blocks or kv_format != "auto":
+                raise CacheError("give a KVSpec or the sizes one by one, not both")
+            num_gpu_blocks, block_size = spec.num_blocks, spec.block_size
+            num_cpu_blocks, num_disk_blocks = spec.num_cpu_blocks, spec.num_disk_blocks
+            window, num_window_blocks = spec.window, spec.num_window_blocks
+            num_window_cpu_blocks, kv_format = spec.num_window_cpu_blocks, spec.format
         if not is_int(block_size) or block_size < 1:
             raise CacheError(f"block_size must be a positive int, got {block_size!r}")
         if not is_int(num_gpu_blocks) or num_gpu_blocks < 1:
