@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvscope.engine.events import formats
+
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = ("recompute", "swap")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
-# block-quantized pages (kernels.block_quant): keys per channel, a full-precision residual
-BLOCK_KV_CACHE_DTYPES = ("kivi4", "k8v4", "kivi2")
+# the page formats' registry (engine.events.formats); block-quantized pages
+# (kernels.block_quant): keys per channel, a full-precision residual
+KV_CACHE_DTYPES = formats.KV_CACHE_DTYPES
+BLOCK_KV_CACHE_DTYPES = formats.BLOCK_KV_CACHE_DTYPES
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 
 # KV memory when the user gives neither num_gpu_blocks nor kv_cache_memory_bytes and no
@@ -110,15 +113,6 @@ class EngineConfig:
             if self.kv_demotion else ()
         problem = check_chain(demotion) if demotion else None
         need(problem is None, f"kv_demotion={self.kv_demotion!r}: {problem}")
-        need(not demotion or self.kv_cache_dtype == "auto",
-             "kv_demotion keeps hot pages at full precision: it needs kv_cache_dtype='auto', "
-             f"got {self.kv_cache_dtype!r}")
-        need(self.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES or
-             (self.swap_space == 0 and self.kv_layout == "paged"),
-             f"kv_cache_dtype={self.kv_cache_dtype!r} keeps a residual window beside its "
-             "pages: it needs the paged layout and no swap space (swap_space=0)")
-        need(not demotion or (self.swap_space == 0 and self.kv_layout == "paged"),
-             "kv_demotion needs the paged layout and no swap space (swap_space=0)")
         need(isinstance(self.kv_hot_window, int) and self.kv_hot_window >= 0,
              f"kv_hot_window must be an int >= 0 tokens, got {self.kv_hot_window!r}")
         need(self.kv_layout in KV_LAYOUTS,
@@ -130,9 +124,6 @@ class EngineConfig:
         need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.disk_cache_dir is not None:
             need(self.disk_cache_size > 0, "disk_cache_dir needs disk_cache_size > 0 bytes")
-            need(self.swap_space > 0 and self.enable_prefix_caching,
-                 "the disk tier stores the host tier's evicted prefix-cache blocks: it needs "
-                 "swap_space > 0 and prefix caching")
         need(self.disk_prefetch_wait_s >= 0,
              f"disk_prefetch_wait_s must be >= 0, got {self.disk_prefetch_wait_s}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -146,6 +137,10 @@ class EngineConfig:
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1, got {self.max_model_len}")
+        # which features combine: the one table (engine.features), once every value is valid
+        from kvscope.engine.features import check_config
+
+        check_config(self)
         if self.kv_events_config is not None:
             from kvscope.engine.events.vllm.config import KVEventsConfig
 

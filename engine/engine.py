@@ -26,12 +26,13 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.device import resolve_device, resolve_dtype
 from kvscope.engine.events.sink import NullSink
 from kvscope.engine.events.stats import StepStats, TierStats
+from kvscope.engine.features import check_model
 from kvscope.engine.model import load_model
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.request_state import RequestState
 from kvscope.engine.runner import kv_budget, mixed_kv
 from kvscope.engine.runner.model_runner import ModelRunner
-from kvscope.engine.runner.page_format import check_supported, check_windowed, page_format
+from kvscope.engine.runner.page_format import check_supported
 from kvscope.engine.sampler import SampleError, Sampler, SampleRow
 from kvscope.engine.sampling_ops import prompt_logprobs
 from kvscope.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -72,24 +73,22 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}], got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
-        check_windowed(mc, config.kv_cache_dtype, config.kv_demotion)
-        self.page_format = page_format(config.kv_cache_dtype, self.dtype, mc, config.block_size)
-        # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
-        self.mixed = mixed_kv.mixed_layout(config.kv_demotion, self.dtype, mc, config.block_size)
-        kv = kv_budget.plan(config, self.page_format, self.mixed, self.model, mc,
-                            self.device, self.max_model_len)
+        check_model(config, mc)  # what combines, now that the model is known (its fallbacks:
+        # the hybrid cache's in kv_budget, CUDA graphs' in the runner)
+        # the cache's layout, decided once (engine.cache.spec): the cache manager, the
+        # runner and tensor parallelism each take it whole
+        self.kv_spec = kv = kv_budget.build(config, self.model, mc, self.device, self.dtype,
+                                            self.max_model_len)
+        self.page_format, self.mixed = kv.page, kv.mixed
         num_blocks = kv.num_blocks
         # Held while the cache changes: the event stream's thread snapshots the cache (for
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
         self.cache = KVCacheManager(
-            num_blocks, config.block_size, num_cpu_blocks=kv.num_cpu_blocks,
-            window=kv.window, num_window_blocks=kv.num_window_blocks,
-            num_window_cpu_blocks=kv.num_window_cpu_blocks,
-            num_disk_blocks=kv.num_disk_blocks,
+            spec=kv,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
-            eviction_policy=config.eviction_policy, kv_format=self.page_format.name,
+            eviction_policy=config.eviction_policy,
             sink=self.events.sink if self.events else NullSink(),
             demotion=mixed_kv.demotion_policy(self.mixed, config.kv_hot_window)
             if self.mixed else None,
@@ -98,25 +97,14 @@ class LLMEngine:
             self.events.snapshot_fn = self.cache.snapshot
         self.scheduler = Scheduler(config, self.cache, self.max_model_len)
         if config.tensor_parallel_size > 1:  # rank 0 of N (engine.distributed.tp)
-            if self.mixed is not None:
-                raise ValueError("--kv-demotion is not supported with "
-                                 "--tensor-parallel-size > 1")
-            if mc.architecture == "gemma3_text":  # its ranks would run the Llama forward
-                raise ValueError("gemma3_text is not supported with --tensor-parallel-size > 1")
             from kvscope.engine.distributed.tp import start_tensor_parallel
 
-            self.runner = start_tensor_parallel(config, self.model, mc, num_blocks,
-                                                self.device, self.dtype)
+            self.runner = start_tensor_parallel(config, self.model, mc, kv, self.device)
         else:
-            self.runner = ModelRunner(self.model, mc, num_blocks, config.block_size,
-                                      self.device, self.dtype,
-                                      kv_cache_dtype=config.kv_cache_dtype, mixed=self.mixed,
+            self.runner = ModelRunner(self.model, mc, kv, self.device,
                                       enforce_eager=config.enforce_eager,
                                       max_model_len=self.max_model_len,
-                                      max_num_seqs=config.max_num_seqs,
-                                      num_cpu_blocks=kv.num_cpu_blocks,
-                                      num_window_blocks=kv.num_window_blocks,
-                                      num_window_cpu_blocks=kv.num_window_cpu_blocks)
+                                      max_num_seqs=config.max_num_seqs)
         self.swapper = self.runner.swapper  # the cpu tier's tensors (its figures: the stats)
         self.disk_io = None  # the disk tier's files and threads (engine.runner.disk_io)
         if kv.num_disk_blocks:

@@ -30,13 +30,14 @@ import time
 def _runner(name: str, model, cfg, seqs: int, context: int, total: int):  # noqa: ANN001, ANN202
     import torch
 
+    from kvscope.engine.runner.kv_budget import spec_of
     from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
 
     dtype = name.removesuffix("-torch").removesuffix("-split")
     bs = 16
     per_seq = (total + bs - 1) // bs
-    runner = ModelRunner(model, cfg, seqs * per_seq, bs, torch.device("cpu"), torch.float32,
-                         kv_cache_dtype=dtype)
+    runner = ModelRunner(model, cfg, spec_of(dtype, torch.float32, cfg, bs, seqs * per_seq),
+                         torch.device("cpu"))
     tables = torch.arange(seqs * per_seq, dtype=torch.int32).view(seqs, per_seq)
     g = torch.Generator().manual_seed(0)
     for s in range(seqs):  # prefill each sequence's context

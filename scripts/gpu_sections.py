@@ -315,6 +315,7 @@ def section_decode(ctx: Context) -> dict:
     """The 8B-shaped decode step (ModelRunner.execute: forward + logits) at batch 1..256,
     eager and replaying its CUDA graph, against its floor; then the host syncs of real
     engine decode steps, eager and with graphs."""
+    from kvscope.engine.cache.spec import KVSpec
     from kvscope.engine.model.dummy import weight_bytes
     from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
     from kvscope.engine.runner.page_format import page_format
@@ -332,8 +333,9 @@ def section_decode(ctx: Context) -> dict:
     num_blocks = max(1, min(need, (free - headroom) // fmt.bytes_per_block))
     # the default: CUDA graphs for the decode step (engine.runner.cuda_graphs); none on CPU
     # (--smoke), which measures the eager rows only
-    runner = ModelRunner(model, cfg, num_blocks, bs, ctx.device, dtype,
-                         max_model_len=context, max_num_seqs=max(batches))
+    spec = KVSpec(bs, num_blocks, format=fmt.name, page=fmt)
+    runner = ModelRunner(model, cfg, spec, ctx.device, max_model_len=context,
+                         max_num_seqs=max(batches))
     graphs = runner.graphs
     for t in runner.kv.per_block_tensors:  # attention over random keys, never zeros
         t.normal_()

@@ -194,6 +194,7 @@ def teacher_forced(loaded, ids: list[int], args: argparse.Namespace) -> dict[str
     import torch
     import torch.nn.functional as F
 
+    from kvscope.engine.runner.kv_budget import spec_of
     from kvscope.engine.runner.mixed_kv import MixedKV
     from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
     from kvscope.kernels import mixed_pages as mp
@@ -204,13 +205,14 @@ def teacher_forced(loaded, ids: list[int], args: argparse.Namespace) -> dict[str
     cpu = torch.device("cpu")
     runners: dict[str, Any] = {}
     for d in ("full", "int8", "int4"):
-        runners[d] = ModelRunner(model, cfg, num_blocks, bs, cpu, torch.float32,
-                                 kv_cache_dtype="auto" if d == "full" else d)
+        spec = spec_of("auto" if d == "full" else d, torch.float32, cfg, bs, num_blocks)
+        runners[d] = ModelRunner(model, cfg, spec, cpu)
     mixed: dict[str, tuple[ModelRunner, MixedKV]] = {}
     for fmt in (t.strip() for t in args.targets.split(",") if t.strip()):
         layout = mp.MixedLayout(torch.float32, bs, cfg.num_kv_heads, cfg.head_dim, (fmt,))
         frames = num_blocks + math.ceil(num_blocks / layout.subs(fmt)) + 1
-        r = ModelRunner(model, cfg, frames, bs, cpu, torch.float32, mixed=layout)
+        r = ModelRunner(model, cfg, spec_of("auto", torch.float32, cfg, bs, frames,
+                                            mixed=layout), cpu)
         mixed[fmt] = (r, r.mixed_kv)
         runners[f"demotion@{fmt}"] = r
     codes = {fmt: [kv.layout.code(b, 0, "full") for b in range(num_blocks)]

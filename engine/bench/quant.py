@@ -33,8 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvscope.engine.events import formats
+
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
-DTYPES = ("auto", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
+DTYPES = formats.KV_CACHE_DTYPES  # the registry's (engine.events.formats)
 # The prompts of tests/engine/test_invariance.py.
 PROMPTS = [
     "The capital of France is",
@@ -130,14 +132,15 @@ def teacher_forced(model, cfg, ids: list[int], dtypes: list[str], chunk: int,
     import torch
     import torch.nn.functional as F
 
+    from kvscope.engine.runner.kv_budget import spec_of
     from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
 
     n = len(ids)
     num_blocks = (n + block_size - 1) // block_size
     def runner(d: str) -> ModelRunner:  # "bf16": unquantized bf16 pages under the fp32 model
         page_dtype = torch.bfloat16 if d == "bf16" else torch.float32
-        return ModelRunner(model, cfg, num_blocks, block_size, torch.device("cpu"),
-                           page_dtype, kv_cache_dtype="auto" if d == "bf16" else d)
+        spec = spec_of("auto" if d == "bf16" else d, page_dtype, cfg, block_size, num_blocks)
+        return ModelRunner(model, cfg, spec, torch.device("cpu"))
 
     runners = {d: runner(d) for d in dtypes}
     tokens = torch.tensor(ids, dtype=torch.int64)

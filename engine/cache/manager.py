@@ -99,6 +99,7 @@ from kvscope.engine.cache.hashing import root_hash
 from kvscope.engine.cache.host_tier import HostTier
 from kvscope.engine.cache.prefix_index import PrefixIndex
 from kvscope.engine.cache.sequence import CacheSeq
+from kvscope.engine.cache.spec import KVSpec
 from kvscope.engine.cache.tiers import CacheTiers, check_config
 from kvscope.engine.cache.transfers import Round
 from kvscope.engine.cache.validation import (
@@ -117,9 +118,10 @@ from kvscope.engine.events.sink import EventSink, NullSink
 class KVCacheManager:
     def __init__(
         self,
-        num_gpu_blocks: int,
-        block_size: int,
+        num_gpu_blocks: int | None = None,
+        block_size: int | None = None,
         *,
+        spec: KVSpec | None = None,
         num_cpu_blocks: int = 0,
         num_disk_blocks: int = 0,
         enable_prefix_caching: bool = True,
@@ -131,6 +133,17 @@ class KVCacheManager:
         num_window_blocks: int = 0,
         num_window_cpu_blocks: int = 0,
     ) -> None:
+        # ``spec``: the engine's whole layout (engine.cache.spec), in place of the sizes,
+        # window and format one by one (which tests and tools still give)
+        if spec is not None:
+            if num_gpu_blocks is not None or block_size is not None or num_cpu_blocks or \
+                    num_disk_blocks or window is not None or num_window_blocks or \
+                    num_window_cpu_blocks or kv_format != "auto":
+                raise CacheError("give a KVSpec or the sizes one by one, not both")
+            num_gpu_blocks, block_size = spec.num_blocks, spec.block_size
+            num_cpu_blocks, num_disk_blocks = spec.num_cpu_blocks, spec.num_disk_blocks
+            window, num_window_blocks = spec.window, spec.num_window_blocks
+            num_window_cpu_blocks, kv_format = spec.num_window_cpu_blocks, spec.format
         check_config(num_gpu_blocks, block_size, num_cpu_blocks, num_disk_blocks,
                      enable_prefix_caching, kv_format, demotion, window, num_window_blocks,
                      num_window_cpu_blocks)

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from kvscope.engine.cache.block_pool import BlockPool
 from kvscope.engine.cache.eviction import EvictionPolicy
+from kvscope.engine.events import formats
 from kvscope.engine.events import schema as S
 from kvscope.engine.events.sink import EventSink
 
 # Format ids of kernels.mixed_pages (torch-free copy): int8/int4 as
 # kernels.triton_cache.FORMAT_IDS; 1 = the layout's one block-quantized format
 # (kernels.block_quant: per-channel keys over the block).
-BLOCK_FORMATS = ("kivi4", "k8v4", "kivi2")
+BLOCK_FORMATS = formats.BLOCK_KV_CACHE_DTYPES  # the registry's (engine.events.formats)
 FORMAT_IDS = {"int8": 2, "int4": 3, **{f: 1 for f in BLOCK_FORMATS}}
 # Demotion targets, widest first, with their code bits per element, K and V averaged: a
 # chain goes to strictly fewer bits.

@@ -16,6 +16,7 @@ import os
 import re
 from typing import Any
 
+from kvscope.engine.events import formats
 from kvscope.engine.server.tool_parsers import PARSERS as TOOL_PARSERS  # json only: no server stack
 
 
@@ -89,8 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    type=int, default=None, help="KV blocks (default: from memory)")
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto | fp8 | int8 | int4 | kivi4 | k8v4 | kivi2")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=formats.KV_CACHE_DTYPES,
+                   help=" | ".join(formats.KV_CACHE_DTYPES))
     e.add_argument("--kv-demotion", default="",
                    help="demote cold pages in place under memory pressure: one or two of "
                         "int8, k8v4, int4, kivi4, kivi2 to fewer bits, e.g. int8,int4 or "

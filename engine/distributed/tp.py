@@ -16,6 +16,7 @@ their parent (PR_SET_PDEATHSIG) or when a collective fails.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvscope.engine.cache.spec import KVSpec
 from kvscope.engine.model.parallel import ShardedLlama, check_divisible, local_config, shard_weights
 from kvscope.engine.runner.model_runner import ModelRunner, StepBatch
 
@@ -111,15 +113,21 @@ class TensorParallelRunner(ModelRunner):
                 p.join()
 
 
-def start_tensor_parallel(config: Any, model: Any, model_config: Any, num_blocks: int,
-                          device: torch.device, dtype: torch.dtype) -> TensorParallelRunner:
+def shard_spec(spec: KVSpec, model_config: Any, world: int) -> KVSpec:
+    """Every rank's KVSpec: the same blocks, its pages over its shard of the KV heads."""
+    local = local_config(model_config, world)
+    return spec.replace(page=dataclasses.replace(spec.page, num_kv_heads=local.num_kv_heads))
+
+
+def start_tensor_parallel(config: Any, model: Any, model_config: Any, spec: KVSpec,
+                          device: torch.device) -> TensorParallelRunner:
     """Spawn ranks 1..N-1 with their shards (CPU tensors travel through shared memory),
-    join the process group as rank 0 and return rank 0's runner."""
+    join the process group as rank 0 and return rank 0's runner. ``spec``: the engine's
+    KV layout (engine.cache.spec), over the whole model's heads."""
     world = config.tensor_parallel_size
     check_divisible(model_config, world)
-    if config.kv_layout != "paged" or config.swap_space:
-        raise ValueError("tensor_parallel_size > 1 needs kv_layout='paged' and no swap tier "
-                         "(swap_space=0)")
+    # refused with their reasons by the features table (engine.features): one plain pool
+    assert not (spec.num_cpu_blocks or spec.mixed or spec.hybrid or config.kv_layout != "paged")
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; "
                          f"{torch.cuda.device_count()} visible")
@@ -128,8 +136,7 @@ def start_tensor_parallel(config: Any, model: Any, model_config: Any, num_blocks
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     threads = max(1, torch.get_num_threads() // world)
-    runner_kw = dict(num_blocks=num_blocks, block_size=config.block_size,
-                     kv_dtype=dtype, kv_cache_dtype=config.kv_cache_dtype)
+    runner_kw = dict(spec=shard_spec(spec, model_config, world))
     procs = []
     for rank in range(1, world):
         shard = {k: v for k, v in shard_weights(model, world, rank).items()}
@@ -176,8 +183,6 @@ def _join_group(procs: list[Any], device: torch.device, init: str, world: int) -
 
 
 def _to_cpu(shard: dict) -> dict:
-    import dataclasses
-
     def cpu(t):  # noqa: ANN001, ANN202
         return None if t is None else t.cpu()
 

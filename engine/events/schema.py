@@ -36,6 +36,7 @@ from typing import Any, TypeVar, Union
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from kvscope.engine.events import formats as _formats
 from kvscope.engine.events.causes import Cause
 
 PROTOCOL_VERSION = 3
@@ -51,9 +52,10 @@ TIERS = ("gpu", "cpu", "disk")
 SEQ_STATUSES = ("waiting", "running", "swapped")
 FINISH_REASONS = ("stop", "length", "abort")
 PREEMPT_MODES = ("recompute", "swap")
-KV_FORMATS = ("auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
-# The formats whose pages hold codes, not the model's dtype (the inspector's quantized hues)
-QUANTIZED_KV_FORMATS = ("fp8", "int8", "int4", "kivi4", "k8v4", "kivi2")
+# The page formats a tier_init may report, and those whose pages hold codes, not the
+# model's dtype (the inspector's quantized hues): both from the registry (engine.events.formats)
+KV_FORMATS = _formats.NAMES
+QUANTIZED_KV_FORMATS = _formats.QUANTIZED_KV_FORMATS
 
 # Event kinds. Names are the wire strings (each ``Event`` subclass below is tagged with one).
 TIER_INIT = "tier_init"

@@ -6,73 +6,81 @@ on CUDA, what a profiled forward leaves of ``gpu_memory_utilization``; on CPU,
 frame over a mixed-precision arena (``--kv-demotion``). The cpu tier: ``swap_space`` GiB.
 The disk tier: ``disk_cache_size`` bytes of block files (a header and the token ids each).
 A hybrid cache (``hybrid_split``) divides the gpu budget between the full-attention
-layers' pool and the sliding-window layers' pool. ``plan`` is all of it, for the engine.
+layers' pool and the sliding-window layers' pool. ``plan`` is all of it, and ``build``
+the engine's KVSpec (engine.cache.spec) with it: the one place the page format is made.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from kvscope.engine.config import BLOCK_KV_CACHE_DTYPES, DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvscope.engine import features
+from kvscope.engine.cache.spec import KVSpec
+from kvscope.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from kvscope.engine.runner import mixed_kv
-from kvscope.engine.runner.page_format import PageFormat
+from kvscope.engine.runner.page_format import PageFormat, page_format
 from kvscope.kernels import mixed_pages as mp
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class KVPlan:
-    """Blocks per tier and group: the cache manager's and the runner's sizes. ``window``
-    is the hybrid cache's sliding window (None: one group, every layer keeps every block);
-    the ``num_window_*`` pools are then the windowed layers' own (engine.cache.window_group)."""
+def build(config: EngineConfig, model: torch.nn.Module, model_config,
+          device: torch.device, dtype: torch.dtype, max_model_len: int) -> KVSpec:
+    """The engine's KVSpec, built once: the page format of ``kv_cache_dtype`` over the
+    model's dtype, the --kv-demotion arena's layout, and every tier's and group's blocks
+    (``plan``). The cache manager, the runner and tensor parallelism all take it whole."""
+    fmt = page_format(config.kv_cache_dtype, dtype, model_config, config.block_size)
+    # --kv-demotion: an arena of frames (engine.runner.mixed_kv); num_blocks then counts frames
+    mixed = mixed_kv.mixed_layout(config.kv_demotion, dtype, model_config, config.block_size)
+    return plan(config, fmt, mixed, model, model_config, device, max_model_len)
 
-    num_blocks: int
-    num_cpu_blocks: int
-    num_disk_blocks: int
-    window: int | None = None
-    num_window_blocks: int = 0
-    num_window_cpu_blocks: int = 0
+
+def spec_of(kv_cache_dtype: str, model_dtype: torch.dtype, model_config, block_size: int,
+            num_blocks: int, **sizes) -> KVSpec:
+    """A KVSpec of given sizes (benches, tools and tests that build a runner without an
+    engine): pages of ``kv_cache_dtype`` over ``model_dtype``; ``sizes``: the other
+    KVSpec fields (num_cpu_blocks, window, num_window_blocks, mixed, ...)."""
+    fmt = page_format(kv_cache_dtype, model_dtype, model_config, block_size)
+    return KVSpec(block_size, num_blocks, format=fmt.name, page=fmt, **sizes)
 
 
 def plan(config: EngineConfig, fmt: PageFormat, mixed: mp.MixedLayout | None,
          model: torch.nn.Module, model_config, device: torch.device,
-         max_model_len: int) -> KVPlan:
-    """Every tier's blocks, and the hybrid split for a windowed model where it applies."""
+         max_model_len: int) -> KVSpec:
+    """Every tier's blocks, and the hybrid split for a windowed model where it applies
+    (the features table says where it does not: engine.features)."""
+    bs = config.block_size
     num_blocks = num_gpu_blocks(config, fmt, mixed, model, model_config, device)
     num_cpu = num_cpu_blocks(config, fmt)
     num_disk = num_disk_blocks(config, fmt)
-    if not hybrid_applies(config, model_config, num_disk):
-        if model_config.windowed and not config.disable_hybrid_kv_cache_manager:
-            log.warning("%s has sliding-window layers, but the hybrid KV cache does not "
-                        "support a disk tier, a contiguous layout or tensor parallelism "
-                        "yet: every layer keeps every block", model_config.architecture)
-        return KVPlan(num_blocks, num_cpu, num_disk)
+    if not hybrid_applies(config, model_config):
+        for clash in features.fallbacks(features.active(config, model_config),
+                                        "hybrid KV cache"):
+            log.warning("%s has sliding-window layers, but %s", model_config.architecture,
+                        clash.message())
+        return KVSpec(bs, num_blocks, num_cpu, num_disk, format=fmt.name, page=fmt,
+                      mixed=mixed)
     window = max(w for w in model_config.layer_windows if w is not None)
     num_full, num_window = hybrid_split(config, model_config, num_blocks, max_model_len)
     num_window_cpu = 0
     if num_cpu:  # swap space for both groups (engine.cache.window_group)
         num_cpu, num_window_cpu = hybrid_host_split(model_config, num_cpu, num_full,
-                                                    num_window, config.block_size,
-                                                    max_model_len)
+                                                    num_window, bs, max_model_len)
     log.info("hybrid KV cache: %d full-attention blocks, %d sliding-window blocks "
              "(window %d); cpu tier %d + %d blocks", num_full, num_window, window, num_cpu,
              num_window_cpu)
-    return KVPlan(num_full, num_cpu, num_disk, window, num_window, num_window_cpu)
+    return KVSpec(bs, num_full, num_cpu, num_disk, window, num_window, num_window_cpu,
+                  format=fmt.name, page=fmt, mixed=mixed)
 
 
-def hybrid_applies(config: EngineConfig, model_config, num_disk_blocks: int) -> bool:
+def hybrid_applies(config: EngineConfig, model_config) -> bool:
     """Whether a windowed model gets the hybrid cache (prefix caching and swap included):
-    not when switched off, and not yet beside a disk tier, demotion, block formats or
-    tensor parallelism (it then keeps every block, as before)."""
-    return bool(model_config.windowed and not config.disable_hybrid_kv_cache_manager
-                and config.kv_layout == "paged" and not num_disk_blocks
-                and not config.kv_demotion
-                and config.kv_cache_dtype not in BLOCK_KV_CACHE_DTYPES
-                and config.tensor_parallel_size == 1)
+    not when switched off, and not where the features table (engine.features) says it
+    falls back (it then keeps every block, as before)."""
+    on = features.active(config, model_config)
+    return "hybrid KV cache" in on and not features.fallbacks(on, "hybrid KV cache")
 
 
 def num_gpu_blocks(config: EngineConfig, fmt: PageFormat, mixed: mp.MixedLayout | None,

@@ -12,6 +12,7 @@ torch reference on CPU) and returns logits only for the rows that sample a token
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +21,12 @@ import numpy as np
 import torch
 
 from kvscope import kernels
+from kvscope.engine import features
+from kvscope.engine.cache.spec import KVSpec
 from kvscope.engine.model.llama import LlamaModel
 from kvscope.engine.runner.compiled import maybe_compiled
 from kvscope.engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, Graph
-from kvscope.engine.runner.page_format import KVPages, page_format
+from kvscope.engine.runner.page_format import KVPages
 from kvscope.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kvscope.kernels import quant
 from kvscope.kernels.cpu_attention import StepPlan
@@ -154,22 +157,27 @@ def keep_freed_memory() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config, num_blocks: int, block_size: int,
-                 device: torch.device, kv_dtype: torch.dtype, *,
-                 kv_cache_dtype: str = "auto", mixed=None, enforce_eager: bool | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256,
-                 num_cpu_blocks: int = 0, num_window_blocks: int = 0,
-                 num_window_cpu_blocks: int = 0) -> None:
-        self.model, self.cfg = model, model_config
+    def __init__(self, model: torch.nn.Module, model_config, spec: KVSpec,
+                 device: torch.device, *, enforce_eager: bool | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256) -> None:
+        """``spec``: the cache's layout (engine.cache.spec), its ``page`` format over this
+        model's layers and KV heads (a tensor-parallel rank's: its shard of the heads)."""
+        fmt = spec.page
+        assert fmt is not None and (fmt.num_layers, fmt.num_kv_heads, fmt.head_dim) == (
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim), \
+            "the spec's page format must be this model's"
+        self.model, self.cfg, self.spec = model, model_config, spec
+        num_blocks, block_size, mixed = spec.num_blocks, spec.block_size, spec.mixed
+        num_window_blocks = spec.num_window_blocks
         # CPU: the torch.compile'd decode forward when asked (enforce_eager False;
         # engine.runner.compiled)
         self.compiled = maybe_compiled(model, device, enforce_eager is not False)
         self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
         if device.type == "cpu":
             keep_freed_memory()
-        # kv_dtype: the model dtype, which "auto" pages use; others: engine.runner.page_format
-        # (a mixed arena replaces these pages: one block of each stays as a placeholder)
-        fmt = page_format(kv_cache_dtype, kv_dtype, model_config, block_size)
+        # the pages of the spec's format (engine.runner.page_format); a mixed arena
+        # (engine.runner.mixed_kv) replaces them: one block of each stays as a placeholder
+        kv_dtype = fmt.model_dtype  # the model dtype, which "auto" pages use
         # block-quantized formats (engine.runner.block_kv) replace these pages, as a mixed
         # arena does: one placeholder block of 16-bit pages stays
         self.block_kv = None
@@ -177,10 +185,10 @@ class ModelRunner:
             from kvscope.engine.runner.block_kv import BlockKV, BlockPagedAttention
             from kvscope.kernels.block_quant import block_format
 
-            self.block_kv = BlockKV(block_format(kv_cache_dtype), model_config.num_layers,
+            self.block_kv = BlockKV(block_format(fmt.kv_cache_dtype), model_config.num_layers,
                                     num_blocks, block_size, model_config.num_kv_heads,
                                     model_config.head_dim, kv_dtype, device)
-            fmt = page_format("auto", kv_dtype, model_config, block_size)
+            fmt = dataclasses.replace(fmt, kv_cache_dtype="auto")
         # hybrid cache (engine.cache.window_group): the windowed layers' pages hold the
         # window group's own, smaller pool
         self.num_window_blocks = num_window_blocks
@@ -204,15 +212,19 @@ class ModelRunner:
             self.mixed_kv = MixedKV.allocate(mixed, model_config.num_layers, num_blocks, device)
             self.attn = MixedPagedAttention(self.mixed_kv, model_config.attn_scale)
         # CUDA: pure decode steps replay captured graphs unless enforce_eager is True
-        # (engine.runner.cuda_graphs); not over the mixed arena, whose kernels were never
-        # captured on a device.
+        # (engine.runner.cuda_graphs), or the features table says they fall back
+        # (engine.features: this runner's own features, as built)
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and enforce_eager is not True and mixed is None and \
-                self.block_kv is None and not num_window_blocks and \
-                type(model) is LlamaModel:
+        on = {name for name, yes in (
+            ("CUDA graphs", device.type == "cuda" and enforce_eager is not True),
+            ("kv_demotion", mixed is not None), ("block format", self.block_kv is not None),
+            ("hybrid KV cache", bool(num_window_blocks)),
+            ("not the LlamaModel forward", type(model) is not LlamaModel)) if yes}
+        if "CUDA graphs" in on and not features.fallbacks(on, "CUDA graphs"):
             self.graphs = self.decode_graphs(max_model_len or model_config.max_position_embeddings,
                                              max_num_seqs)
         self.swapper = None  # the cpu tier's tensors (engine.runner.swapper)
+        num_cpu_blocks, num_window_cpu_blocks = spec.num_cpu_blocks, spec.num_window_cpu_blocks
         if num_cpu_blocks:
             from kvscope.engine.runner.swapper import Swapper
 

@@ -151,29 +151,6 @@ def page_format(kv_cache_dtype: str, model_dtype: torch.dtype, model_config,
                       model_config.num_kv_heads, model_config.head_dim)
 
 
-def check_windowed(model_config, kv_cache_dtype: str, kv_demotion: str | None) -> None:
-    """Raise ValueError for what a model with sliding-window layers cannot take yet. The
-    per-token formats (fp8, int8, int4) work with windows: both cache groups take them
-    (docs/kv-cache.md); what the other two lack is named in their refusals."""
-    if not model_config.windowed:
-        return
-    arch = model_config.architecture
-    if kv_demotion:
-        raise ValueError(f"{arch} has sliding-window layers: --kv-demotion is not supported "
-                         "with them yet: the mixed-precision arena's attention takes no "
-                         "window, and its demotion policy and frames cover one pool, not the "
-                         "hybrid cache's window group; use --kv-cache-dtype fp8, int8 or int4 "
-                         "(both groups take them)")
-    if kv_cache_dtype in block_quant.FORMATS:
-        raise ValueError(f"{arch} has sliding-window layers: --kv-cache-dtype "
-                         f"{kv_cache_dtype} is not supported with them yet: the "
-                         "block-quantized attention (C, torch and Triton paths) takes no "
-                         "window, and the runner has no per-group page format (the "
-                         "full-attention layers' pages block-quantized beside the window "
-                         "group's in the model dtype); use --kv-cache-dtype fp8, int8 or "
-                         "int4 (both groups take them)")
-
-
 def check_supported(kv_cache_dtype: str, device: torch.device) -> None:
     """Raise ValueError at start-up when ``device`` cannot run the format's kernels."""
     if kv_cache_dtype in block_quant.FORMATS:

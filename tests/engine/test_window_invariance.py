@@ -124,13 +124,15 @@ def test_each_group_swaps_its_own_pages_and_scale_pages(loaded):
     take the per-token formats): group 0's rounds move the full-attention layers' K, V and
     scale pages, the window group's rounds the windowed layers', each through its own host
     pool, out and back into other blocks, bit for bit."""
+    from kvscope.engine.runner.kv_budget import spec_of
     from kvscope.engine.runner.model_runner import ModelRunner
     from kvscope.engine.scheduler import SchedulerOutput
 
     model, _, mc = loaded
-    runner = ModelRunner(model, mc, 8, 4, torch.device("cpu"), torch.float32,
-                         kv_cache_dtype="int8", num_cpu_blocks=4, num_window_blocks=6,
-                         num_window_cpu_blocks=3)
+    window = max(w for w in mc.layer_windows if w is not None)
+    spec = spec_of("int8", torch.float32, mc, 4, 8, num_cpu_blocks=4, window=window,
+                   num_window_blocks=6, num_window_cpu_blocks=3)
+    runner = ModelRunner(model, mc, spec, torch.device("cpu"))
     kv, groups = runner.kv, runner.group
     layers = [kv.k_caches, kv.v_caches, kv.k_scales, kv.v_scales]
     torch.manual_seed(0)

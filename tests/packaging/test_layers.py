@@ -22,8 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
     (f"{E}.events",),  # the protocol and its mirror: schema, sink, causes, state
     (f"{E}.events.wire", f"{E}.events.analysis", f"{E}.events.vllm"),
     (f"{E}.cache", "kvscope.inspector"),
-    (f"{E}.device", f"{E}.extras", f"{E}.config", f"{E}.sequence", f"{E}.outputs",
-     f"{E}.model", f"{E}.sampling_params", f"{E}.sampling_ops",
+    (f"{E}.device", f"{E}.extras", f"{E}.config", f"{E}.features", f"{E}.sequence",
+     f"{E}.outputs", f"{E}.model", f"{E}.sampling_params", f"{E}.sampling_ops",
      f"{E}.structured", f"{E}.completion",
      f"{E}.request_state"),
     (f"{E}.scheduler", f"{E}.runner", f"{E}.sampler", f"{E}.reference_generate"),
