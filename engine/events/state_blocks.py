@@ -2,7 +2,7 @@
 columns goes through these methods, which journal it first (``state_journal``).
 
 Invariants each write keeps, given the checks its callers make before calling:
-- the ref-count path (``_refs``) changes a block's ref count by one per id, and keeps
+- the ref-count path (``_add_refs``) changes a block's ref count by one per id, and keeps
   the display-only owner column in step: a block taken from ref 0 becomes the taker's,
   a block left at ref 0 has no owner (-1), and a block its owner lets go of while
   others still hold it is ``ORPHAN`` (``KVState.resolve_owners`` finds it a holder);
@@ -47,55 +47,30 @@ class BlockWrites(UndoJournal):
             raise ProtocolError(f"{s.seq_id}'s table is in tier {s.tier}, not {t.name}")
         s.tier = t.name
 
-    def _take(self, t: TierState, ids: list[int], owner: int) -> None:
-        """ids go from ref 0 to ref 1, owned by ``owner``, touched now."""
-        t.mark(ids)
-        self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
-        step = self._cur_step
-        if len(ids) <= SMALL_IDS:
-            ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
-            for b in ids:
-                ref[b] = 1
-                own[b] = owner
-                tch[b] = step
-        else:
-            idx = self._idx(ids)
-            t.ref_c.np[idx] = 1
-            t.owner_c.np[idx] = owner
-            t.touched_c.np[idx] = step
+    def _add_refs(self, t: TierState, ids: list[int], owner: int, delta: int) -> None:
+        """The ref-count path, the only writer of ref counts in the per-event apply:
+        ``ref += delta`` (+1: a sequence takes or shares the blocks; -1: it lets them go)
+        once per entry of ``ids`` (a repeated id counts each time), the owner column kept
+        in step for ``owner``'s sequence, every block touched now.
 
-    def _hold(self, t: TierState, ids: list[int], owner: int) -> None:
-        """ref += 1 per entry; blocks that were unheld become ``owner``'s."""
+        +1: a block that was at ref 0 becomes ``owner``'s (alloc and the other takers
+        check first that their blocks are free and distinct, so for them this is "ref 0
+        to 1, owned"). -1: a block left at ref 0 has no owner; one ``owner`` lets go of
+        while others still hold it becomes ``ORPHAN``; a block left free (ref 0, no hash)
+        loses its demoted format. The callers check what the event may do before this
+        runs: nothing here refuses."""
         t.mark(ids)
         self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
         step = self._cur_step
         if len(ids) <= SMALL_IDS:
             ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
             for b in ids:
-                r = ref[b] + 1
+                r = ref[b] + delta
                 ref[b] = r
-                if r == 1:
-                    own[b] = owner
-                tch[b] = step
-        else:
-            idx = self._idx(ids)
-            ref = t.ref_c.np
-            was_free = ref[idx] == 0
-            np.add.at(ref, idx, 1)
-            t.owner_c.np[idx[was_free]] = owner
-            t.touched_c.np[idx] = step
-
-    def _release(self, t: TierState, ids: list[int], owner: int) -> None:
-        """ref -= 1 per entry; ``owner``'s blocks lose their owner (see module doc)."""
-        t.mark(ids)
-        self._save3(t.ref_c, t.owner_c, t.touched_c, ids)
-        step = self._cur_step
-        if len(ids) <= SMALL_IDS:
-            ref, own, tch = t.ref_c.py, t.owner_c.py, t.touched_c.py
-            for b in ids:
-                r = ref[b] - 1
-                ref[b] = r
-                if r == 0:
+                if delta > 0:
+                    if r == 1:
+                        own[b] = owner
+                elif r == 0:
                     own[b] = -1
                 elif own[b] == owner:
                     own[b] = ORPHAN
@@ -103,12 +78,17 @@ class BlockWrites(UndoJournal):
         else:
             idx = self._idx(ids)
             ref, own = t.ref_c.np, t.owner_c.np
-            np.add.at(ref, idx, -1)
-            left = ref[idx]
-            own[idx[(left > 0) & (own[idx] == owner)]] = ORPHAN
-            own[idx[left == 0]] = -1
+            was_free = ref[idx] == 0 if delta > 0 else None
+            np.add.at(ref, idx, delta)  # unbuffered: a repeated id counts each time
+            if was_free is not None:
+                own[idx[was_free]] = owner
+            else:
+                left = ref[idx]
+                own[idx[(left > 0) & (own[idx] == owner)]] = ORPHAN
+                own[idx[left == 0]] = -1
             t.touched_c.np[idx] = step
-        self._drop_formats(t, ids)
+        if delta < 0:
+            self._drop_formats(t, ids)
 
     def _drop_formats(self, t: TierState, ids: list[int]) -> None:
         """Blocks that became free (ref 0, no hash) lose their page, hence a demoted

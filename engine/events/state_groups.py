@@ -44,7 +44,7 @@ class GroupHandlers(BlockWrites):
     def _group_alloc(self, ev: dict[str, Any]) -> None:
         t, g, s, blocks = self._group_of(ev)
         self._free_blocks(t, blocks, "alloc")
-        self._take(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, 1)
         s.group_tables = {**s.group_tables, g: s.group_tables.get(g, []) + blocks}
 
     def _group_hit(self, ev: dict[str, Any]) -> None:
@@ -53,14 +53,14 @@ class GroupHandlers(BlockWrites):
         for b in blocks:
             if not hashed[b]:
                 raise ProtocolError(f"hit: {t.name} block {b} is not cached")
-        self._hold(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, 1)
         s.group_tables = {**s.group_tables, g: s.group_tables.get(g, []) + blocks}
 
     def _group_free(self, ev: dict[str, Any]) -> None:
         t, g, s, blocks = self._group_of(ev)
         if blocks != s.group_tables.get(g, []):
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
-        self._release(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, -1)
         s.group_tables = {k: v for k, v in s.group_tables.items() if k != g}
 
     def _release_ev(self, ev: dict[str, Any]) -> None:
@@ -69,7 +69,7 @@ class GroupHandlers(BlockWrites):
         if not g or table[:len(blocks)] != blocks:
             raise ProtocolError(f"release: {blocks} are not the oldest {t.name} blocks of "
                                 f"{s.seq_id}")
-        self._release(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, -1)
         rest = table[len(blocks):]
         s.group_tables = {**{k: v for k, v in s.group_tables.items() if k != g},
                           **({g: rest} if rest else {})}
@@ -80,7 +80,7 @@ class GroupHandlers(BlockWrites):
         if blocks != parent.group_tables.get(g, []) or s.group_tables.get(g):
             raise ProtocolError(f"fork: {s.seq_id} cannot share {parent.seq_id}'s {t.name} "
                                 "blocks")
-        self._hold(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, 1)
         s.group_tables = {**s.group_tables, g: list(blocks)}
 
     def _group_cow(self, ev: dict[str, Any]) -> None:
@@ -96,8 +96,8 @@ class GroupHandlers(BlockWrites):
             if not 0 <= i < len(table) or table[i] != a:
                 raise ProtocolError(f"cow: {s.seq_id}[{i}] of {t.name} is not block {a}")
             self._free_blocks(t, [b], "cow")
-            self._release(t, [a], s.owner_id)
-            self._take(t, [b], s.owner_id)
+            self._add_refs(t, [a], s.owner_id, -1)
+            self._add_refs(t, [b], s.owner_id, 1)
             table[i] = b
         s.group_tables = {**s.group_tables, g: table}
 
@@ -112,8 +112,8 @@ class GroupHandlers(BlockWrites):
         b.check_ids(dst)
         if src != s.group_tables.get(g, []) or len(dst) != len(src):
             raise ProtocolError(f"{ev['kind']}: {s.seq_id} does not hold {a.name} {src}")
-        self._release(a, src, s.owner_id)
-        self._hold(b, dst, s.owner_id)
+        self._add_refs(a, src, s.owner_id, -1)
+        self._add_refs(b, dst, s.owner_id, 1)
         s.group_tables = {**{k: v for k, v in s.group_tables.items() if k != g},
                           **({g: list(dst)} if dst else {})}
 

@@ -74,7 +74,7 @@ class EventHandlers(GroupHandlers):
         t.check_ids(blocks)
         self._require_table_tier(s, t)
         self._free_blocks(t, blocks, "alloc")
-        self._take(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, 1)
         s.block_table.extend(blocks)
 
     def _hit(self, ev: dict[str, Any]) -> None:
@@ -87,7 +87,7 @@ class EventHandlers(GroupHandlers):
         for b in blocks:
             if not hashed[b]:
                 raise ProtocolError(f"hit: {t.name} block {b} is not cached")
-        self._hold(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, 1)
         s.block_table.extend(blocks)
         s.hit_tokens += int(ev.get("tokens", 0))
 
@@ -145,7 +145,7 @@ class EventHandlers(GroupHandlers):
         t, s, blocks = self._tier(ev["tier"]), self._seq(ev["seq"]), unpack_ids(ev["blocks"])
         if s.tier != t.name or blocks != s.block_table:
             raise ProtocolError(f"free: {s.seq_id} does not hold exactly {t.name} {blocks}")
-        self._release(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, -1)
         s.block_table = []
         s.num_tokens = 0
 
@@ -157,7 +157,7 @@ class EventHandlers(GroupHandlers):
         if parent.tier != t.name or blocks != parent.block_table or s.block_table:
             raise ProtocolError(f"fork: {s.seq_id} cannot share {parent.seq_id}'s blocks")
         s.tier = t.name
-        self._hold(t, blocks, s.owner_id)
+        self._add_refs(t, blocks, s.owner_id, 1)
         s.block_table = list(blocks)
         s.num_tokens = parent.num_tokens
 
@@ -175,8 +175,8 @@ class EventHandlers(GroupHandlers):
             if not 0 <= i < len(s.block_table) or s.block_table[i] != a:
                 raise ProtocolError(f"cow: {s.seq_id}[{i}] is not block {a}")
             self._free_blocks(t, [b], "cow")  # checked per pair: dst may repeat a src
-            self._release(t, [a], s.owner_id)
-            self._take(t, [b], s.owner_id)
+            self._add_refs(t, [a], s.owner_id, -1)
+            self._add_refs(t, [b], s.owner_id, 1)
             self._save_entry(s.block_table, i)
             s.block_table[i] = b
 
@@ -223,8 +223,8 @@ class EventHandlers(GroupHandlers):
         b.check_ids(dst)
         if s.tier != src_tier or src != s.block_table or len(dst) != len(src):
             raise ProtocolError(f"{ev['kind']}: {s.seq_id} does not hold {src_tier} {src}")
-        self._release(a, src, s.owner_id)
-        self._hold(b, dst, s.owner_id)
+        self._add_refs(a, src, s.owner_id, -1)
+        self._add_refs(b, dst, s.owner_id, 1)
         s.tier, s.block_table = dst_tier, list(dst)
 
     def _swap_out(self, ev: dict[str, Any]) -> None:
@@ -263,7 +263,7 @@ class EventHandlers(GroupHandlers):
             if not hashed[a]:
                 raise ProtocolError(f"host_hit: host block {a} is not cached")
         self._free_blocks(dev, dst, "host_hit")
-        self._take(dev, dst, s.owner_id)
+        self._add_refs(dev, dst, s.owner_id, 1)
         self._set_hashes(dev, dst, [host.hash_value(a) for a in src])
         s.block_table.extend(dst)
         s.hit_tokens += int(ev.get("tokens", 0))
