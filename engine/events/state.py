@@ -5,12 +5,9 @@ are listed in ``engine.events.schema``). The inspector draws from a KVState; the
 rebuild one from the engine's events and compare ``canonical()`` with the engine's own
 ``kv_state()`` after every step.
 
-The page table is held as flat per-tier arrays (``TierState``): ref count, prefix-cache
-hash (value + presence), owner, per-block format and the step of the last change. Each
-array is a ``Column``: a numpy view (bulk reads and writes: block maps, snapshots, large
-events) over an ``array.array`` (scalar reads and writes, ~3x cheaper than numpy's for
-the 1-8 block events that dominate a decode step) sharing the same memory. Sequence
-bookkeeping stays in dicts.
+The page table is held as flat per-tier arrays (``TierState``, in ``state_store``): ref
+count, prefix-cache hash (value + presence), owner, per-block format and the step of the
+last change. Sequence bookkeeping stays in dicts (``SeqState``).
 
 Invariants the mirror keeps (and ``apply`` enforces, raising ProtocolError otherwise):
 - every sequence's block table lives in one tier (``seq.tier``) and points at blocks of

@@ -4,9 +4,9 @@ record (``SeqState``) and the wire form of block-id lists.
 A tier is flat per-block arrays: ref count, prefix-cache hash (value + presence), owner,
 per-block format and the step of the last change. Each array is a ``Column``: a numpy
 view (bulk reads and writes: block maps, snapshots, large events) over an
-``array.array`` (scalar reads and writes, ~3x cheaper than numpy's for the 1-8 block
-events that dominate a decode step) sharing the same memory, so either side sees every
-write of the other.
+``array.array`` (scalar reads and writes, cheaper than numpy's for the few-block events
+that dominate a decode step) sharing the same memory, so either side sees every write of
+the other.
 
 Invariants of this storage (the meaning of events is ``KVState.apply``'s, not this
 module's; nothing here raises for a block's state, only for malformed input):
