@@ -1,14 +1,15 @@
 """The meaning of each event kind: one handler per kind, and ``HANDLERS``, the dispatch
-from a kind's wire name to its handler (``EventHandlers._apply_events`` calls them in order).
+from a kind's wire name to its handler (``KVState._apply_events`` calls them in order).
 
-Every handler checks everything it needs before its first write, except where a later
-check depends on an earlier write in the same event (cow's pairs, which the undo journal
-then rolls back with the rest of the batch); a refusal is a ProtocolError naming the
-event. Together they keep ``engine.events.state``'s invariants: a sequence's table lives
-in one tier and points at held blocks of it; a block's ref count equals the number of
-table entries pointing at it; only a free block (ref 0, no hash) is allocated, and only
-an unheld cached block is evicted. An event with a ``group`` (a cache group other than
-0) goes to its kind's group handler (``state_groups``).
+A handler checks what its event may do before it writes the blocks it touches (cow's
+pairs are checked one after another, each against the state its predecessors left); a
+refusal is a ProtocolError naming the event, and the undo journal takes back whatever
+the refused batch wrote. Together the handlers keep ``engine.events.state``'s
+invariants: a sequence's table lives in one tier and points at held blocks of it; a
+block's ref count equals the number of table entries pointing at it; only a free block
+(ref 0, no hash) is allocated, and only an unheld cached block is evicted. An event with
+a ``group`` (a cache group other than 0) goes to its kind's group handler
+(``state_groups``).
 
 A mixin of ``KVState``.
 """
