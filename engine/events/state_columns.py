@@ -1,6 +1,6 @@
 """The columnar apply: ``KVState.apply`` of a batch in columns (``StepColumns``), with
 array operations. A second implementation of the reference (the per-event handlers in
-``engine.events.state``), held equal to it by tests/events/test_columns.py.
+``engine.events.state_handlers``), held equal to it by tests/events/test_columns.py.
 
 How it keeps the reference's meaning:
 - Order. The step is cut into runs: a run of hot events (the columns' kinds) or one
