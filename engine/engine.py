@@ -156,7 +156,7 @@ class LLMEngine:
         header = {"model": cfg.model, "config": {k: v for k, v in vars(cfg).items()
                                                   if isinstance(v, (int, float, str, bool))}}
         return open_stream(cfg.events_endpoint, cfg.record_path, cfg.kv_events_config, header,
-                           self._cache_lock)
+                           self._cache_lock, keys=cfg.events_keys)
 
     # ------------------------------------------------------------- requests
     @_holding_cache_lock
