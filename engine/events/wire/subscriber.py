@@ -423,7 +423,7 @@ class Subscriber:
 
         for mon, where in zip(self._monitors, (self.endpoint, self.snapshot_endpoint),
                               strict=True):
-            while True:
+            while mon.get(zmq.EVENTS) & zmq.POLLIN:  # usually nothing: no exception raised
                 try:
                     ev = recv_monitor_message(mon, zmq.NOBLOCK)
                 except zmq.Again:
