@@ -212,3 +212,42 @@ def test_the_vllm_plugin_reads_its_keys_for_every_rank(keys):
     assert cfg.keys == str(keys) and cfg.for_rank(2).keys == str(keys)
     assert cfg.for_rank(2).endpoint == "tcp://0.0.0.0:5559"
     assert Config({"KVSCOPE_EVENTS": "tcp://127.0.0.1:5557"}).keys is None
+
+
+def _stub_scheduler():
+    """What the plugin's Producer reads of a vLLM scheduler when it opens its stream."""
+    from types import SimpleNamespace as NS
+
+    pool = NS(num_gpu_blocks=16, enable_caching=True)
+    manager = NS(kv_cache_spec=NS(block_size=16))
+    return NS(kv_cache_manager=NS(block_pool=pool, coordinator=NS(
+        single_type_managers=[manager])), vllm_config=None)
+
+
+def test_the_vllm_plugin_refuses_a_public_address_without_keys(monkeypatch, caplog):
+    from kvscope.engine.events.vllm.plugin import Producer
+
+    monkeypatch.setattr(publisher_mod, "_bind", lambda *a: pytest.fail("bound a socket"))
+    p = Producer(_stub_scheduler(), Config({"KVSCOPE_EVENTS": "tcp://0.0.0.0:5557"}),
+                 running=object(), version="0.32.0")
+    assert not p.on and p.stream is None  # off, and vLLM goes on
+    assert "refusing to bind" in caplog.text and "KVSCOPE_EVENTS_KEYS" in caplog.text
+
+
+def test_the_vllm_plugin_publishes_to_keyed_clients_only(keys):
+    from kvscope.engine.events.vllm.plugin import Producer
+
+    p = Producer(_stub_scheduler(), Config({"KVSCOPE_EVENTS": EP,
+                                            "KVSCOPE_EVENTS_KEYS": str(keys)}),
+                 running=object(), version="0.32.0")
+    try:
+        assert p.on
+        stream = p.stream
+        with Subscriber(stream.endpoint, stream.snapshot_endpoint, keys=keys) as good, \
+                Subscriber(stream.endpoint, stream.snapshot_endpoint) as blind:
+            poll_until([good, blind], lambda: good.status != "waiting" and
+                       blind.problem is not None)
+            assert good.epoch == stream.epoch and good.problem is None
+            assert blind.live_messages == 0 and "requires keys" in blind.problem
+    finally:
+        p.close()
