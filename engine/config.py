@@ -83,6 +83,9 @@ class EngineConfig:
     # events
     events_endpoint: str | None = None
     record_path: str | None = None
+    # CURVE key directory for events_endpoint (`kvscope keys DIR`; engine.events.wire.keys):
+    # required to bind it anywhere but loopback/ipc
+    events_keys: str | None = None
     kv_events_config: str | None = None  # vLLM's KVEventsConfig JSON (engine.events.vllm)
 
     def __post_init__(self) -> None:
@@ -137,6 +140,17 @@ class EngineConfig:
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1, got {self.max_model_len}")
+        need(self.events_keys is None or self.events_endpoint is not None,
+             "events_keys secures events_endpoint: give one")
+        if self.events_endpoint is not None:
+            from kvscope.engine.events.wire.keys import ServerKeys, check_bind
+
+            try:  # both ValueErrors (KeysError is one) name the fix
+                check_bind(self.events_endpoint, self.events_keys)
+                if self.events_keys is not None:
+                    ServerKeys.load(self.events_keys)
+            except ValueError as e:
+                need(False, str(e))
         # which features combine: the one table (engine.features), once every value is valid
         from kvscope.engine.features import check_config
 

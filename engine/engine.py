@@ -141,10 +141,11 @@ class LLMEngine:
         from kvscope.engine.events.wire.stream import open_stream
 
         cfg = self.config
-        header = {"model": cfg.model, "config": {k: v for k, v in vars(cfg).items()
-                                                  if isinstance(v, (int, float, str, bool))}}
+        header = {"model": cfg.model, "config": {
+            k: v for k, v in vars(cfg).items()
+            if isinstance(v, (int, float, str, bool)) and k != "events_keys"}}  # a local path
         return open_stream(cfg.events_endpoint, cfg.record_path, cfg.kv_events_config, header,
-                           self._cache_lock)
+                           self._cache_lock, keys=cfg.events_keys)
 
     # ------------------------------------------------------------- requests
     @_holding_cache_lock

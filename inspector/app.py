@@ -57,14 +57,14 @@ def make_app(offscreen: bool = False) -> Any:
 
 def run(recording: str | None = None, connect: str | None = None,
         screenshot: str | None = None, step: int | None = None, wait_s: float = 5.0,
-        snapshot_endpoint: str | None = None) -> int:
+        snapshot_endpoint: str | None = None, keys: str | None = None) -> int:
     app = make_app(offscreen=screenshot is not None)
     from kvscope.inspector.window import MainWindow
 
     win = MainWindow()
     try:
         if connect:
-            code = _open_live(app, win, connect, snapshot_endpoint, screenshot, wait_s)
+            code = _open_live(app, win, connect, snapshot_endpoint, screenshot, wait_s, keys)
         else:
             code = _open_replay(app, win, recording, screenshot, step)
     except InspectError as e:
@@ -109,11 +109,12 @@ def _open_replay(app: Any, win: Any, recording: str | None, screenshot: str | No
 
 
 def _open_live(app: Any, win: Any, endpoint: str, snapshot_endpoint: str | None,
-               screenshot: str | None, wait_s: float) -> int | None:
+               screenshot: str | None, wait_s: float,
+               keys: str | None = None) -> int | None:
     from kvscope.inspector.sources.live import LiveSource
 
-    # Raises InspectError on a malformed endpoint.
-    live = LiveSource(endpoint, win.model, snapshot_endpoint=snapshot_endpoint)
+    # Raises InspectError on a malformed endpoint or unreadable keys.
+    live = LiveSource(endpoint, win.model, snapshot_endpoint=snapshot_endpoint, keys=keys)
     win.attach_live(live, endpoint)
     live.start()
     if screenshot is None:

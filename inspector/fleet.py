@@ -141,11 +141,12 @@ class FleetWindow(QMainWindow):
         self.banner.show()
 
     # ------------------------------------------------------------------ live
-    def attach_live(self, endpoints: list[tuple[str, str | None]]) -> None:
+    def attach_live(self, endpoints: list[tuple[str, str | None]],
+                    keys: str | None = None) -> None:
         from kvscope.inspector.sources.live import LiveSource
 
         for panel, (endpoint, snap) in zip(self.panels, endpoints, strict=True):
-            live = LiveSource(endpoint, panel.model, snapshot_endpoint=snap)
+            live = LiveSource(endpoint, panel.model, snapshot_endpoint=snap, keys=keys)
             panel.timelines.follow.setChecked(True)
             panel.source_text = f"live {endpoint}"
             panel.refresh_header()
@@ -289,16 +290,17 @@ class FleetReplay:
 
 # ----------------------------------------------------------------- entry point
 def run_fleet(recordings: list[str], connect: list[str], screenshot: str | None = None,
-              wait_s: float = 5.0) -> int:
+              wait_s: float = 5.0, events_keys: str | None = None) -> int:
     """``kvscope inspect`` with several recordings, several ``--connect`` endpoints or a
-    router's http address. Exit codes as ``inspector.app.run``."""
+    router's http address (``events_keys``: CURVE client keys for every live stream).
+    Exit codes as ``inspector.app.run``."""
     import sys
 
     from kvscope.inspector.app import make_app
 
     app = make_app(offscreen=screenshot is not None)
     try:
-        win = _build(recordings, connect)
+        win = _build(recordings, connect, events_keys)
     except InspectError as e:
         print(f"kvscope inspect: {e}", file=sys.stderr)
         return 2
@@ -333,7 +335,8 @@ def run_fleet(recordings: list[str], connect: list[str], screenshot: str | None 
     return 0
 
 
-def _build(recordings: list[str], connect: list[str]) -> FleetWindow:
+def _build(recordings: list[str], connect: list[str],
+           events_keys: str | None = None) -> FleetWindow:
     from kvscope.inspector.app import open_recording
 
     if recordings and connect:
@@ -362,7 +365,7 @@ def _build(recordings: list[str], connect: list[str]) -> FleetWindow:
             names.append(c)
             keys.append(c)
     win = FleetWindow(names, keys)
-    win.attach_live(endpoints)
+    win.attach_live(endpoints, events_keys)
     if router is not None:
         win.follow_router(router)
     return win

@@ -3,6 +3,7 @@
     kvscope inspect                        the bundled sample recording
     kvscope inspect run.kvtrace            replay a recording
     kvscope inspect --connect tcp://127.0.0.1:5557    attach to a running engine
+    kvscope inspect --connect tcp://HOST:5557 --keys DIR   one that uses CURVE keys
     kvscope inspect run.kvtrace --screenshot out.png [--step N]    render offscreen, exit
     kvscope inspect --connect-vllm tcp://127.0.0.1:5557   a vLLM/SGLang publisher that binds
     kvscope inspect --listen-vllm tcp://127.0.0.1:5557    one that connects (vLLM does, for
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         " repeat it, or give a router's http:// address, for the fleet view")
     p.add_argument("--snapshot-endpoint", metavar="ENDPOINT", default=None,
                    help="the engine's snapshot/replay endpoint (default: --connect's port + 1)")
+    p.add_argument("--keys", metavar="DIR", default=None,
+                   help="with --connect: CURVE keys (`kvscope keys DIR`; needs server.key and "
+                        "client.key_secret) for an engine serving with --events-keys")
     p.add_argument("--screenshot", metavar="PNG", default=None,
                    help="render offscreen, save a PNG of the window and exit")
     p.add_argument("--step", type=int, default=None,
@@ -55,6 +59,9 @@ def _run(args: argparse.Namespace) -> int:
         print("kvscope inspect: give one of a recording, --connect, --connect-vllm or "
               "--listen-vllm")
         return 2
+    if args.keys and not args.connect:
+        print("kvscope inspect: --keys goes with --connect (a kvscope publisher)")
+        return 2
     if vllm or any(r.endswith(".vllmtrace") for r in args.recording or []):
         from kvscope.inspector.vllm_app import run_vllm  # Qt loads only here
 
@@ -69,9 +76,11 @@ def _run(args: argparse.Namespace) -> int:
             any(c.startswith(("http://", "https://")) for c in connect):
         from kvscope.inspector.fleet import run_fleet  # several replicas side by side
 
-        return run_fleet(recordings, connect, screenshot=args.screenshot, wait_s=args.wait)
+        return run_fleet(recordings, connect, screenshot=args.screenshot, wait_s=args.wait,
+                         events_keys=args.keys)
     from kvscope.inspector.app import run  # Qt loads only here
 
     return run(recording=recordings[0] if recordings else None,
                connect=connect[0] if connect else None, screenshot=args.screenshot,
-               step=args.step, wait_s=args.wait, snapshot_endpoint=args.snapshot_endpoint)
+               step=args.step, wait_s=args.wait, snapshot_endpoint=args.snapshot_endpoint,
+               keys=args.keys)

@@ -5,7 +5,8 @@
 
 Workloads live in assets/workloads/ (``--list`` names them). Prints a progress bar, then
 a summary (TTFT/TPOT p50/p99, throughput, prefix hit rate, preemptions, swaps), the
-server's figures taken from two /metrics scrapes around the run.
+server's figures taken from two /metrics scrapes around the run (kvscope's names or
+vLLM's: engine.loadgen.summary).
 """
 
 from __future__ import annotations
@@ -119,12 +120,10 @@ def _settle(url: str, api_key: str | None, timeout_s: float = 10.0) -> None:
     figures include those aborts."""
     import time
 
-    from kvscope.engine.loadgen.summary import scrape
+    from kvscope.engine.loadgen.summary import in_flight, scrape
 
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        m = scrape(url, api_key)
-        if m.get("kvscope:num_requests_running", 0) + m.get("kvscope:num_requests_waiting",
-                                                             0) == 0:
+        if in_flight(scrape(url, api_key)) == 0:  # kvscope's or vLLM's gauges
             return
         time.sleep(0.2)

@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the engine's event endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--snapshot-endpoint", default=None, metavar="ENDPOINT",
                    help="snapshot/replay endpoint (default: the --connect port + 1)")
+    p.add_argument("--keys", metavar="DIR", default=None,
+                   help="CURVE keys (`kvscope keys DIR`) for an engine serving with "
+                        "--events-keys")
     p.add_argument("-o", "--output", required=True, help="the .kvtrace file to write")
     p.add_argument("--duration", type=float, default=None, metavar="S",
                    help="stop after S seconds (default: until Ctrl-C or a publisher restart)")
@@ -52,7 +55,12 @@ def run(args: argparse.Namespace) -> int:
         elif writer is not None and not restarted:
             writer.add(update, state)
 
-    sub = Subscriber(args.connect, args.snapshot_endpoint, on_apply=on_apply)
+    try:
+        sub = Subscriber(args.connect, args.snapshot_endpoint, on_apply=on_apply,
+                         keys=args.keys)
+    except ValueError as e:  # unreadable keys, a malformed endpoint
+        print(f"kvscope record: {e}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     try:
         while not restarted and (args.duration is None
@@ -65,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         if writer is not None:
             writer.close()
     if writer is None:
-        print(f"kvscope record: no snapshot from {args.connect} "
-              f"(is an engine publishing there?)", file=sys.stderr)
+        why = sub.problem or "is an engine publishing there?"
+        print(f"kvscope record: no snapshot from {args.connect} ({why})", file=sys.stderr)
         return 1
     why = " (publisher restarted)" if restarted else ""
     print(f"recorded {sub.batches_applied} batches, {writer.bytes_written} bytes "

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_router_args(p)
     p.add_argument("--replica", action="append", default=[], metavar="URL[,EVENTS]",
                    required=True, help="a replica: its HTTP URL and event endpoint (repeat)")
+    p.add_argument("--keys", metavar="DIR", default=None,
+                   help="CURVE keys (`kvscope keys DIR`) for replicas serving with "
+                        "--events-keys")
     p.add_argument("--model", default="smollm2",
                    help="the replicas' model, for its tokenizer and chat template")
     p.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
@@ -41,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvscope.engine.server.daemon import bind_socket
 
     router, err = build_router(args.replica, args.policy, args.load_cost_tokens, args.model,
-                               args.chat_template)
+                               args.chat_template, keys=args.keys)
     if router is None:
         print(f"kvscope route: {err}", file=sys.stderr)
         return 2

@@ -1,12 +1,15 @@
 """`kvscope serve`: the headless daemon with an OpenAI-compatible HTTP API.
 
     kvscope serve [MODEL | --model smollm2] [--host 127.0.0.1] [--port 8000]
-                  [--events tcp://127.0.0.1:5557] [--record run.kvtrace] [engine flags]
+                  [--events tcp://127.0.0.1:5557 [--events-keys DIR]] [--record run.kvtrace]
+                  [engine flags]
                   [--kv-events-config '{"enable_kv_cache_events": true, ...}']  (vLLM's)
                   [--metrics-prefix kvscope|vllm]
 
 Engine flags use vLLM's names. Binds loopback unless told otherwise; ``--api-key`` (or
-env ``KVSCOPE_API_KEY``) makes /v1/* require ``Authorization: Bearer <key>``.
+env ``KVSCOPE_API_KEY``) makes /v1/* require ``Authorization: Bearer <key>``. The events
+socket binds a non-loopback address only with CURVE keys (``--events-keys DIR``, made by
+``kvscope keys DIR``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--events", metavar="ENDPOINT", default=None,
                    help="publish cache events on this ZeroMQ endpoint, e.g. "
                         "tcp://127.0.0.1:5557 (snapshot/replay on port + 1)")
+    p.add_argument("--events-keys", metavar="DIR",
+                   default=os.environ.get("KVSCOPE_EVENTS_KEYS") or None,
+                   help="CURVE keys for --events (made by `kvscope keys DIR`): only clients "
+                        "whose keys are in DIR/allowed_clients attach, encrypted; needed to "
+                        "bind anything but loopback (default: env KVSCOPE_EVENTS_KEYS)")
     p.add_argument("--record", metavar="PATH", default=None,
                    help="record the cache events to this .kvtrace file")
     p.add_argument("--kv-events-config", metavar="JSON", default=None,
@@ -170,6 +178,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
     return EngineConfig.from_kwargs(**{k: getattr(args, k) for k in ENGINE_FLAGS},
                                     events_endpoint=args.events, record_path=args.record,
+                                    events_keys=args.events_keys,
                                     kv_events_config=args.kv_events_config)
 
 

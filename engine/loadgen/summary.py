@@ -4,6 +4,13 @@ Server numbers are the difference of two /metrics scrapes (before and after the 
 they are exactly what Prometheus would show for the run, provided nothing else used the
 server meanwhile. The client's token counts come from each response's ``usage``; on a
 quiet server they equal the server's counters (the tests check it).
+
+The server may be kvscope (``kvscope:`` names, or vLLM's names under ``kvscope serve
+--metrics-prefix vllm``) or vLLM itself (0.32 and 0.33 export the same names): each
+figure is read from the first of its names the server exports, and is None (shown as
+"not reported") when it exports none of them, never a made-up 0. Finished requests are
+``request_success`` without its ``abort`` and ``error`` series: kvscope counts those in
+``request_aborted`` instead, vLLM labels them ``finished_reason``.
 """
 
 from __future__ import annotations
@@ -16,21 +23,29 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine.loadgen.runner import RequestRecord
 
-# /metrics samples the summary reads (sums over labels).
-SERVER_COUNTERS = {
-    "requests": "kvscope:request_success_total",
-    "prompt_tokens": "kvscope:prompt_tokens_total",
-    "generation_tokens": "kvscope:generation_tokens_total",
-    "prefix_queries": "kvscope:prefix_cache_queries_total",
-    "prefix_hits": "kvscope:prefix_cache_hits_total",
-    "preemptions": "kvscope:num_preemptions_total",
-    "evictions": "kvscope:kv_cache_evictions_total",
-    "swap_out_blocks": "kvscope:swap_out_blocks_total",
-    "swap_in_blocks": "kvscope:swap_in_blocks_total",
-    "aborted": "kvscope:request_aborted_total",
-    "prefill_tokens": "kvscope:prefill_computed_tokens_total",
-    "recomputed_tokens": "kvscope:recomputed_prefill_tokens_total",
+# /metrics samples the summary reads (sums over labels), each figure from the first of
+# its names the server exports: kvscope's, then vLLM's (vLLM has no eviction, swap or
+# recompute counters). "NAME|finished_reason=R" is NAME's series with that label.
+SUCCESS = ("kvscope:request_success_total", "vllm:request_success_total")
+NOT_FINISHED = ("abort", "error")  # finish reasons that are no success of the run
+SERVER_COUNTERS: dict[str, tuple[str, ...]] = {
+    "requests": SUCCESS,  # less their NOT_FINISHED series (finished_requests)
+    "prompt_tokens": ("kvscope:prompt_tokens_total", "vllm:prompt_tokens_total"),
+    "generation_tokens": ("kvscope:generation_tokens_total", "vllm:generation_tokens_total"),
+    "prefix_queries": ("kvscope:prefix_cache_queries_total",
+                       "vllm:prefix_cache_queries_total"),
+    "prefix_hits": ("kvscope:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+    "preemptions": ("kvscope:num_preemptions_total", "vllm:num_preemptions_total"),
+    "evictions": ("kvscope:kv_cache_evictions_total",),
+    "swap_out_blocks": ("kvscope:swap_out_blocks_total",),
+    "swap_in_blocks": ("kvscope:swap_in_blocks_total",),
+    "aborted": ("kvscope:request_aborted_total",
+                "vllm:request_success_total|finished_reason=abort"),
+    "prefill_tokens": ("kvscope:prefill_computed_tokens_total",),
+    "recomputed_tokens": ("kvscope:recomputed_prefill_tokens_total",),
 }
+IN_FLIGHT = ("kvscope:num_requests_running", "kvscope:num_requests_waiting",
+             "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 DECODE_BY_CONTEXT = "kvscope:time_per_output_token_by_context_seconds"
@@ -39,11 +54,16 @@ DECODE_BY_CONTEXT = "kvscope:time_per_output_token_by_context_seconds"
 def parse_metrics(text: str) -> dict[str, float]:
     """{sample name: value summed over label sets} of a Prometheus text exposition, plus
     the per-context-length sum and count of the decode-time histogram under
-    ``"<name>_sum|<context range>"`` and ``"<name>_count|<context range>"``."""
+    ``"<name>_sum|<context range>"`` and ``"<name>_count|<context range>"``, and each
+    ``finished_reason`` series under ``"<name>|finished_reason=<reason>"``."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
+            reason = s.labels.get("finished_reason")
+            if reason is not None:
+                key = f"{s.name}|finished_reason={reason}"
+                out[key] = out.get(key, 0.0) + s.value
             ctx = s.labels.get("context_tokens")
             if ctx is not None and s.name in (DECODE_BY_CONTEXT + "_sum",
                                               DECODE_BY_CONTEXT + "_count"):
@@ -71,6 +91,36 @@ def decode_by_context(before: dict[str, float], after: dict[str, float]
     return rows
 
 
+def finished_requests(m: dict[str, float], name: str) -> float:
+    """Requests the ``request_success`` counter ``name`` counted as finished: its total
+    less its NOT_FINISHED series (vLLM's; kvscope counts those elsewhere, so they are 0)."""
+    return m.get(name, 0.0) - sum(m.get(f"{name}|finished_reason={r}", 0.0)
+                                  for r in NOT_FINISHED)
+
+
+def server_figures(before: dict[str, float], after: dict[str, float]
+                   ) -> tuple[dict[str, int | None], str | None]:
+    """({figure: the run's delta, None when the server exports none of its names},
+    the naming the finished-request count came from: "kvscope", "vllm" or None)."""
+    out: dict[str, int | None] = {}
+    source = None
+    for key, names in SERVER_COUNTERS.items():
+        name = next((n for n in names if n in after), None)
+        if name is None:
+            out[key] = None
+        elif key == "requests":
+            out[key] = int(finished_requests(after, name) - finished_requests(before, name))
+            source = name.split(":", 1)[0]
+        else:
+            out[key] = int(after[name] - before.get(name, 0.0))
+    return out, source
+
+
+def in_flight(m: dict[str, float]) -> float:
+    """Requests running or waiting on the server (kvscope's or vLLM's gauges)."""
+    return sum(m.get(n, 0.0) for n in IN_FLIGHT)
+
+
 def scrape(base_url: str, api_key: str | None = None) -> dict[str, float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30)
@@ -93,8 +143,7 @@ def summarize(records: list[RequestRecord], elapsed_s: float, before: dict[str, 
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [t for r in ok if (t := r.tpot_s) is not None]
     e2e = [r.latency_s for r in ok if r.latency_s is not None]
-    server = {k: after.get(name, 0.0) - before.get(name, 0.0)
-              for k, name in SERVER_COUNTERS.items()}
+    server, source = server_figures(before, after)
     prompt = sum(r.prompt_tokens for r in ok)
     completion = sum(r.completion_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -120,10 +169,17 @@ def summarize(records: list[RequestRecord], elapsed_s: float, before: dict[str, 
                        "output_tokens_per_s": completion / elapsed_s if elapsed_s else 0.0},
         "client_cached_fraction": cached / prompt if prompt else 0.0,
         "decode_by_context": decode_by_context(before, after),
-        "server": {**{k: int(v) for k, v in server.items()},
-                   "prefix_hit_rate": (server["prefix_hits"] / server["prefix_queries"]
-                                       if server["prefix_queries"] else 0.0)},
+        "server_metrics": source,  # whose names the server's figures were read under
+        "server": {**server, "prefix_hit_rate": _rate(server["prefix_hits"],
+                                                       server["prefix_queries"])},
     }
+
+
+def _rate(hits: int | None, queries: int | None) -> float | None:
+    """Hits per looked-up token; None when the server does not count them."""
+    if hits is None or queries is None:
+        return None
+    return hits / queries if queries else 0.0
 
 
 def _scale(v: float | None, k: float) -> float | None:
@@ -135,11 +191,19 @@ def table(s: dict[str, Any]) -> str:
     def f(v: float | None, unit: str = "") -> str:
         return "-" if v is None else f"{v:,.1f}{unit}"
 
+    def n(v: int | None, unit: str = "") -> str:
+        return "not reported" if v is None else f"{v}{unit}"
+
     sv = s["server"]
+    by = {"vllm": " (vLLM's metrics)", "kvscope": ""}.get(s.get("server_metrics") or "", "")
+    counted = f"server counted {n(sv['requests'])} finished, {n(sv['aborted'])} aborted{by}" \
+        if sv["requests"] is not None else "the server's /metrics has neither kvscope's nor " \
+        "vLLM's request counters"
+    hit = "-" if sv["prefix_hit_rate"] is None else f"{sv['prefix_hit_rate']:.1%}"
     rows = [
         ("workload", s["workload"]),
         ("requests", f"{s['ok']} ok, {s['failed']} failed, {s['cancelled']} cancelled at the "
-                     f"end (server counted {sv['requests']} finished, {sv['aborted']} aborted)"),
+                     f"end ({counted})"),
         ("elapsed", f(s["elapsed_s"], " s")),
         ("TTFT p50 / p99", f"{f(s['ttft_ms']['p50'])} / {f(s['ttft_ms']['p99'])} ms"),
         ("TPOT p50 / p99", f"{f(s['tpot_ms']['p50'])} / {f(s['tpot_ms']['p99'])} ms"),
@@ -148,12 +212,12 @@ def table(s: dict[str, Any]) -> str:
                        f"{s['throughput']['output_tokens_per_s']:.1f} output tok/s"),
         ("tokens", f"{s['prompt_tokens']} prompt ({s['cached_tokens']} cached), "
                    f"{s['completion_tokens']} generated"),
-        ("prefix hit rate", f"{sv['prefix_hit_rate']:.1%} of looked-up tokens (server); "
+        ("prefix hit rate", f"{hit} of looked-up tokens (server); "
                             f"{s['client_cached_fraction']:.1%} of prompt tokens cached"),
-        ("preemptions", str(sv["preemptions"])),
-        ("evictions", f"{sv['evictions']} blocks"),
-        ("swaps", f"{sv['swap_out_blocks']} blocks out, {sv['swap_in_blocks']} in"),
-        ("recompute", f"{sv.get('recomputed_tokens', 0)} of {sv.get('prefill_tokens', 0)} "
+        ("preemptions", n(sv["preemptions"])),
+        ("evictions", n(sv["evictions"], " blocks")),
+        ("swaps", f"{n(sv['swap_out_blocks'], ' blocks')} out, {n(sv['swap_in_blocks'])} in"),
+        ("recompute", f"{n(sv.get('recomputed_tokens'))} of {n(sv.get('prefill_tokens'))} "
                       "prefill tokens computed again after preemption"),
     ]
     creep = s.get("decode_by_context") or []

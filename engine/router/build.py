@@ -19,9 +19,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: str | None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, keys: str | None = None):
     """(Router, error message): the error is for the user, the router None then.
-    ``chat_template``: the replicas' --chat-template (a path or the template)."""
+    ``chat_template``: the replicas' --chat-template (a path or the template); ``keys``:
+    CURVE client keys for the replicas' event streams."""
     from kvscope.engine.router.app import Router
     from kvscope.engine.router.policy import Policy
     from kvscope.engine.router.replica import Replica, parse_replica
@@ -46,5 +47,9 @@ def build_router(specs: list[str], policy: str, load_cost_tokens: int, model: st
                 tokenizer.chat_template = load_chat_template(chat_template)
             except (ValueError, OSError) as e:
                 return None, str(e)
-    replicas = [Replica(f"r{i}", url, ev, snap) for i, (url, ev, snap) in enumerate(parsed)]
+    try:
+        replicas = [Replica(f"r{i}", url, ev, snap, keys=keys)
+                    for i, (url, ev, snap) in enumerate(parsed)]
+    except ValueError as e:  # unreadable keys
+        return None, str(e)
     return Router(replicas, pol, tokenizer), None

@@ -28,8 +28,8 @@ READY = re.compile(r"ready on (http://\S+) .*events (tcp://\S+) \(snapshot (tcp:
 START_TIMEOUT_S = 600
 RESTART_DELAY_S = 1.0
 # serve flags that stay with the front (the router) and are not passed to the replicas
-FRONT_ONLY = {"host", "port", "events", "record", "data_parallel_size", "routing_policy",
-              "load_cost_tokens", "func", "command",
+FRONT_ONLY = {"host", "port", "events", "events_keys", "record", "data_parallel_size",
+              "routing_policy", "load_cost_tokens", "func", "command",
               "model_tag"}  # the positional MODEL: already folded into --model
 
 

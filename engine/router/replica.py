@@ -43,7 +43,8 @@ class ReplicaCounters:
 
 class Replica:
     def __init__(self, name: str, url: str, events: str | None = None,
-                 snapshot: str | None = None, stale_after_s: float = 3.0) -> None:
+                 snapshot: str | None = None, stale_after_s: float = 3.0,
+                 keys: str | None = None) -> None:
         self.name = name
         self.url = url
         self.events = events
@@ -63,7 +64,7 @@ class Replica:
             from kvscope.engine.events.wire.subscriber import Subscriber
 
             self.sub = Subscriber(events, snapshot, on_apply=self._on_apply,
-                                  stale_after_s=stale_after_s)
+                                  stale_after_s=stale_after_s, keys=keys)
 
     # ---------------------------------------------------------- event stream
     def start(self) -> None:

@@ -58,13 +58,13 @@ class LiveSource(QObject):
     engine_info = Signal(object)  # the publisher's header (engine, model) when it changes
 
     def __init__(self, endpoint: str, model: InspectorModel,
-                 snapshot_endpoint: str | None = None) -> None:
+                 snapshot_endpoint: str | None = None, keys: str | None = None) -> None:
         super().__init__()
         self.endpoint = endpoint
         self.model = model
         try:
-            self.sub = Subscriber(endpoint, snapshot_endpoint)
-        except (ValueError, zmq.ZMQError) as e:
+            self.sub = Subscriber(endpoint, snapshot_endpoint, keys=keys)
+        except (ValueError, zmq.ZMQError) as e:  # KeysError is a ValueError
             raise InspectError(f"cannot connect to {endpoint!r}: {e}") from None
         self.sub.codec = _ReportingCodec(self.sub.codec.max_bytes)
         self.sub.on_apply = _keep_joined_state
@@ -160,6 +160,8 @@ class LiveSource(QObject):
         s = self.sub
         codec: Any = s.codec
         if s.status == "waiting":
+            if s.problem:  # a failed security handshake: says which side to fix
+                return s.problem
             if codec.last_error:
                 return f"{self.endpoint}: messages rejected: {codec.last_error}"
             if time.monotonic() - self._started_at > NO_ANSWER_S:

@@ -192,6 +192,46 @@ def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN00
         ctx.term()
 
 
+def test_keys_a_keyed_engine_shows_to_the_keyed_inspector_only(window, qtbot, tmp_path):  # noqa: ANN001
+    """An engine publishing with CURVE keys: an inspector without them gets nothing and
+    its banner says keys are needed; with them (``--keys``) it draws the engine's cache."""
+    from kvscope.engine.events.wire.keys import make_keys
+
+    keys = tmp_path / "keys"
+    make_keys(keys)
+    cache = SyntheticCache(seed=5, gpu_blocks=128, cpu_blocks=32, max_running=6)
+    stream = EventStream("tcp://127.0.0.1:0", heartbeat_s=0.2, snapshot_fn=cache.canonical,
+                         engine_lock=threading.Lock(), keys=keys)
+    with stream.engine_lock:
+        for _ in range(20):
+            stats = cache.step(stream.sink)
+            stream.end_step(cache.step_no, stats)
+    blind = LiveSource(stream.endpoint, window.model, snapshot_endpoint=stream.snapshot_endpoint)
+    window.attach_live(blind, stream.endpoint)
+    blind.start()
+    try:
+        qtbot.waitUntil(lambda: window.banner.isVisible(), timeout=HANG_MS)
+        assert "requires keys" in window.banner.text() and "kvscope keys" in window.banner.text()
+        assert not blind.has_state
+    finally:
+        blind.stop()
+    keyed = LiveSource(stream.endpoint, window.model, snapshot_endpoint=stream.snapshot_endpoint,
+                       keys=str(keys))
+    window.attach_live(keyed, stream.endpoint)
+    keyed.start()
+    try:
+        def drawn() -> bool:
+            keyed.tick()
+            return keyed.sub.last_seq == stream.seq and \
+                window.model.state.canonical() == cache.canonical()
+
+        qtbot.waitUntil(drawn, timeout=HANG_MS)
+        assert keyed.sub.problem is None
+    finally:
+        keyed.stop()
+        stream.close()
+
+
 @pytest.mark.parametrize("endpoint", ["tcp://nowhere", "bogus://x:1", "tcp://127.0.0.1:notaport"])
 def test_malformed_endpoint_is_a_clear_error(endpoint, window):  # noqa: ANN001
     with pytest.raises(InspectError, match="cannot connect to"):

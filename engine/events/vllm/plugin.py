@@ -48,6 +48,7 @@ log = logging.getLogger("kvscope.vllm")
 
 ENV_EVENTS = "KVSCOPE_EVENTS"  # endpoint to publish on (what `kvscope serve --events` takes)
 ENV_RECORD = "KVSCOPE_RECORD"  # recording path (.kvtrace)
+ENV_KEYS = "KVSCOPE_EVENTS_KEYS"  # CURVE key dir (`kvscope keys DIR`): needed off loopback
 # vLLM versions whose symbols this plugin was checked against (major.minor prefixes)
 SUPPORTED = ("0.32.",)
 PLUGIN_NAME = "kvscope"
@@ -73,6 +74,7 @@ class Config:
     def __init__(self, environ: dict[str, str] | os._Environ = os.environ) -> None:
         self.endpoint = environ.get(ENV_EVENTS) or None
         self.record = environ.get(ENV_RECORD) or None
+        self.keys = environ.get(ENV_KEYS) or None
 
     @property
     def enabled(self) -> bool:
@@ -81,7 +83,7 @@ class Config:
     def for_rank(self, rank: int) -> Config:
         """Rank r of a data-parallel vLLM: its own port and recording."""
         out = Config({})
-        out.endpoint, out.record = self.endpoint, self.record
+        out.endpoint, out.record, out.keys = self.endpoint, self.record, self.keys
         if rank and out.endpoint:
             head, _, port = out.endpoint.rpartition(":")
             if port.isdigit():
@@ -267,7 +269,8 @@ class Producer:
             cfg = cfg.for_rank(rank)
             self.stream = EventStream(cfg.endpoint, cfg.record,
                                       header=_header(scheduler, version, rank),
-                                      snapshot_fn=self._snapshot, engine_lock=self.lock)
+                                      snapshot_fn=self._snapshot, engine_lock=self.lock,
+                                      keys=cfg.keys)
             self.on = True
             atexit.register(self.close)  # a vLLM that exits without shutting down
             log.info("kvscope: publishing vLLM's page table%s%s",

@@ -28,6 +28,12 @@ keep it from slowing the engine or the other clients:
 - replies are sent without blocking (ROUTER_MANDATORY): a client whose queue is full
   (``SNDHWM`` messages: it stopped reading) loses the reply (``replies_dropped``) and
   the rest of that replay; nothing else waits on it.
+
+Keys (``engine.events.wire.keys``): with ``keys`` both sockets are CURVE servers and a
+ZAP handler (its own thread, on this publisher's context) admits only the clients whose
+public keys are allowed; others fail the handshake and never reach a socket, so they
+cost the stream thread nothing. Without keys a non-local endpoint is refused before
+anything binds (``check_bind``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import zmq
 
 from kvscope.engine.events.schema import ProtocolError
 from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.keys import ServerKeys, check_bind, server_keys
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +86,14 @@ class Publisher:
 
     def __init__(self, endpoint: str, snapshot_endpoint: str | None, epoch: str, *,
                  replay_size: int = 4096, heartbeat_s: float = 1.0, sndhwm: int = 10000,
-                 info: dict[str, Any] | None = None) -> None:
+                 info: dict[str, Any] | None = None,
+                 keys: ServerKeys | str | None = None) -> None:
+        keys = server_keys(keys)  # KeysError (a ValueError) before any socket exists
+        check_bind(endpoint, keys)
+        snapshot_endpoint_given = snapshot_endpoint
+        snapshot_endpoint = snapshot_endpoint or snapshot_endpoint_for(endpoint)
+        check_bind(snapshot_endpoint, keys, "the snapshot/replay socket")
+        self.keys = keys
         self.epoch = epoch
         self.info = info or {}  # sent with every snapshot (engine config, model)
         self.heartbeat_s = heartbeat_s
@@ -102,20 +116,30 @@ class Publisher:
         self._requests_refilled = self._replay_refilled
         self.snapshot_waiters: dict[bytes, Any] = {}  # client identity -> request id
         self._ctx = zmq.Context()
+        self._auth: Any = None
         self._pub = self._ctx.socket(zmq.PUB)
         self._router = self._ctx.socket(zmq.ROUTER)
         for s in (self._pub, self._router):
             s.setsockopt(zmq.LINGER, 200)
+        if keys is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._ctx, log=log)
+            self._auth.start()  # before binding: no handshake may pass unchecked
+            self._auth.configure_curve(domain="*", location=str(keys.allowed_dir))
+            for s in (self._pub, self._router):
+                s.curve_secretkey = keys.secret
+                s.curve_publickey = keys.public
+                s.curve_server = True
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue fails, never waits
         self._pub.setsockopt(zmq.SNDHWM, sndhwm)
         self._router.setsockopt(zmq.SNDHWM, replay_size + 16)
         try:
             self.endpoint = _bind(self._pub, endpoint)
             try:
-                self.snapshot_endpoint = _bind(
-                    self._router, snapshot_endpoint or snapshot_endpoint_for(endpoint))
+                self.snapshot_endpoint = _bind(self._router, snapshot_endpoint)
             except OSError as e:
-                if snapshot_endpoint:
+                if snapshot_endpoint_given:
                     raise
                 # the derived port is the one a user did not choose: say where it came from
                 raise OSError(f"{e} (the snapshot/replay endpoint is the event port + 1; "
@@ -245,6 +269,9 @@ class Publisher:
     def close(self) -> None:
         for s in (self._pub, self._router):
             s.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
 
 

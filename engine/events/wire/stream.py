@@ -119,7 +119,9 @@ class EventStream:
                  queue_size: int = 1024, replay_size: int = 4096, heartbeat_s: float = 1.0,
                  keyframe_every_steps: int = 200, keyframe_every_s: float = 10.0,
                  snapshot_interval_s: float = 1.0, sndhwm: int = 10_000,
-                 consumers: list[Any] | None = None) -> None:
+                 consumers: list[Any] | None = None, keys: Any = None) -> None:
+        # keys: CURVE keys for the publisher (a key directory or a ServerKeys,
+        # engine.events.wire.keys); without them a non-local endpoint is refused.
         # consumers: other listeners of each closed batch with ``on_batch(batch)`` (a
         # BatchConsumer, on the stream thread) and ``close()`` (when the stream closes),
         # e.g. engine.events.vllm.VllmPublisher.
@@ -171,7 +173,7 @@ class EventStream:
         if endpoint is not None:
             self.publisher = Publisher(endpoint, snapshot_endpoint, self.epoch,
                                        replay_size=replay_size, heartbeat_s=heartbeat_s,
-                                       sndhwm=sndhwm, info=header)
+                                       sndhwm=sndhwm, info=header, keys=keys)
         if record_path is not None:
             try:
                 self.recorder = RecordingWriter(
@@ -495,10 +497,12 @@ _EXTRA_KINDS = frozenset((S.SEQ_ADD, S.SEQ_FINISH, S.SEQ_PREEMPT, S.HIT, S.HOST_
 
 
 def open_stream(endpoint: str | None, record_path: str | None, kv_events_config: str | None,
-                header: dict[str, Any], engine_lock: Any) -> EventStream | None:
+                header: dict[str, Any], engine_lock: Any,
+                keys: str | None = None) -> EventStream | None:
     """The engine's event stream: publishing on ``endpoint``, recording to ``record_path``
     and/or vLLM-format KV events (``kv_events_config``, vLLM's JSON); None when none is
-    asked for. A consumer opened before a failing stream is closed again."""
+    asked for; ``keys``: the CURVE key directory for ``endpoint``. A consumer opened
+    before a failing stream is closed again."""
     from kvscope.engine.events.vllm.config import KVEventsConfig
 
     vllm_events = KVEventsConfig.from_json(kv_events_config or "{}")
@@ -511,7 +515,7 @@ def open_stream(endpoint: str | None, record_path: str | None, kv_events_config:
         consumers.append(VllmPublisher(vllm_events))
     try:
         return EventStream(endpoint=endpoint, record_path=record_path, header=header,
-                           engine_lock=engine_lock, consumers=consumers)
+                           engine_lock=engine_lock, consumers=consumers, keys=keys)
     except BaseException:
         for consumer in consumers:
             consumer.close()

@@ -35,6 +35,13 @@ Updates: ``{"type": "batch", ...the batch}`` after each applied batch and
 whole state (redraw everything; ``info`` is the publisher's header: model, engine
 config). ``on_apply(update, state)``, if given, runs right after each one, before the
 next is applied (the recorder uses it to keyframe the exact state).
+
+Keys (``engine.events.wire.keys``): with ``keys`` both sockets are CURVE clients that
+present this client's key and accept only a publisher holding the server key's secret.
+A failed security handshake (the publisher refused our key, wants keys we lack, does
+not use keys, or is not the server the keys name) never raises and never blocks: the
+subscriber stays "waiting", ZeroMQ keeps retrying, and ``problem`` says what failed
+(read from the sockets' monitors at each ``poll``) until a handshake succeeds.
 """
 
 from __future__ import annotations
@@ -52,11 +59,14 @@ from kvscope.engine.events.schema import ProtocolError
 from kvscope.engine.events.state import KVState
 from kvscope.engine.events.stats import StepStats
 from kvscope.engine.events.wire import codec as C
+from kvscope.engine.events.wire.keys import HOW_TO_MAKE, ClientKeys, client_keys
 from kvscope.engine.events.wire.publisher import snapshot_endpoint_for
 
 Update = dict[str, Any]
 
 WAITING, CONNECTED, STALE = "waiting", "connected", "stale"
+_HANDSHAKE = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class Subscriber:
@@ -68,12 +78,18 @@ class Subscriber:
                  stale_after_s: float = 3.0, request_timeout_s: float = 2.0,
                  max_bytes: int = C.DEFAULT_MAX_BYTES, max_buffered: int = 100_000,
                  max_buffered_bytes: int = 4 * C.DEFAULT_MAX_BYTES,
-                 rcvhwm: int = 100_000, rcvbuf: int = 0) -> None:
+                 rcvhwm: int = 100_000, rcvbuf: int = 0,
+                 keys: ClientKeys | str | None = None) -> None:
         # rcvhwm (messages) and rcvbuf (the socket's kernel buffer in bytes; 0: the OS's,
         # which grows to megabytes) bound how far this subscriber may fall behind: past
         # them the publisher drops its batches and it resyncs (module docstring)
+        # keys: CURVE client keys (a key directory or ClientKeys; KeysError, a
+        # ValueError, when they cannot be read)
+        self.keys = client_keys(keys)
         self.endpoint = endpoint
         self.snapshot_endpoint = snapshot_endpoint or snapshot_endpoint_for(endpoint)
+        self.handshake_failures = 0  # failed security handshakes (either socket)
+        self._handshake_problem: str | None = None
         self.state = KVState()
         self.lock = threading.Lock()
         self.codec = C.Codec(max_bytes)
@@ -117,6 +133,10 @@ class Subscriber:
         for s in (self._sub, self._dealer):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # hostile sizes die in libzmq
+            if self.keys is not None:
+                self.keys.apply(s)
+        # handshake outcomes, watched from before the connects (inproc PAIR sockets)
+        self._monitors = [s.get_monitor_socket(_HANDSHAKE) for s in (self._sub, self._dealer)]
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
         if rcvbuf:
             self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
@@ -133,6 +153,12 @@ class Subscriber:
         if not self._synced:
             return WAITING
         return CONNECTED if time.monotonic() - self._last_heard < self.stale_after_s else STALE
+
+    @property
+    def problem(self) -> str | None:
+        """Why nothing arrives, when a security handshake failed (None once one
+        succeeds, or when none failed)."""
+        return self._handshake_problem
 
     @property
     def events_per_s(self) -> float:
@@ -168,6 +194,7 @@ class Subscriber:
             for frames in _received(self._sub, 10_000):
                 self._on_pub(frames, updates)
         self._check_request_timeout()
+        self._check_handshakes()
         return updates
 
     def start(self, callback: Callable[[list[Update]], None] | None = None,
@@ -191,6 +218,10 @@ class Subscriber:
             self._thread.join()
             self._thread = None
         if not self._ctx.closed:
+            for s in (self._sub, self._dealer):
+                s.disable_monitor()
+            for m in self._monitors:
+                m.close()
             self._sub.close()
             self._dealer.close()
             self._ctx.term()
@@ -385,6 +416,44 @@ class Subscriber:
         except zmq.Again:
             pass  # no route yet: the timeout below asks again
         self._pending_req = (mtype, rid, time.monotonic())
+
+    def _check_handshakes(self) -> None:
+        """Read the monitors' handshake events (never waits)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        for mon, where in zip(self._monitors, (self.endpoint, self.snapshot_endpoint),
+                              strict=True):
+            while mon.get(zmq.EVENTS) & zmq.POLLIN:  # usually nothing: no exception raised
+                try:
+                    ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._handshake_problem = None
+                else:
+                    self.handshake_failures += 1
+                    self._handshake_problem = self._explain(ev["event"], ev["value"], where)
+
+    def _explain(self, event: int, value: int, where: str) -> str:
+        """A failed handshake with ``where``, in words: what to do about it."""
+        keys = self.keys is not None
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (f"{where} refused this client's key (status {value}): its "
+                    "allowed_clients/ lacks our client.key (add it there and restart the "
+                    "publisher)")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if keys:
+                return f"{where} does not use keys: connect without --keys"
+            return f"{where} requires keys: {HOW_TO_MAKE}"
+        # the peer closed mid-handshake (libzmq gives no detail): a CURVE publisher that
+        # could not read our hello, or a plain one that does not speak CURVE
+        if keys:
+            return (f"the security handshake with {where} failed: the publisher there does "
+                    "not hold the secret of our server.key (wrong keys, another server) or "
+                    "does not use keys")
+        return (f"the handshake with {where} failed: the publisher there likely requires "
+                f"keys; {HOW_TO_MAKE}")
 
     def _check_request_timeout(self) -> None:
         pending = self._pending_req
