@@ -25,6 +25,10 @@ Invariants (why a file can never be served wrong):
 - Every read verifies magic, version, fingerprint, the exact file size and the checksum;
   any mismatch is a miss (``None``), never bytes handed on. ``kill -9`` during a write
   leaves at most a temporary file, removed by the next scan.
+- Only regular files are ever opened: a scan ``lstat``s a name before opening it, and
+  every open is ``O_NOFOLLOW | O_NONBLOCK`` followed by an ``fstat`` check, so a FIFO,
+  a device or a symlink named like a block file is skipped (never adopted, never
+  followed, never waited on) instead of hanging the thread that met it.
 - The name is ``<hash as 16 hex digits>.kv``; the header's hash must equal it.
 - The directory is created private (0700). It is "ours" when it holds the marker file
   ``MARKER``: only then does a scan delete what does not match (foreign fingerprint,
@@ -44,6 +48,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -94,6 +99,38 @@ def file_name(h: int) -> str:
     return f"{h & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
 
 
+class NotRegularFile(OSError):
+    """A name in the directory that is not a regular file (a FIFO, a device, a socket, a
+    symlink): never read, never followed; to a read it is a miss, to a scan a skip."""
+
+
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever (it is
+# a no-op on regular files). O_NOFOLLOW: a symlink fails with ELOOP instead of being read.
+_OPEN_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str | os.PathLike,
+                 flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+    """An fd open on ``path`` and its ``fstat``, only if ``path`` itself is a regular
+    file: a symlink (ELOOP under ``O_NOFOLLOW``), a FIFO, a device or a socket raises
+    NotRegularFile without blocking. Other OSErrors (ENOENT, EIO...) pass through."""
+    try:
+        fd = os.open(path, flags | _OPEN_SAFE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink, not followed", str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, "not a regular file", str(path))
+    return fd, st
+
+
 class DiskStore:
     """One directory of block files for one fingerprint."""
 
@@ -114,6 +151,7 @@ class DiskStore:
         self.read_ok = 0
         self.read_bad = 0  # files that failed verification (each a miss, then removed)
         self.removed_foreign = 0
+        self.skipped_irregular = 0  # names a scan met that are not regular files
         self.bytes_written = 0
         self.bytes_read = 0
         self._lock = threading.Lock()  # reads run on several threads: counters, disable
@@ -171,7 +209,10 @@ class DiskStore:
         name = file_name(h)
         tmp = self.root / f"{TMP_PREFIX}{os.getpid()}-{name}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            # O_EXCL after the unlink: a name planted where our temporary file goes (a
+            # FIFO would block the open, a symlink would redirect the write) is replaced
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_SAFE, 0o600)
             try:
                 for p in pieces:
                     view = memoryview(p).cast("B")
@@ -222,8 +263,8 @@ class DiskStore:
             buf = self.buffer()
         try:
             n = self._read_file(path, buf)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotRegularFile):
+            return None  # gone, or not ours to read (a FIFO, a symlink): a miss
         except OSError as e:
             self.disable(e)
             return None
@@ -245,7 +286,9 @@ class DiskStore:
         """Read the file at ``path`` into ``buf`` (up to its length); bytes read."""
         if self.direct and isinstance(buf, mmap.mmap):
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                fd, _ = open_regular(path, os.O_RDONLY | os.O_DIRECT)
+            except NotRegularFile:
+                raise
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
@@ -260,7 +303,7 @@ class DiskStore:
                     self.direct = False  # the buffer or the device refused alignment
                 finally:
                     os.close(fd)
-        fd = os.open(path, os.O_RDONLY)
+        fd, _ = open_regular(path, os.O_RDONLY)
         try:
             view, got = memoryview(buf), 0
             while got < len(view):
@@ -304,10 +347,13 @@ class DiskStore:
         """The servable files, least recently written first. Reads each file's header and
         tokens (``verify``: the whole file and its checksum; otherwise the checksum is
         checked when the block is read). Temporary files, torn files and files of another
-        fingerprint are skipped, and deleted when the directory is ours."""
+        fingerprint are skipped, and deleted when the directory is ours. Names that are
+        not regular files (FIFOs, devices, sockets, symlinks) are never opened, adopted
+        or deleted: they are skipped and counted in ``skipped_irregular``."""
         if self.disabled:
             return []
         ours = self.ours
+        self.skipped_irregular = 0
         found: list[DiskEntry] = []
         try:
             names = os.listdir(self.root)
@@ -320,10 +366,19 @@ class DiskStore:
                 continue
             path = self.root / name
             entry = None
+            try:
+                lst = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(lst.st_mode):
+                if not stat.S_ISDIR(lst.st_mode):
+                    self.skipped_irregular += 1
+                continue
             if name.endswith(SUFFIX) and not name.startswith(TMP_PREFIX):
                 try:
-                    st = path.stat()
-                    with open(path, "rb", buffering=0) as f:
+                    # lstat said regular; open_regular checks again (it may have changed)
+                    fd, st = open_regular(path)
+                    with open(fd, "rb", buffering=0) as f:
                         data = f.read() if verify else f.read(head_len)
                 except OSError:
                     continue
@@ -333,7 +388,7 @@ class DiskStore:
                         entry = DiskEntry(e.hash, e.parent, e.first, e.tokens,
                                           st.st_mtime_ns)
             if entry is None:
-                if ours and path.is_file():
+                if ours:
                     try:
                         path.unlink()
                         self.removed_foreign += 1
@@ -342,4 +397,8 @@ class DiskStore:
                 continue
             found.append(entry)
         found.sort(key=lambda e: (e.mtime_ns, e.hash))
+        if self.skipped_irregular:
+            log.warning("disk KV tier at %s: %d names are not regular files (FIFOs, "
+                        "devices, symlinks): skipped, never opened or followed",
+                        self.root, self.skipped_irregular)
         return found
