@@ -144,6 +144,10 @@ class LLMEngine:
         self.swapper.disk = self.disk_io
         found = self.disk_io.store.scan()
         n = self.cache.adopt_disk([(e.hash, e.parent, e.first, e.tokens) for e in found])
+        if n < len(found):  # a smaller --disk-cache-size than the run that wrote them
+            log.warning("disk KV tier: %d of the %d blocks found do not fit %d blocks; the "
+                        "least recently written are deleted", len(found) - n, len(found),
+                        num_disk_blocks)
         log.info("disk KV tier: %s, %d blocks; %d found from a previous run%s",
                  cfg.disk_cache_dir, num_disk_blocks, n,
                  f" (disabled: {self.disk_io.store.error})" if self.disk_io.store.disabled

@@ -113,7 +113,7 @@ def open_disk(directory: str, model: str, fmt_name: str, block_size: int,
     specs = [(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for t in host_tensors]
     payload = sum(t[0].numel() * t.element_size() for t in host_tensors)
     store = DiskStore(directory, fingerprint(model, fmt_name, block_size, specs), block_size,
-                      payload)
+                      payload, exclusive=True)
     return DiskIO(store, host_tensors)
 
 
@@ -322,6 +322,7 @@ class DiskIO:
         end = time.monotonic() + self.read_timeout_s
         for t in self._threads[1:]:
             t.join(timeout=max(0.0, end - time.monotonic()))
+        self.store.close()
 
     # ------------------------------------------------------------- workers
     def _writer(self) -> None:

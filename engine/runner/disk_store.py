@@ -33,6 +33,13 @@ Invariants (why a file can never be served wrong):
 - The directory is created private (0700). It is "ours" when it holds the marker file
   ``MARKER``: only then does a scan delete what does not match (foreign fingerprint,
   torn or unknown files); in a directory that is not ours they are left alone.
+- One daemon per directory: an engine's store (``exclusive``) holds an advisory
+  ``flock`` on ``LOCK`` (which names its pid) for its whole life. A second one finds it
+  held and runs without a disk tier (disabled, its error names the holder's pid): it
+  never scans, writes or deletes there, so it cannot break the first one's files.
+- A scan deletes a temporary file ``.tmp-<pid>-*`` only when ``<pid>`` is this process
+  or no live process: another live writer's file is left alone. Files a scan deletes
+  (torn, another fingerprint, dead writers' temporaries) are counted and logged.
 - An OSError while writing (disk full, read-only directory, I/O error) disables the
   store: one warning is logged, every later call is a no-op miss, the caller keeps
   serving. ``disabled`` says so and ``error`` names the cause.
@@ -44,6 +51,7 @@ the payload and back.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -64,6 +72,7 @@ FLAG_FIRST = 1
 HEADER = struct.Struct("<8sHH16sqqIQI")
 _CRC_SPAN = HEADER.size - 4  # the checksum covers the header fields before it
 MARKER = ".kvscope-disk-cache"
+LOCK = ".kvscope-disk-cache.lock"  # flock'ed by the daemon using the directory
 SUFFIX = ".kv"
 ALIGN = 4096  # O_DIRECT reads: buffer address and length are multiples of this
 TMP_PREFIX = ".tmp-"
@@ -77,6 +86,22 @@ def fingerprint(model: str, kv_format: str, block_size: int,
     text = "|".join([f"v{FORMAT_VERSION}", model, kv_format, str(block_size)]
                     + [f"{'x'.join(map(str, shape))}:{dtype}" for shape, dtype in tensors])
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvscope-disk").digest()
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the temporary file ``name`` (``.tmp-<pid>-...``) belongs to another process
+    that is alive (its write may be in flight). This process's own and unparsable names
+    are not: a scan may delete those."""
+    pid_text = name[len(TMP_PREFIX):].split("-", 1)[0]
+    if not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: alive, another user's
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +160,9 @@ class DiskStore:
     """One directory of block files for one fingerprint."""
 
     def __init__(self, root: str | os.PathLike, fp: bytes, block_size: int,
-                 payload_bytes: int) -> None:
+                 payload_bytes: int, exclusive: bool = False) -> None:
+        """``exclusive``: hold the directory's lock (an engine's store); when another
+        process holds it the store starts disabled."""
         if len(fp) != 16:
             raise ValueError("a fingerprint is 16 bytes")
         self.root = Path(root)
@@ -155,7 +182,10 @@ class DiskStore:
         self.bytes_written = 0
         self.bytes_read = 0
         self._lock = threading.Lock()  # reads run on several threads: counters, disable
+        self._lock_fd: int | None = None  # the directory's flock, while held
         self._open_dir()
+        if exclusive and not self.disabled:
+            self._take_dir_lock()
 
     # ----------------------------------------------------------------- faults
     def _open_dir(self) -> None:
@@ -167,6 +197,44 @@ class DiskStore:
                 marker.write_bytes(b"kvscope disk KV cache: files here may be deleted\n")
         except OSError as e:
             self.disable(e)
+
+    def _take_dir_lock(self) -> None:
+        """Hold ``LOCK`` (flock, exclusive, non-blocking) or disable the store, naming
+        the holder. flock is released by the kernel when the holder dies (kill -9
+        included), so a stale lock file never locks a directory out."""
+        path = self.root / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_SAFE, 0o600)
+        except OSError as e:
+            self.disable(f"cannot open the lock file {path}: {e}")
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            except OSError:
+                holder = "?"
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                self.disable(f"cannot lock {path}: {e}")
+                return
+            self.disable(f"another process (pid {holder}) uses this directory as its disk "
+                         "KV cache; one daemon per directory: give each its own "
+                         "--disk-cache-dir")
+            return
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # the pid is only for the second daemon's message
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Release the directory's lock (the files stay)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last fd of the open file releases the flock
 
     @property
     def ours(self) -> bool:
@@ -354,6 +422,7 @@ class DiskStore:
             return []
         ours = self.ours
         self.skipped_irregular = 0
+        removed_before = self.removed_foreign
         found: list[DiskEntry] = []
         try:
             names = os.listdir(self.root)
@@ -362,8 +431,10 @@ class DiskStore:
             return []
         head_len = HEADER.size + 4 * self.block_size
         for name in names:
-            if name == MARKER:
+            if name in (MARKER, LOCK):
                 continue
+            if name.startswith(TMP_PREFIX) and _writer_alive(name):
+                continue  # another live process is writing it: not ours to delete
             path = self.root / name
             entry = None
             try:
@@ -397,6 +468,10 @@ class DiskStore:
                 continue
             found.append(entry)
         found.sort(key=lambda e: (e.mtime_ns, e.hash))
+        if self.removed_foreign > removed_before:
+            log.warning("disk KV tier at %s: deleted %d files that were torn, of another "
+                        "model or page format (fingerprint), or a dead writer's temporary "
+                        "files", self.root, self.removed_foreign - removed_before)
         if self.skipped_irregular:
             log.warning("disk KV tier at %s: %d names are not regular files (FIFOs, "
                         "devices, symlinks): skipped, never opened or followed",

@@ -8,6 +8,8 @@ import errno
 import logging
 import os
 import stat
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -216,3 +218,67 @@ def test_planted_temporary_name_does_not_block_or_redirect_a_write(tmp_path):
     assert _in_thread(lambda: s.write(12, 11, False, (5, 6, 7, 8), payload(1)))
     assert victim.read_bytes() == b"keep me"
     assert bytes(s.read(12, 11, (5, 6, 7, 8))) == b"".join(payload(1))
+
+
+_HOLDER = """
+import sys
+from kvscope.engine.runner import disk_store as D
+s = D.DiskStore(sys.argv[1], bytes(16), 4, 512, exclusive=True)
+print("disabled" if s.disabled else "holding", flush=True)
+sys.stdin.read()  # hold the directory until the test closes our stdin
+"""
+
+
+def test_second_daemon_on_a_directory_runs_without_the_tier_and_says_who(tmp_path, caplog):
+    """Defect 6: two daemons on one directory broke each other (a scan deleted the other's
+    in-flight files, a smaller size or another fingerprint deleted its blocks). The first
+    one (another process) holds the directory's lock; the second is disabled before it
+    scans, says which pid holds it, and deletes nothing; once the first stops, the
+    directory is free again."""
+    kv = tmp_path / "kv"
+    first = subprocess.Popen([sys.executable, "-c", _HOLDER, str(kv)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "holding"
+        # the first daemon's blocks and an in-flight write, under another fingerprint
+        other = D.DiskStore(kv, bytes(16), BS, PAYLOAD)
+        assert other.write(11, 7, True, (1, 2, 3, 4), payload(0))
+        inflight = kv / f"{D.TMP_PREFIX}{first.pid}-{D.file_name(12)}"
+        inflight.write_bytes(b"half a file")
+        before = sorted(os.listdir(kv))
+        with caplog.at_level(logging.WARNING):
+            second = D.DiskStore(kv, FP, BS, PAYLOAD, exclusive=True)
+        assert second.disabled and f"pid {first.pid}" in second.error
+        assert "one daemon per directory" in caplog.text
+        assert second.scan() == [] and not second.write(13, 7, True, (1, 2, 3, 4), payload(1))
+        assert sorted(os.listdir(kv)) == before
+    finally:
+        first.stdin.close()
+        first.wait()
+    third = D.DiskStore(kv, FP, BS, PAYLOAD, exclusive=True)  # the holder is gone
+    try:
+        assert not third.disabled
+    finally:
+        third.close()
+
+
+def test_scan_leaves_a_live_writers_temporary_file_alone(tmp_path):
+    """A scan deleted every ``.tmp-<pid>-*`` file, another live process's in-flight write
+    included (its rename then failed with ENOENT and disabled its tier). Now only this
+    process's and dead processes' temporary files go."""
+    s = store(tmp_path)
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        names = {p: f"{D.TMP_PREFIX}{p}-{D.file_name(11)}" for p in
+                 (live.pid, dead.pid, os.getpid())}
+        for n in names.values():
+            (tmp_path / n).write_bytes(b"partial")
+        assert store(tmp_path).scan() == []
+        assert sorted(os.listdir(tmp_path)) == sorted([D.MARKER, names[live.pid]])
+    finally:
+        live.stdin.close()
+        live.wait()
+    assert not s.disabled
