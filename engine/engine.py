@@ -83,6 +83,8 @@ class LLMEngine:
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
+        # why the recording stopped early (set at close from the stream; None: it did not)
+        self.recording_error: str | None = None
         self.cache = KVCacheManager(
             num_blocks, config.block_size, num_cpu_blocks=kv.num_cpu_blocks,
             window=kv.window, num_window_blocks=kv.num_window_blocks,
@@ -473,6 +475,8 @@ class LLMEngine:
         if self.events:
             self._close_step(0.0, None)
             self.events.close()
+            # the recording's fate outlives the stream: the daemon's last line reports it
+            self.recording_error = self.events.recording_error
             self.events = None
         close_runner = getattr(self.runner, "close", None)  # tensor-parallel workers
         if close_runner is not None:

@@ -139,6 +139,9 @@ class _EngineCollector:
                                      "cpu_usage"),
             "kv_cache_fragmentation_perc": ("slots of used GPU blocks holding no token "
                                             "(internal fragmentation, 0..1)", "fragmentation"),
+            "event_recording_failed": ("1 once the event recording (--record) stopped on a "
+                                       "write error such as a full disk; the live event "
+                                       "stream goes on", "recording_failed"),
         }
         for name, (doc, key) in gauges.items():
             g = GaugeMetricFamily(self.name(name), doc, labels=keys)
@@ -305,6 +308,8 @@ class ServerMetrics:
             "prefill_tokens": getattr(engine, "num_prefill_computed_tokens", 0),
             "recomputed_tokens": getattr(engine, "num_recomputed_tokens", 0),
             "tiers": tier_figures(engine, m),
+            "recording_failed": float(getattr(getattr(engine, "events", None),
+                                              "recording_error", None) is not None),
             "fragmentation": 1 - m["used_tokens"] / (gpu["used"] * engine.cache.block_size)
             if gpu["used"] else 0.0,
         }
