@@ -85,6 +85,8 @@ class LLMEngine:
         # late joiners, keyframes) at once when it can take it and no events are pending.
         self._cache_lock = threading.RLock()
         self.events = self._open_events()
+        # why the recording stopped early (set at close from the stream; None: it did not)
+        self.recording_error: str | None = None
         self.cache = KVCacheManager(
             spec=kv,
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
@@ -132,6 +134,10 @@ class LLMEngine:
         self.swapper.disk = self.disk_io
         found = self.disk_io.store.scan()
         n = self.cache.adopt_disk([(e.hash, e.parent, e.first, e.tokens) for e in found])
+        if n < len(found):  # a smaller --disk-cache-size than the run that wrote them
+            log.warning("disk KV tier: %d of the %d blocks found do not fit %d blocks; the "
+                        "least recently written are deleted", len(found) - n, len(found),
+                        num_disk_blocks)
         log.info("disk KV tier: %s, %d blocks; %d found from a previous run%s",
                  cfg.disk_cache_dir, num_disk_blocks, n,
                  f" (disabled: {self.disk_io.store.error})" if self.disk_io.store.disabled
@@ -458,6 +464,8 @@ class LLMEngine:
         if self.events:
             self._close_step(0.0, None)
             self.events.close()
+            # the recording's fate outlives the stream: the daemon's last line reports it
+            self.recording_error = self.events.recording_error
             self.events = None
         close_runner = getattr(self.runner, "close", None)  # tensor-parallel workers
         if close_runner is not None:

@@ -25,7 +25,9 @@ class InspectorModel(QObject):
     events_added = Signal(list)  # [(step, event), ...] in order
     events_reset = Signal()
     selection_changed = Signal()
-    cursor_changed = Signal(int)  # the step shown (replay cursor or live head)
+    # the step shown (replay cursor or live head). object, not int: Signal(int) is a C int
+    # (32 bits) and a step is any int64 of the protocol (2**63 - 1 overflowed it)
+    cursor_changed = Signal(object)
 
     def __init__(self) -> None:
         super().__init__()

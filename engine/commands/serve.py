@@ -154,13 +154,26 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
+MAX_SIZE = 1 << 60  # 1 EiB: more than any disk; a bigger size is a typo, said so
+
+
 def parse_size(text: str) -> int:
-    """Bytes from "20GiB", "500MB", "1.5 GiB" or a plain number."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
+    """Bytes from "20GiB", "500MB", "1.5 GiB" or a plain number, at most ``MAX_SIZE``.
+    Exact for integers (no float rounding); anything else is a clear ArgumentTypeError,
+    never an OverflowError."""
+    m = re.fullmatch(r"\s*([0-9]+)(?:\.([0-9]*))?\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(3).lower() not in _UNITS or len(m.group(1)) > 30:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (a number and one of B, KB, MB, GB, KiB, MiB, GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            f"{text!r} is not a size (a number and one of B, KB, MB, GB, TB, KiB, MiB, GiB, "
+            "TiB)")
+    unit = _UNITS[m.group(3).lower()]
+    frac = (m.group(2) or "")[:30]
+    # integer arithmetic: a 400-digit number must not become float('inf')
+    size = int(m.group(1)) * unit + (int(frac) * unit // 10 ** len(frac) if frac else 0)
+    if size > MAX_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size:.3g} bytes; a size may be at most 1 EiB ({MAX_SIZE} bytes)")
+    return size
 
 
 def model_of(args: argparse.Namespace) -> str:

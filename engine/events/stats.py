@@ -87,6 +87,7 @@ class StepStats(msgspec.Struct, **_STRUCT):
     swap_fallbacks: int | None = None  # swap preemptions done by recompute (host full)
     # counter of the event stream (added by the EventStream to every batch)
     dropped_batches: int | None = None  # batches it dropped (its queue was full)
+    recording_error: str | None = None  # why its recording stopped early (absent: it did not)
 
     def to_map(self) -> dict[str, Any]:
         """The wire form: a map of the reported fields."""

@@ -9,6 +9,15 @@ the file into a staging buffer, and ``install`` copies verified bytes into a hos
 the engine thread (op FILL). Reads finish in any order but are handed on in the order
 they were started (an adopted block's parent must become host cache before it).
 
+A read that has not finished ``read_timeout_s`` after it started (a hung NFS server, a
+stuck device) is abandoned: it is handed on as a miss, so the reads behind it are not
+held up, and its result is thrown away whenever its reader gets it. ``READ_FAILS_TO_DISABLE``
+abandoned reads in a row (no read finishing in between) turn the tier off loudly: the
+store's one warning, ``stats.read_timeouts`` and the ``kv_tier_disabled`` gauge on
+/metrics, and the cache manager's ``evict`` events (tier disk, reason ``disk_failed``)
+for every block it forgets, which the inspector shows. A stop does not wait for a stuck
+reader (they are daemon threads) longer than ``read_timeout_s``.
+
 Why several readers and ``wait_reads``: a read is a few blocking calls (open, read, crc32,
 close), each of which gives up the GIL and must take it back. While the engine thread runs
 Python (an idle step polling for arrivals), each take-back waits for the interpreter's
@@ -69,6 +78,8 @@ class LoadJob:
     seconds: float = 0.0
     done: bool = False  # set by the reader after ``data``
     buf: Any = None  # the read buffer ``data`` views (back to the pool once installed)
+    deadline: float = 0.0  # monotonic time after which the read is abandoned
+    abandoned: bool = False  # handed on as a miss before it finished (its result is lost)
 
 
 @dataclass
@@ -76,6 +87,7 @@ class DiskIOStats:
     saved: int = 0  # files written
     dropped: int = 0  # saves dropped: the queue was full (or the store disabled)
     failed: int = 0  # saves or reads that failed
+    read_timeouts: int = 0  # reads abandoned: not finished within ``read_timeout_s``
     loaded: int = 0  # blocks read and verified
     load_misses: int = 0  # reads that found no intact file
     bytes_written: int = 0
@@ -88,6 +100,10 @@ class DiskIOStats:
 
 _STOP = object()
 MAX_IDLE_BUFFERS = 64  # read buffers kept for reuse (64 x one block's file)
+# A read not done this long after it started is abandoned (a miss). The engine's prefetch
+# waits 2 s (engine.scheduler) for the same reads: a later arrival helps no one.
+READ_TIMEOUT_S = 2.0
+READ_FAILS_TO_DISABLE = 3  # abandoned reads in a row that turn the tier off
 
 
 def open_disk(directory: str, model: str, fmt_name: str, block_size: int,
@@ -97,14 +113,17 @@ def open_disk(directory: str, model: str, fmt_name: str, block_size: int,
     specs = [(tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for t in host_tensors]
     payload = sum(t[0].numel() * t.element_size() for t in host_tensors)
     store = DiskStore(directory, fingerprint(model, fmt_name, block_size, specs), block_size,
-                      payload)
+                      payload, exclusive=True)
     return DiskIO(store, host_tensors)
 
 
 class DiskIO:
     def __init__(self, store: DiskStore, host_tensors: list[torch.Tensor],
-                 queue_blocks: int = 256, readers: int = 4) -> None:
+                 queue_blocks: int = 256, readers: int = 4,
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.store = store
+        self.read_timeout_s = read_timeout_s
+        self._stuck_in_a_row = 0  # reads abandoned since the last one that finished
         self.host_tensors = host_tensors
         # bytes views of the host tensors: row y of tensor i is views[i][y]
         self._views = [t.view(torch.uint8).reshape(t.shape[0], -1) for t in host_tensors]
@@ -176,15 +195,19 @@ class DiskIO:
 
     def load(self, slot: int, h: int, parent: int, tokens: tuple[int, ...]) -> None:
         """Queue a read of block ``h``; its outcome comes back from ``take_loaded``."""
-        job = LoadJob(slot, h, parent, tokens)
+        job = LoadJob(slot, h, parent, tokens,
+                      deadline=time.monotonic() + self.read_timeout_s)
         with self._read_cv:
             self._unfinished += 1
         self._reads.append(job)
         self._loads.put(job)
 
     def wait_reads(self, timeout_s: float) -> bool:
-        """Block (holding no GIL) until every started read is done or ``timeout_s``
-        passes; True when none is left unfinished."""
+        """Block (holding no GIL) until every started read is done, ``timeout_s`` passes
+        or the oldest read's deadline passes (it is then abandoned by ``take_loaded``);
+        True when none is left unfinished."""
+        if self._reads:
+            timeout_s = min(timeout_s, max(0.0, self._reads[0].deadline - time.monotonic()))
         with self._read_cv:
             return self._read_cv.wait_for(lambda: self._unfinished == 0, timeout_s)
 
@@ -209,12 +232,44 @@ class DiskIO:
 
     def take_loaded(self) -> list[LoadJob]:
         """The reads finished since the last call, in the order they were started (a read
-        done before an earlier one waits for it; ``data`` None: a miss)."""
+        done before an earlier one waits for it; ``data`` None: a miss). A read past its
+        deadline is abandoned here and handed on as a miss (a fresh job: the reader may
+        still write into the old one), so one stuck read holds up the others at most
+        ``read_timeout_s``."""
         out = []
         reads = self._reads
-        while reads and reads[0].done:
+        now = None
+        while reads:
+            job = reads[0]
+            if not job.done:
+                now = time.monotonic() if now is None else now
+                if now < job.deadline:
+                    break
+                if self._abandon(job):  # else it finished meanwhile: handed on below
+                    reads.popleft()
+                    out.append(LoadJob(job.slot, job.hash, job.parent, job.tokens,
+                                       done=True, abandoned=True))
+                    continue
             out.append(reads.popleft())
         return out
+
+    def _abandon(self, job: LoadJob) -> bool:
+        """Give up on ``job`` (not done by its deadline); False if it finished meanwhile.
+        Disables the store after ``READ_FAILS_TO_DISABLE`` in a row."""
+        with self._read_cv:
+            if job.done:
+                return False
+            job.abandoned = True
+            self._unfinished -= 1
+            self.stats.read_timeouts += 1
+            self.stats.load_misses += 1
+            self._stuck_in_a_row += 1
+            stuck = self._stuck_in_a_row
+            self._read_cv.notify_all()
+        if stuck >= READ_FAILS_TO_DISABLE:
+            self.store.disable(f"{stuck} reads in a row did not finish within "
+                               f"{self.read_timeout_s:g} s")
+        return True
 
     def install(self, job: LoadJob, host_block: int) -> None:
         """Copy a verified read into host block ``host_block``."""
@@ -261,8 +316,13 @@ class DiskIO:
         self._saves.put(_STOP)
         for _ in self._threads[1:]:
             self._loads.put(_STOP)
-        for t in self._threads:
-            t.join(timeout=30)
+        self._threads[0].join(timeout=30)
+        # a reader stuck in a read that never returns is left behind (a daemon thread): a
+        # healthy one finishes its read and its STOP well within one read's deadline
+        end = time.monotonic() + self.read_timeout_s
+        for t in self._threads[1:]:
+            t.join(timeout=max(0.0, end - time.monotonic()))
+        self.store.close()
 
     # ------------------------------------------------------------- workers
     def _writer(self) -> None:
@@ -300,6 +360,12 @@ class DiskIO:
                 return
             self._read(job)
             with self._read_cv:
+                if job.abandoned:  # handed on as a miss already: the result is dropped
+                    if job.buf is not None and len(self._buffers) < MAX_IDLE_BUFFERS:
+                        self._buffers.append(job.buf)
+                    job.buf = job.data = None
+                    continue
+                self._stuck_in_a_row = 0
                 job.done = True
                 self._unfinished -= 1
                 self._read_cv.notify_all()
@@ -322,7 +388,9 @@ class DiskIO:
             if not self._reading:
                 st.read_busy_s += t1 - self._busy_since
             st.read_s += job.seconds
-            if job.data is None:
+            if job.abandoned:
+                pass  # counted as a miss when it was abandoned; _reader drops the result
+            elif job.data is None:
                 st.load_misses += 1
                 if len(self._buffers) < MAX_IDLE_BUFFERS:
                     self._buffers.append(job.buf)

@@ -25,10 +25,21 @@ Invariants (why a file can never be served wrong):
 - Every read verifies magic, version, fingerprint, the exact file size and the checksum;
   any mismatch is a miss (``None``), never bytes handed on. ``kill -9`` during a write
   leaves at most a temporary file, removed by the next scan.
+- Only regular files are ever opened: a scan ``lstat``s a name before opening it, and
+  every open is ``O_NOFOLLOW | O_NONBLOCK`` followed by an ``fstat`` check, so a FIFO,
+  a device or a symlink named like a block file is skipped (never adopted, never
+  followed, never waited on) instead of hanging the thread that met it.
 - The name is ``<hash as 16 hex digits>.kv``; the header's hash must equal it.
 - The directory is created private (0700). It is "ours" when it holds the marker file
   ``MARKER``: only then does a scan delete what does not match (foreign fingerprint,
   torn or unknown files); in a directory that is not ours they are left alone.
+- One daemon per directory: an engine's store (``exclusive``) holds an advisory
+  ``flock`` on ``LOCK`` (which names its pid) for its whole life. A second one finds it
+  held and runs without a disk tier (disabled, its error names the holder's pid): it
+  never scans, writes or deletes there, so it cannot break the first one's files.
+- A scan deletes a temporary file ``.tmp-<pid>-*`` only when ``<pid>`` is this process
+  or no live process: another live writer's file is left alone. Files a scan deletes
+  (torn, another fingerprint, dead writers' temporaries) are counted and logged.
 - An OSError while writing (disk full, read-only directory, I/O error) disables the
   store: one warning is logged, every later call is a no-op miss, the caller keeps
   serving. ``disabled`` says so and ``error`` names the cause.
@@ -40,10 +51,12 @@ the payload and back.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -59,6 +72,7 @@ FLAG_FIRST = 1
 HEADER = struct.Struct("<8sHH16sqqIQI")
 _CRC_SPAN = HEADER.size - 4  # the checksum covers the header fields before it
 MARKER = ".kvscope-disk-cache"
+LOCK = ".kvscope-disk-cache.lock"  # flock'ed by the daemon using the directory
 SUFFIX = ".kv"
 ALIGN = 4096  # O_DIRECT reads: buffer address and length are multiples of this
 TMP_PREFIX = ".tmp-"
@@ -72,6 +86,22 @@ def fingerprint(model: str, kv_format: str, block_size: int,
     text = "|".join([f"v{FORMAT_VERSION}", model, kv_format, str(block_size)]
                     + [f"{'x'.join(map(str, shape))}:{dtype}" for shape, dtype in tensors])
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvscope-disk").digest()
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the temporary file ``name`` (``.tmp-<pid>-...``) belongs to another process
+    that is alive (its write may be in flight). This process's own and unparsable names
+    are not: a scan may delete those."""
+    pid_text = name[len(TMP_PREFIX):].split("-", 1)[0]
+    if not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: alive, another user's
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +124,45 @@ def file_name(h: int) -> str:
     return f"{h & 0xFFFFFFFFFFFFFFFF:016x}{SUFFIX}"
 
 
+class NotRegularFile(OSError):
+    """A name in the directory that is not a regular file (a FIFO, a device, a socket, a
+    symlink): never read, never followed; to a read it is a miss, to a scan a skip."""
+
+
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever (it is
+# a no-op on regular files). O_NOFOLLOW: a symlink fails with ELOOP instead of being read.
+_OPEN_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str | os.PathLike,
+                 flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+    """An fd open on ``path`` and its ``fstat``, only if ``path`` itself is a regular
+    file: a symlink (ELOOP under ``O_NOFOLLOW``), a FIFO, a device or a socket raises
+    NotRegularFile without blocking. Other OSErrors (ENOENT, EIO...) pass through."""
+    try:
+        fd = os.open(path, flags | _OPEN_SAFE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink, not followed", str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, "not a regular file", str(path))
+    return fd, st
+
+
 class DiskStore:
     """One directory of block files for one fingerprint."""
 
     def __init__(self, root: str | os.PathLike, fp: bytes, block_size: int,
-                 payload_bytes: int) -> None:
+                 payload_bytes: int, exclusive: bool = False) -> None:
+        """``exclusive``: hold the directory's lock (an engine's store); when another
+        process holds it the store starts disabled."""
         if len(fp) != 16:
             raise ValueError("a fingerprint is 16 bytes")
         self.root = Path(root)
@@ -114,10 +178,14 @@ class DiskStore:
         self.read_ok = 0
         self.read_bad = 0  # files that failed verification (each a miss, then removed)
         self.removed_foreign = 0
+        self.skipped_irregular = 0  # names a scan met that are not regular files
         self.bytes_written = 0
         self.bytes_read = 0
         self._lock = threading.Lock()  # reads run on several threads: counters, disable
+        self._lock_fd: int | None = None  # the directory's flock, while held
         self._open_dir()
+        if exclusive and not self.disabled:
+            self._take_dir_lock()
 
     # ----------------------------------------------------------------- faults
     def _open_dir(self) -> None:
@@ -129,6 +197,44 @@ class DiskStore:
                 marker.write_bytes(b"kvscope disk KV cache: files here may be deleted\n")
         except OSError as e:
             self.disable(e)
+
+    def _take_dir_lock(self) -> None:
+        """Hold ``LOCK`` (flock, exclusive, non-blocking) or disable the store, naming
+        the holder. flock is released by the kernel when the holder dies (kill -9
+        included), so a stale lock file never locks a directory out."""
+        path = self.root / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_SAFE, 0o600)
+        except OSError as e:
+            self.disable(f"cannot open the lock file {path}: {e}")
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            except OSError:
+                holder = "?"
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                self.disable(f"cannot lock {path}: {e}")
+                return
+            self.disable(f"another process (pid {holder}) uses this directory as its disk "
+                         "KV cache; one daemon per directory: give each its own "
+                         "--disk-cache-dir")
+            return
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # the pid is only for the second daemon's message
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Release the directory's lock (the files stay)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last fd of the open file releases the flock
 
     @property
     def ours(self) -> bool:
@@ -171,7 +277,10 @@ class DiskStore:
         name = file_name(h)
         tmp = self.root / f"{TMP_PREFIX}{os.getpid()}-{name}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            # O_EXCL after the unlink: a name planted where our temporary file goes (a
+            # FIFO would block the open, a symlink would redirect the write) is replaced
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_SAFE, 0o600)
             try:
                 for p in pieces:
                     view = memoryview(p).cast("B")
@@ -222,8 +331,8 @@ class DiskStore:
             buf = self.buffer()
         try:
             n = self._read_file(path, buf)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotRegularFile):
+            return None  # gone, or not ours to read (a FIFO, a symlink): a miss
         except OSError as e:
             self.disable(e)
             return None
@@ -245,7 +354,9 @@ class DiskStore:
         """Read the file at ``path`` into ``buf`` (up to its length); bytes read."""
         if self.direct and isinstance(buf, mmap.mmap):
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                fd, _ = open_regular(path, os.O_RDONLY | os.O_DIRECT)
+            except NotRegularFile:
+                raise
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
@@ -260,7 +371,7 @@ class DiskStore:
                     self.direct = False  # the buffer or the device refused alignment
                 finally:
                     os.close(fd)
-        fd = os.open(path, os.O_RDONLY)
+        fd, _ = open_regular(path, os.O_RDONLY)
         try:
             view, got = memoryview(buf), 0
             while got < len(view):
@@ -304,10 +415,14 @@ class DiskStore:
         """The servable files, least recently written first. Reads each file's header and
         tokens (``verify``: the whole file and its checksum; otherwise the checksum is
         checked when the block is read). Temporary files, torn files and files of another
-        fingerprint are skipped, and deleted when the directory is ours."""
+        fingerprint are skipped, and deleted when the directory is ours. Names that are
+        not regular files (FIFOs, devices, sockets, symlinks) are never opened, adopted
+        or deleted: they are skipped and counted in ``skipped_irregular``."""
         if self.disabled:
             return []
         ours = self.ours
+        self.skipped_irregular = 0
+        removed_before = self.removed_foreign
         found: list[DiskEntry] = []
         try:
             names = os.listdir(self.root)
@@ -316,14 +431,25 @@ class DiskStore:
             return []
         head_len = HEADER.size + 4 * self.block_size
         for name in names:
-            if name == MARKER:
+            if name in (MARKER, LOCK):
                 continue
+            if name.startswith(TMP_PREFIX) and _writer_alive(name):
+                continue  # another live process is writing it: not ours to delete
             path = self.root / name
             entry = None
+            try:
+                lst = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(lst.st_mode):
+                if not stat.S_ISDIR(lst.st_mode):
+                    self.skipped_irregular += 1
+                continue
             if name.endswith(SUFFIX) and not name.startswith(TMP_PREFIX):
                 try:
-                    st = path.stat()
-                    with open(path, "rb", buffering=0) as f:
+                    # lstat said regular; open_regular checks again (it may have changed)
+                    fd, st = open_regular(path)
+                    with open(fd, "rb", buffering=0) as f:
                         data = f.read() if verify else f.read(head_len)
                 except OSError:
                     continue
@@ -333,7 +459,7 @@ class DiskStore:
                         entry = DiskEntry(e.hash, e.parent, e.first, e.tokens,
                                           st.st_mtime_ns)
             if entry is None:
-                if ours and path.is_file():
+                if ours:
                     try:
                         path.unlink()
                         self.removed_foreign += 1
@@ -342,4 +468,12 @@ class DiskStore:
                 continue
             found.append(entry)
         found.sort(key=lambda e: (e.mtime_ns, e.hash))
+        if self.removed_foreign > removed_before:
+            log.warning("disk KV tier at %s: deleted %d files that were torn, of another "
+                        "model or page format (fingerprint), or a dead writer's temporary "
+                        "files", self.root, self.removed_foreign - removed_before)
+        if self.skipped_irregular:
+            log.warning("disk KV tier at %s: %d names are not regular files (FIFOs, "
+                        "devices, symlinks): skipped, never opened or followed",
+                        self.root, self.skipped_irregular)
         return found

@@ -19,11 +19,17 @@ import torch
 from kvscope.engine import features
 from kvscope.engine.cache.spec import KVSpec
 from kvscope.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvscope.engine.events.state_store import MAX_TIER_BLOCKS
 from kvscope.engine.runner import mixed_kv
 from kvscope.engine.runner.page_format import PageFormat, page_format
 from kvscope.kernels import mixed_pages as mp
 
 log = logging.getLogger(__name__)
+
+
+# The disk tier's largest pool: the largest tier an event mirror builds, so a 20 TiB
+# budget costs a bounded ~200 MB of bookkeeping, not gigabytes.
+MAX_DISK_BLOCKS = MAX_TIER_BLOCKS
 
 
 def build(config: EngineConfig, model: torch.nn.Module, model_config,
@@ -120,10 +126,19 @@ def num_disk_blocks(config: EngineConfig, fmt: PageFormat) -> int:
         return 0
     from kvscope.engine.runner.disk_store import file_bytes
 
-    blocks = config.disk_cache_size // file_bytes(config.block_size, fmt.bytes_per_block)
+    per_file = file_bytes(config.block_size, fmt.bytes_per_block)
+    blocks = config.disk_cache_size // per_file
     if blocks < 1:
         raise ValueError(f"disk_cache_size {config.disk_cache_size} bytes holds no block "
-                         f"file of {file_bytes(config.block_size, fmt.bytes_per_block)} bytes")
+                         f"file of {per_file} bytes")
+    if blocks > MAX_DISK_BLOCKS:
+        # the disk pool's bookkeeping is allocated per block at start-up (~50 bytes each),
+        # and no event mirror takes a tier over MAX_TIER_BLOCKS: cap it, and say so
+        log.warning("--disk-cache-size %d bytes is %d block files of %d bytes; the disk tier "
+                    "holds at most %d (%.1f GiB of files) and uses that many",
+                    config.disk_cache_size, blocks, per_file, MAX_DISK_BLOCKS,
+                    MAX_DISK_BLOCKS * per_file / (1 << 30))
+        blocks = MAX_DISK_BLOCKS
     return int(blocks)
 
 

@@ -230,12 +230,22 @@ def run_daemon(config: Any, settings: Any, host: str, port: int,
             state.engine.stop()
     finally:
         sock.close()
-    msg = "kvscope serve: stopped"
-    if config.record_path:
-        msg += f"; recording written to {config.record_path}"
-    print(msg, file=sys.stderr, flush=True)
+    print(stopped_line(config.record_path, getattr(state.engine.engine, "recording_error",
+                                                   None)), file=sys.stderr, flush=True)
     if state.engine.failed is not None:
         print(f"kvscope serve: exiting with status {EXIT_ENGINE_FAILED}: the engine failed: "
               f"{state.engine.failed}", file=sys.stderr, flush=True)
         return EXIT_ENGINE_FAILED
     return 0
+
+
+def stopped_line(record_path: str | None, recording_error: str | None) -> str:
+    """The daemon's last line. It never claims a recording that was not finished: one
+    that stopped early (a full disk) is named as such, with the reason."""
+    msg = "kvscope serve: stopped"
+    if record_path and recording_error is None:
+        msg += f"; recording written to {record_path}"
+    elif record_path:
+        msg += (f"; the recording {record_path} stopped early ({recording_error}): it "
+                "holds the steps before that, without its index")
+    return msg

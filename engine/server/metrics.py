@@ -89,6 +89,14 @@ TIER_COUNTERS = {
     "kv_prefetch_blocks": "disk blocks a waiting request started reading (prefetch)",
     "kv_prefetch_timeouts": "requests that waited the bounded time for their prefetch and "
                             "then recomputed what had not arrived",
+    "kv_tier_read_timeouts": "disk reads abandoned because they did not finish in time "
+                             "(each a miss; several in a row turn the tier off)",
+}
+# Per-tier gauges, exported like TIER_COUNTERS.
+TIER_GAUGES = {
+    "kv_tier_disabled": "1 when the tier was turned off after failing (disk: an I/O error, "
+                        "a full disk or reads that kept timing out; serving goes on "
+                        "without it), else 0",
 }
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -131,6 +139,9 @@ class _EngineCollector:
                                      "cpu_usage"),
             "kv_cache_fragmentation_perc": ("slots of used GPU blocks holding no token "
                                             "(internal fragmentation, 0..1)", "fragmentation"),
+            "event_recording_failed": ("1 once the event recording (--record) stopped on a "
+                                       "write error such as a full disk; the live event "
+                                       "stream goes on", "recording_failed"),
         }
         for name, (doc, key) in gauges.items():
             g = GaugeMetricFamily(self.name(name), doc, labels=keys)
@@ -161,6 +172,12 @@ class _EngineCollector:
                 if name in figures:
                     c.add_metric([*values, tier], float(figures[name]))
             yield c
+        for name, doc in TIER_GAUGES.items():
+            g = GaugeMetricFamily(self.name(name), doc, labels=[*keys, "tier"])
+            for tier, figures in tiers.items():
+                if name in figures:
+                    g.add_metric([*values, tier], float(figures[name]))
+            yield g
 
 
 def tier_figures(engine: Any, m: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -190,7 +207,9 @@ def tier_figures(engine: Any, m: dict[str, Any]) -> dict[str, dict[str, float]]:
                        "kv_tier_dropped_blocks": disk.write_failures,
                        "kv_tier_load_misses": disk.read_misses,
                        "kv_prefetch_blocks": disk.prefetched_blocks,
-                       "kv_prefetch_timeouts": disk.prefetch_timeouts}
+                       "kv_prefetch_timeouts": disk.prefetch_timeouts,
+                       "kv_tier_read_timeouts": io.read_timeouts,
+                       "kv_tier_disabled": float(disk_io.store.disabled or not disk.enabled)}
     return out
 
 
@@ -289,6 +308,8 @@ class ServerMetrics:
             "prefill_tokens": getattr(engine, "num_prefill_computed_tokens", 0),
             "recomputed_tokens": getattr(engine, "num_recomputed_tokens", 0),
             "tiers": tier_figures(engine, m),
+            "recording_failed": float(getattr(getattr(engine, "events", None),
+                                              "recording_error", None) is not None),
             "fragmentation": 1 - m["used_tokens"] / (gpu["used"] * engine.cache.block_size)
             if gpu["used"] else 0.0,
         }

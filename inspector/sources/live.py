@@ -171,6 +171,9 @@ class LiveSource(QObject):
         if s.status == "stale":
             return (f"{self.endpoint} went silent (engine stopped?); showing its last state, "
                     "reconnecting when it returns")
+        if s.publisher_recording_error:
+            return (f"the engine's recording stopped early ({s.publisher_recording_error}); "
+                    "the live stream goes on")
         return ""
 
 

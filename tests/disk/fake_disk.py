@@ -82,3 +82,10 @@ def scenario_steps(sink: Any) -> list[list[dict]]:
     m.flush_step_events()
     steps.append(sink.drain())
     return steps
+
+
+def dead_pid() -> int:
+    """A pid no process can have (Linux allocates pids below pid_max): the pid of a writer
+    that is certainly gone, for its temporary files."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read())

@@ -18,6 +18,7 @@ from kvscope.engine.events.wire.recording import Recording
 from kvscope.engine.reference_generate import generate_reference
 from kvscope.engine.runner import disk_store
 from kvscope.engine.server.metrics import ServerMetrics
+from tests.disk.fake_disk import dead_pid
 from tests.engine.conftest import GREEDY, TEST_DTYPE, as_prompt
 from tests.waiting import HANG_S
 
@@ -143,7 +144,8 @@ def test_torn_and_foreign_files_are_never_served(make_engine, loaded, tmp_path):
         data = bytearray((kv / n).read_bytes())
         data[-1 - i] ^= 0x04
         (kv / n).write_bytes(bytes(data[:-1]) if i == 0 else bytes(data))
-    (kv / f"{disk_store.TMP_PREFIX}1-{files[0]}").write_bytes(b"torn write")
+    # a dead writer's leftover (a live one's temporary files are left alone)
+    (kv / f"{disk_store.TMP_PREFIX}{dead_pid()}-{files[0]}").write_bytes(b"torn write")
     eng = disk_engine(make_engine, loaded, kv, tmp_path / "r1")
     assert eng.cache.metrics()["tiers"]["disk"]["cached"] == len(files) - 1  # truncated: out
     assert run(eng, "second", second) == ref  # bad reads are misses: recomputed
@@ -189,3 +191,39 @@ def test_disk_full_disables_the_tier_and_serving_goes_on(make_engine, loaded, tm
     for batch in Recording(tmp_path / "rec"):
         state.apply(batch)
     assert state.canonical() == expected
+
+
+def test_second_engine_on_a_directory_runs_without_its_disk_tier(make_engine, loaded,
+                                                                   tmp_path, caplog):
+    """Defect 6: two daemons on one directory broke each other's tiers. The engine holds
+    the directory's lock while it runs: a second one serves without a disk tier (one
+    warning naming the first's pid) and leaves the first's files alone; once the first
+    stops, the directory is free again."""
+    model, tok, _ = loaded
+    first, second = prompts(loaded)
+    ref = generate_reference(model, tok, second["prompt_token_ids"], GREEDY).token_ids
+    kv = tmp_path / "kv"
+    eng = disk_engine(make_engine, loaded, kv, tmp_path / "r0")
+    run(eng, "first", first)
+    spill_to_disk(eng)
+    files = sorted(os.listdir(kv))
+    assert any(n.endswith(disk_store.SUFFIX) for n in files)
+    with caplog.at_level(logging.WARNING):
+        other = make_engine(block_size=16, num_gpu_blocks=64, swap_space=gib(8, loaded),
+                            disk_cache_dir=str(kv), disk_cache_size=64 << 20)
+    try:
+        assert other.disk_io.store.disabled
+        assert f"pid {os.getpid()}" in other.disk_io.store.error
+        assert "one daemon per directory" in caplog.text
+        assert sorted(os.listdir(kv)) == files  # another fingerprint: nothing deleted
+        assert run(eng, "second", second) == ref  # the first serves on, its tier on
+        assert not eng.disk_io.store.disabled and eng.cache.disk.enabled
+    finally:
+        other.close()
+        eng.close()
+    again = disk_engine(make_engine, loaded, kv, tmp_path / "r1")
+    try:
+        assert not again.disk_io.store.disabled
+        assert again.cache.metrics()["tiers"]["disk"]["cached"] > 0
+    finally:
+        again.close()

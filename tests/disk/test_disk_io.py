@@ -3,12 +3,14 @@ counts; the drain writes what is queued."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import torch
 
 from kvscope.engine.cache.transfers import FILL, DiskOp
+from kvscope.engine.runner import disk_io
 from kvscope.engine.runner.disk_io import DiskIO
 from kvscope.engine.runner.disk_store import DiskStore, fingerprint
 from tests.waiting import HANG_S, wait_until
@@ -128,3 +130,77 @@ def test_reads_run_side_by_side_and_are_handed_on_in_start_order(tmp_path):
     finally:
         gate.set()
         io.close()
+
+
+def _stall(io, stuck_hashes):
+    """Make reads of ``stuck_hashes`` block until the returned event is set (a block file
+    on a hung server); other reads go through."""
+    gate = threading.Event()
+    real = io.store.read
+
+    def read(h, *a, **kw):
+        if h in stuck_hashes:
+            gate.wait()
+        return real(h, *a, **kw)
+
+    io.store.read = read
+    return gate
+
+
+def test_a_stuck_read_is_abandoned_and_does_not_hold_up_the_reads_behind_it(tmp_path):
+    """Defect 5: reads were handed on in start order, so one read that never finished
+    held back every read started after it, forever, and nothing was reported. Now it is
+    handed on as a miss once its deadline passes; the reads behind it arrive intact."""
+    ts = host_tensors()
+    io = make(tmp_path, ts)
+    gate = _stall(io, {100})
+    try:
+        for y in range(3):
+            assert io.save(y, y, 100 + y, 99 + y, y == 0, (y, y, y, y))
+        assert io.drain(time.monotonic() + HANG_S) == 0
+        # a short deadline: the stuck read never finishes while the gate is shut, so
+        # this only decides when it is given up on, never whether a test passes
+        io.read_timeout_s = 0.05
+        for y in range(3):
+            io.load(y, 100 + y, 99 + y, (y, y, y, y))
+        got = []
+        wait_until(lambda: got.extend(io.take_loaded()) or len(got) == 3,
+                   "the reads behind a stuck one")
+        assert [(j.slot, j.data is not None) for j in got] == [(0, False), (1, True),
+                                                               (2, True)]
+        assert io.stats.read_timeouts == 1 and not io.store.disabled
+        gate.set()  # the stuck read finishes late: its result is dropped, not handed on
+        wait_until(lambda: io.wait_reads(0) and not io._reading, "the late read")
+        assert io.take_loaded() == [] and io.stats.loaded == 2
+    finally:
+        gate.set()
+        io.close()
+
+
+def test_reads_that_keep_timing_out_turn_the_tier_off_loudly(tmp_path, caplog):
+    """Several abandoned reads in a row disable the store with one warning (the cache
+    manager then forgets the tier's blocks with evict events, reason disk_failed), and a
+    stop does not wait for the stuck readers."""
+    ts = host_tensors()
+    io = make(tmp_path, ts)
+    stuck = {100 + y for y in range(disk_io.READ_FAILS_TO_DISABLE)}
+    gate = _stall(io, stuck)
+    try:
+        for y in range(len(stuck)):
+            assert io.save(y, y, 100 + y, 99 + y, y == 0, (y, y, y, y))
+        assert io.drain(time.monotonic() + HANG_S) == 0
+        io.read_timeout_s = 0.05
+        with caplog.at_level(logging.WARNING):
+            for y in range(len(stuck)):
+                io.load(y, 100 + y, 99 + y, (y, y, y, y))
+            got = []
+            wait_until(lambda: got.extend(io.take_loaded()) or len(got) == len(stuck),
+                       "every stuck read abandoned")
+        assert all(j.data is None for j in got)
+        assert io.stats.read_timeouts == len(stuck)
+        done, _, disabled = io.results()
+        assert disabled and io.store.disabled
+        assert caplog.text.count("disabled") == 1 and "did not finish" in caplog.text
+        io.close()  # returns with the readers still stuck (they are daemon threads)
+    finally:
+        gate.set()

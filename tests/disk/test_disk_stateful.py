@@ -31,12 +31,13 @@ from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
 from kvscope.engine.events.vllm.translate import MEDIUM, VllmTranslator
 from kvscope.engine.runner import disk_store as D
 from tests.cache.conftest import Mirrored
-from tests.disk.fake_disk import FakeDisk
+from tests.disk.fake_disk import FakeDisk, dead_pid
 
 BS = 4
 FP = D.fingerprint("tiny-llama", "fp32", BS, [((BS, 2, 2), "float32")] * 2)
 PAYLOAD = BS * 2 * 2 * 4 * 2
 HASHES = st.sampled_from([1, 2, 3, -4, 2**62, -(2**63)])
+DEAD_PID = dead_pid()  # a writer that is certainly gone
 DAMAGE = st.sampled_from(["flip_payload", "flip_header", "flip_tokens", "truncate",
                           "extend", "empty"])
 
@@ -110,8 +111,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(h=HASHES)
     def torn_temporary(self, h: int) -> None:
-        """What a writer killed mid-write leaves: a temporary file, never served."""
-        with open(os.path.join(self.root, f"{D.TMP_PREFIX}1-{D.file_name(h)}"), "wb") as f:
+        """What a writer killed mid-write leaves: a temporary file, never served. Its pid
+        is one no process can have (a live writer's temporary files are left alone)."""
+        name = f"{D.TMP_PREFIX}{DEAD_PID}-{D.file_name(h)}"
+        with open(os.path.join(self.root, name), "wb") as f:
             f.write(b"KVSCDISK" + b"\x01" * 20)
 
     @rule()

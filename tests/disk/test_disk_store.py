@@ -8,10 +8,14 @@ import errno
 import logging
 import os
 import stat
+import subprocess
+import sys
+import threading
 
 import pytest
 
 from kvscope.engine.runner import disk_store as D
+from tests.waiting import HANG_S
 
 BS = 4
 FP = D.fingerprint("tiny-llama", "fp32", BS, [((BS, 2, 8), "float32")] * 4)
@@ -154,3 +158,127 @@ def test_unwritable_directory_disables_at_open(tmp_path, caplog):
     assert s.disabled
     assert not s.write(11, 7, True, (1, 2, 3, 4), payload(0))
     assert s.scan() == [] and s.read(11, 7, (1, 2, 3, 4)) is None
+
+
+def _in_thread(fn):
+    """Run ``fn`` on a daemon thread; its result, or an AssertionError if it is still
+    running after the hang guard (a FIFO open that waits for a writer never returns)."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(HANG_S)
+    assert not t.is_alive(), "the disk store blocked on a name that is not a regular file"
+    return out[0]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_fifo_named_like_a_block_file_is_skipped_never_waited_on(tmp_path, direct, caplog):
+    """Defect 4: a FIFO named like a block file hung the start-up scan (and a read) in
+    open() forever. It is now skipped by the scan, a miss to a read, and left in place."""
+    s = store(tmp_path)
+    s.direct = direct and s.direct
+    assert s.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    fifo = tmp_path / D.file_name(12)
+    os.mkfifo(fifo)
+    with caplog.at_level(logging.WARNING):
+        entries = _in_thread(lambda: store(tmp_path).scan(verify=True))
+    assert [e.hash for e in entries] == [11]
+    assert "not regular files" in caplog.text
+    assert _in_thread(lambda: s.read(12, 7, (1, 2, 3, 4))) is None
+    assert not s.disabled and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    # a block file replaced by a FIFO at run time is a miss too, and the store serves on
+    os.replace(fifo, tmp_path / D.file_name(11))
+    assert _in_thread(lambda: s.read(11, 7, (1, 2, 3, 4))) is None
+    assert not s.disabled
+
+
+def test_symlinked_block_file_is_never_followed_or_adopted(tmp_path):
+    """A block file that is a symlink (here to a valid block file outside the directory)
+    was adopted and served; now it is neither, and its target is untouched."""
+    outside = store(tmp_path / "outside")
+    assert outside.write(11, 7, True, (1, 2, 3, 4), payload(0))
+    target = tmp_path / "outside" / D.file_name(11)
+    s = store(tmp_path / "kv")
+    os.symlink(target, tmp_path / "kv" / D.file_name(11))
+    assert s.scan() == [] and s.scan(verify=True) == []
+    assert s.read(11, 7, (1, 2, 3, 4)) is None
+    assert os.path.islink(tmp_path / "kv" / D.file_name(11)) and target.is_file()
+    assert not s.disabled
+
+
+def test_planted_temporary_name_does_not_block_or_redirect_a_write(tmp_path):
+    """A FIFO or symlink where the next write's temporary file goes is replaced, not
+    opened (a FIFO blocked the writer; a symlink redirected its bytes elsewhere)."""
+    s = store(tmp_path / "kv")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    os.symlink(victim, tmp_path / "kv" / f"{D.TMP_PREFIX}{os.getpid()}-{D.file_name(11)}")
+    os.mkfifo(tmp_path / "kv" / f"{D.TMP_PREFIX}{os.getpid()}-{D.file_name(12)}")
+    assert _in_thread(lambda: s.write(11, 7, True, (1, 2, 3, 4), payload(0)))
+    assert _in_thread(lambda: s.write(12, 11, False, (5, 6, 7, 8), payload(1)))
+    assert victim.read_bytes() == b"keep me"
+    assert bytes(s.read(12, 11, (5, 6, 7, 8))) == b"".join(payload(1))
+
+
+_HOLDER = """
+import sys
+from kvscope.engine.runner import disk_store as D
+s = D.DiskStore(sys.argv[1], bytes(16), 4, 512, exclusive=True)
+print("disabled" if s.disabled else "holding", flush=True)
+sys.stdin.read()  # hold the directory until the test closes our stdin
+"""
+
+
+def test_second_daemon_on_a_directory_runs_without_the_tier_and_says_who(tmp_path, caplog):
+    """Defect 6: two daemons on one directory broke each other (a scan deleted the other's
+    in-flight files, a smaller size or another fingerprint deleted its blocks). The first
+    one (another process) holds the directory's lock; the second is disabled before it
+    scans, says which pid holds it, and deletes nothing; once the first stops, the
+    directory is free again."""
+    kv = tmp_path / "kv"
+    first = subprocess.Popen([sys.executable, "-c", _HOLDER, str(kv)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "holding"
+        # the first daemon's blocks and an in-flight write, under another fingerprint
+        other = D.DiskStore(kv, bytes(16), BS, PAYLOAD)
+        assert other.write(11, 7, True, (1, 2, 3, 4), payload(0))
+        inflight = kv / f"{D.TMP_PREFIX}{first.pid}-{D.file_name(12)}"
+        inflight.write_bytes(b"half a file")
+        before = sorted(os.listdir(kv))
+        with caplog.at_level(logging.WARNING):
+            second = D.DiskStore(kv, FP, BS, PAYLOAD, exclusive=True)
+        assert second.disabled and f"pid {first.pid}" in second.error
+        assert "one daemon per directory" in caplog.text
+        assert second.scan() == [] and not second.write(13, 7, True, (1, 2, 3, 4), payload(1))
+        assert sorted(os.listdir(kv)) == before
+    finally:
+        first.stdin.close()
+        first.wait()
+    third = D.DiskStore(kv, FP, BS, PAYLOAD, exclusive=True)  # the holder is gone
+    try:
+        assert not third.disabled
+    finally:
+        third.close()
+
+
+def test_scan_leaves_a_live_writers_temporary_file_alone(tmp_path):
+    """A scan deleted every ``.tmp-<pid>-*`` file, another live process's in-flight write
+    included (its rename then failed with ENOENT and disabled its tier). Now only this
+    process's and dead processes' temporary files go."""
+    s = store(tmp_path)
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        names = {p: f"{D.TMP_PREFIX}{p}-{D.file_name(11)}" for p in
+                 (live.pid, dead.pid, os.getpid())}
+        for n in names.values():
+            (tmp_path / n).write_bytes(b"partial")
+        assert store(tmp_path).scan() == []
+        assert sorted(os.listdir(tmp_path)) == sorted([D.MARKER, names[live.pid]])
+    finally:
+        live.stdin.close()
+        live.wait()
+    assert not s.disabled

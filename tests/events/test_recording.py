@@ -3,6 +3,9 @@ truncated file, and reject foreign or corrupt files with an error naming the fil
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import random
 import shutil
 import struct
@@ -12,6 +15,7 @@ import pytest
 from kvscope.engine.bench.synthetic import SyntheticCache
 from kvscope.engine.events import PROTOCOL_VERSION, KVState
 from kvscope.engine.events.sink import ListSink
+from kvscope.engine.events.stats import StepStats
 from kvscope.engine.events.wire import EventStream, Recording, RecordingError, RecordingWarning
 from kvscope.engine.events.wire.codec import make_batch
 from kvscope.engine.events.wire.recording import RecordingWriter
@@ -191,3 +195,49 @@ def test_decompression_bomb_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "MAX_FRAME_BYTES", 50_000)  # the keyframe unpacks to ~200 KB
     with Recording(path) as rec, pytest.raises(RecordingError, match="unpacks to more than"):
         rec.state_at(0)
+
+
+def test_full_disk_ends_the_recording_alone_and_the_stream_goes_on(tmp_path, caplog):
+    """Defect 7: a full disk under the recording killed the stream thread ("events are no
+    longer published"), raised again at close, and the stream's stats kept claiming a
+    good recording. The disk filling is real: mid-run, the writer's file object is
+    swapped for one open on /dev/full, whose writes the kernel fails with ENOSPC."""
+    path = tmp_path / "t.kvtrace"
+    gen = SyntheticCache(seed=5)
+    seen: list[dict] = []
+    with caplog.at_level(logging.WARNING):
+        s = EventStream(endpoint="tcp://127.0.0.1:0", record_path=str(path),
+                        keyframe_every_steps=4, snapshot_fn=gen.canonical)
+        published: list[int] = []
+        real_publish = s.publisher.publish
+        s.publisher.publish = lambda seq, payload: (published.append(seq),
+                                                    real_publish(seq, payload))
+        s.add_consumer(lambda batch: seen.append(batch))
+        try:
+            for step in range(6):
+                s.end_step(step, gen.step(s.sink))
+            assert s.wait_idle(HANG_S)
+            rec = s.recorder
+            rec.flush()
+            rec._file.close()
+            rec._file = open("/dev/full", "wb")  # noqa: SIM115 - the writer owns it
+            for step in range(6, 20):
+                s.end_step(step, gen.step(s.sink))
+            assert s.wait_idle(HANG_S)
+            assert s.stats.recording_error == os.strerror(errno.ENOSPC)
+            assert s.recorder is None and rec.closed
+            # every batch was still published and consumed, and the later ones say so
+            assert published == list(range(1, 21)) and len(seen) == 20
+            s.end_step(20, gen.step(s.sink))
+            assert s.wait_idle(HANG_S)
+            assert StepStats.read(seen[-1]["stats"]).recording_error == \
+                os.strerror(errno.ENOSPC)
+            assert StepStats.read(seen[0]["stats"]).recording_error is None
+        finally:
+            s.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "recording to" in errors[0].getMessage()
+    assert "stream thread failed" not in caplog.text
+    # the file keeps what was flushed before the disk filled: the first six steps
+    with pytest.warns(RecordingWarning), Recording(path) as got:
+        assert got.steps == list(range(6))

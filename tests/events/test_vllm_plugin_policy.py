@@ -185,3 +185,59 @@ def test_data_parallel_ranks_get_their_own_port_and_recording():
     r2 = cfg.for_rank(2)
     assert r2.endpoint == "tcp://127.0.0.1:5559" and r2.record == "/tmp/x/run.rank2.kvtrace"
     assert not plugin.Config({}).enabled
+
+
+def _producer_scheduler() -> Scheduler:
+    """A Scheduler stand-in with the KV manager the plugin's header reads."""
+    s = Scheduler()
+    pool = types.SimpleNamespace(num_gpu_blocks=8, enable_caching=True)
+    s.kv_cache_manager = types.SimpleNamespace(
+        block_pool=pool, coordinator=types.SimpleNamespace(single_type_managers=[]))
+    return s
+
+
+def _free_endpoint() -> str:
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUB)
+    sock.bind("tcp://127.0.0.1:*")
+    ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock.close(0)
+    return ep
+
+
+def test_an_unwritable_recording_leaves_the_publisher_on(tmp_path, caplog):
+    """A failure of one output turned the other off too: a recording path that cannot be
+    opened took the publisher down with it."""
+    cfg = plugin.Config({plugin.ENV_EVENTS: _free_endpoint(),
+                         plugin.ENV_RECORD: str(tmp_path / "missing" / "run.kvtrace")})
+    with caplog.at_level(logging.ERROR, logger="kvscope.vllm"):
+        p = plugin.Producer(_producer_scheduler(), cfg, "RUNNING", "0.32.0")
+    try:
+        assert p.on and p.stream.publisher is not None and p.stream.recorder is None
+        assert "cannot record to" in caplog.text and "publishing only" in caplog.text
+    finally:
+        p.close()
+
+
+def test_a_busy_port_leaves_the_recording_on(tmp_path, caplog):
+    """...and a busy port took the recording down with it."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    squatter = ctx.socket(zmq.PUB)
+    squatter.bind("tcp://127.0.0.1:*")
+    try:
+        cfg = plugin.Config({plugin.ENV_EVENTS: squatter.getsockopt_string(zmq.LAST_ENDPOINT),
+                             plugin.ENV_RECORD: str(tmp_path / "run.kvtrace")})
+        with caplog.at_level(logging.ERROR, logger="kvscope.vllm"):
+            p = plugin.Producer(_producer_scheduler(), cfg, "RUNNING", "0.32.0")
+        try:
+            assert p.on and p.stream.recorder is not None and p.stream.publisher is None
+            assert "cannot publish on" in caplog.text and "recording only" in caplog.text
+        finally:
+            p.close()
+        assert (tmp_path / "run.kvtrace").stat().st_size > 0
+    finally:
+        squatter.close(0)

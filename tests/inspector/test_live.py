@@ -313,3 +313,43 @@ def test_a_live_screenshot_shows_what_the_stream_brought_while_watching(  # noqa
         assert (tmp_path / "live.png").stat().st_size > 10_000
     finally:
         engine.close()
+
+
+def test_a_recording_that_stopped_shows_in_the_banner(window, qtbot, endpoints, tmp_path):  # noqa: ANN001
+    """Defect 7: the engine's recording stopped on a full disk (its file swapped for one
+    open on /dev/full: the kernel's ENOSPC) while the live stream went on; every later
+    batch's stats say so and the inspector's banner shows it."""
+    pub, snap = endpoints
+    cache = SyntheticCache(seed=3)
+    stream = EventStream(endpoint=pub, snapshot_endpoint=snap, heartbeat_s=0.2,
+                         snapshot_fn=cache.canonical, engine_lock=threading.Lock(),
+                         record_path=str(tmp_path / "run.kvtrace"))
+    live = LiveSource(pub, window.model, snapshot_endpoint=snap)
+    window.attach_live(live, pub)
+    live.start()
+    step = 0
+
+    def one_step() -> bool:
+        nonlocal step
+        with stream.engine_lock:
+            stream.end_step(step, cache.step(stream.sink))
+        step += 1
+        return True
+
+    try:
+        qtbot.waitUntil(lambda: one_step() and joined(live), timeout=HANG_MS)
+        assert not window.banner.isVisible()
+        rec = stream.recorder
+        with stream.engine_lock:
+            assert stream.wait_idle(HANG_S)
+            rec.flush()
+            rec._file.close()
+            rec._file = open("/dev/full", "wb")  # noqa: SIM115 - the writer owns it
+        qtbot.waitUntil(lambda: one_step() and (live.tick(), window.banner.isVisible())[1],
+                        timeout=HANG_MS)
+        assert "recording stopped early" in window.banner.text()
+        assert "No space left on device" in window.banner.text()
+        assert live.sub.status == "connected"
+    finally:
+        live.stop()
+        stream.close()

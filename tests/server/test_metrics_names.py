@@ -69,10 +69,11 @@ def test_per_tier_series_take_vllms_tiering_names_and_a_tier_label():
     engine.swapper = SimpleNamespace(stats=lambda: {"swap_in_bytes": 2048,
                                                     "swap_out_bytes": 4096})
     engine.disk_io = SimpleNamespace(stats=SimpleNamespace(
-        bytes_read=300, read_s=0.5, bytes_written=700, write_s=0.25))
+        bytes_read=300, read_s=0.5, bytes_written=700, write_s=0.25, read_timeouts=3),
+        store=SimpleNamespace(disabled=True))
     engine.cache.disk = SimpleNamespace(arrived_blocks=3, stored_blocks=9, write_failures=1,
                                         read_misses=2, prefetched_blocks=4,
-                                        prefetch_timeouts=1)
+                                        prefetch_timeouts=1, enabled=False)
     for prefix in ("vllm", "kvscope"):
         m = ServerMetrics("smollm2", prefix=prefix)
         m.on_step(engine)
@@ -87,6 +88,9 @@ def test_per_tier_series_take_vllms_tiering_names_and_a_tier_label():
         assert got[("kvscope:kv_tier_dropped_blocks_total", "disk")] == 1
         assert got[("kvscope:kv_tier_load_misses_total", "disk")] == 2
         assert got[("kvscope:kv_prefetch_timeouts_total", "disk")] == 1
+        # a disk tier turned off after reads kept timing out says so (issue 49, defect 5)
+        assert got[("kvscope:kv_tier_read_timeouts_total", "disk")] == 3
+        assert got[("kvscope:kv_tier_disabled", "disk")] == 1
         assert ("kvscope:kv_tier_stored_blocks_total", "cpu") in got
 
 

@@ -26,7 +26,10 @@ engine core per rank) gets one stream per rank: rank r publishes on the port + r
 records to ``<name>.rank<r><suffix>``.
 
 A failure inside the plugin at a step is logged once and turns the plugin off for the
-rest of the run (the stream is closed); vLLM goes on.
+rest of the run (the stream is closed); vLLM goes on. Its two outputs fail alone: a
+recording path that cannot be opened leaves the publisher on, a busy port leaves the
+recording on (``open_outputs``), and a recording that fails mid-run (a full disk) stops
+alone while the stream goes on publishing (engine.events.wire.stream).
 """
 
 from __future__ import annotations
@@ -235,6 +238,27 @@ def _note(pool: Any, touched: Touched, blocks: Any) -> None:
 _producers: list[Producer] = []
 
 
+def open_outputs(stream_cls: Any, cfg: Config, **kw: Any) -> Any:
+    """The stream for ``cfg``'s outputs (``stream_cls(endpoint, record, **kw)``). When
+    both are asked for and one cannot open (a busy port, a recording path that cannot be
+    written), the other runs alone, with one error naming what failed; only when neither
+    can open does this raise."""
+    try:
+        return stream_cls(cfg.endpoint, cfg.record, **kw)
+    except Exception as e:  # noqa: BLE001 - which output failed is decided below
+        if cfg.endpoint is None or cfg.record is None:
+            raise
+        both_error = e
+    try:
+        stream = stream_cls(cfg.endpoint, None, **kw)
+    except Exception as e:  # noqa: BLE001
+        log.error("kvscope: cannot publish on %s (%s); recording only", cfg.endpoint, e)
+        return stream_cls(None, cfg.record, **kw)
+    # the publisher opens alone: the recording was what failed
+    log.error("kvscope: cannot record to %s (%s); publishing only", cfg.record, both_error)
+    return stream
+
+
 def _producer(scheduler: Any, cfg: Config, running: Any, version: str) -> Producer:
     p = getattr(scheduler, "_kvscope", None)
     if p is None:
@@ -267,15 +291,15 @@ class Producer:
             rank = int(getattr(getattr(vcfg, "parallel_config", None),
                                "data_parallel_rank", 0) or 0)
             cfg = cfg.for_rank(rank)
-            self.stream = EventStream(cfg.endpoint, cfg.record,
-                                      header=_header(scheduler, version, rank),
-                                      snapshot_fn=self._snapshot, engine_lock=self.lock,
-                                      keys=cfg.keys)
+            self.stream = open_outputs(EventStream, cfg,
+                                       header=_header(scheduler, version, rank),
+                                       snapshot_fn=self._snapshot, engine_lock=self.lock,
+                                       keys=cfg.keys)
             self.on = True
             atexit.register(self.close)  # a vLLM that exits without shutting down
             log.info("kvscope: publishing vLLM's page table%s%s",
-                     f" on {self.stream.endpoint}" if cfg.endpoint else "",
-                     f", recording to {cfg.record}" if cfg.record else "")
+                     f" on {self.stream.endpoint}" if self.stream.publisher else "",
+                     f", recording to {cfg.record}" if self.stream.recorder else "")
         except Exception:  # noqa: BLE001
             log.exception("kvscope: could not start; the kvscope plugin stays off")
 

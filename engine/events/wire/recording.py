@@ -99,6 +99,11 @@ class RecordingWriter:
     and hands a snapshot to ``keyframe()`` when it has one (at a later step boundary).
     Not thread-safe: one thread writes (the EventStream's publisher thread, or the record
     CLI).
+
+    A write that fails (disk full, I/O error) closes the file at once (without its index:
+    a reader rebuilds it and reads up to the last whole frame), sets ``error`` and raises
+    that OSError; the writer is then closed, and ``close()`` does nothing more, so a
+    failing disk raises once, never again at close.
     """
 
     def __init__(self, path: str | os.PathLike, header: dict[str, Any] | None = None, *,
@@ -121,6 +126,7 @@ class RecordingWriter:
         self._last_step = -1
         self._last_key_time = 0.0
         self.bytes_written = 0
+        self.error: str | None = None  # why the recording stopped early (a failed write)
         head = {"format": FORMAT_VERSION, "protocol": PROTOCOL_VERSION, "created": time.time(),
                 "engine": {}, "model": None, **(header or {})}
         blob = msgpack.packb(head, use_bin_type=True)
@@ -196,8 +202,12 @@ class RecordingWriter:
         offset = self._file.tell()
         self._frame(INDEX, {}, msgpack.packb(self._index, use_bin_type=True), index=False)
         self._write(_TRAILER.pack(TRAILER_MAGIC, offset))
-        self._file.close()
-        self._file = None
+        f, self._file = self._file, None
+        try:
+            f.close()  # flushes the trailer: a full disk can still fail here
+        except OSError as e:
+            self.error = str(e)
+            raise
 
     def __enter__(self) -> RecordingWriter:
         return self
@@ -213,14 +223,33 @@ class RecordingWriter:
         crc = zlib.crc32(z, zlib.crc32(m))
         # one write per frame, then flush: a killed writer leaves whole frames behind
         self._write(_FRAME_HEAD.pack(kind, len(m), len(z), crc) + m + z)
-        self._file.flush()
+        try:
+            self._file.flush()
+        except OSError as e:
+            self._fail(e)
+            raise
         if index:
             self._index.append([kind.decode(), offset, meta])
 
     def _write(self, data: bytes) -> None:
         assert self._file is not None
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as e:
+            self._fail(e)
+            raise
         self.bytes_written += len(data)
+
+    def _fail(self, err: OSError) -> None:
+        """A write failed: close the file now (its buffered bytes are lost; the frames
+        already flushed stay readable) and remember why."""
+        self.error = str(err)
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()  # flushes the buffer again, which fails again: the fd is closed
+            except OSError:
+                pass
 
 
 def header_blocks(header: dict[str, Any]) -> int | None:

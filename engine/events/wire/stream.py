@@ -38,6 +38,12 @@ Batch consumers (``add_consumer``): callables run on the stream thread with each
 handed over, in seq order, before it is encoded; the place for translators of the stream
 into other formats (see ``BatchConsumer``).
 
+The recording never stops the live stream: a write that fails (disk full, I/O error)
+stops the recording alone (the file keeps its whole frames, readable without its
+index), logs one error, sets ``recording_error`` (in ``stats`` and, as
+``StepStats.recording_error``, in every later batch's stats, where the inspector's
+banner reads it); publishing and consumers go on.
+
 Off (no endpoint and no record_path): ``sink`` is a NullSink (``enabled`` False), no
 thread, no socket; ``end_step`` returns at once.
 """
@@ -87,6 +93,7 @@ class StreamStats(msgspec.Struct, kw_only=True, frozen=True):
     replays_refused: int  # over the replay budget
     replies_dropped: int  # replies lost to a client that stopped reading
     bytes_recorded: int
+    recording_error: str = ""  # why the recording stopped early ("": it did not)
 
 
 class BatchConsumer(Protocol):
@@ -153,6 +160,9 @@ class EventStream:
         self._last_asked_for_clients = -float("inf")  # monotonic
         self._last_meta: tuple[int, float, dict[str, Any]] = (-1, 0.0, {})
         self._recording_ok = True
+        # set once (stream thread) when a recording write failed; the recording is over
+        self.recording_error: str | None = None
+        self._bytes_recorded = 0  # what a recording that stopped early had written
         self.keyframe_every_steps = keyframe_every_steps
         self._steps_since_key = 0  # engine thread: end_steps since the last keyframe
         self._last_seq_handled = 0  # written by the stream thread only
@@ -214,6 +224,8 @@ class EventStream:
         self.seq += 1
         stats = dict(stats) if stats else {}  # a StepStats map (engine.events.stats)
         stats[_DROPPED] = self.dropped_batches
+        if self.recording_error is not None:
+            stats[_RECORDING_ERROR] = self.recording_error
         self._last_meta = (step, time.time(), stats)
         snap, wanted = None, self._snap_wanted
         self._steps_since_key += 1
@@ -295,7 +307,8 @@ class EventStream:
             requests_received=p.requests_received if p else 0,
             replays_refused=p.replays_refused if p else 0,
             replies_dropped=p.replies_dropped if p else 0,
-            bytes_recorded=r.bytes_written if r else 0)
+            bytes_recorded=r.bytes_written if r else self._bytes_recorded,
+            recording_error=self.recording_error or "")
 
     # ------------------------------------------------------------ stream thread
     def _run(self) -> None:
@@ -321,16 +334,33 @@ class EventStream:
                 if item is None:
                     self._snapshot_if_engine_idle()
                     if self.recorder is not None and self._recording_ok:
-                        self.recorder.flush_if_stale()
+                        self._record(self.recorder.flush_if_stale)
         except Exception:
             log.exception("event stream thread failed; events are no longer published")
         finally:
             for consumer in self.consumers:
-                consumer.close()
+                try:
+                    consumer.close()
+                except Exception:  # noqa: BLE001 - the others still close
+                    log.exception("event batch consumer %r failed to close", consumer)
             if self.recorder is not None:
-                self.recorder.close()
+                self._record(self.recorder.close)
             if self.publisher is not None:
                 self.publisher.close()
+
+    def _record(self, write: Callable[..., None], *args: Any) -> None:
+        """Run one recording write; a failure (disk full, I/O error) ends the recording
+        alone, loudly, once: the live stream and the consumers go on."""
+        rec = self.recorder
+        try:
+            write(*args)
+        except OSError as e:
+            self.recorder = None  # nothing more is recorded (the writer closed its file)
+            self._bytes_recorded = rec.bytes_written if rec is not None else 0
+            self.recording_error = str(e.strerror or e)  # "No space left on device"
+            log.error("recording to %s stopped: %s; the live event stream goes on (the file "
+                      "is readable up to its last whole frame)",
+                      rec.path if rec is not None else "?", e)
 
     def _want_snapshot_for_clients(self) -> None:
         """Coalesce: requests that arrive within ``snapshot_interval_s`` of the last
@@ -402,7 +432,7 @@ class EventStream:
                 self.publisher.publish(batch["seq"], payload)
             self._last_seq_handled = batch["seq"]
             if rec is not None and self._recording_ok:
-                rec.add(batch, payload=payload)
+                self._record(rec.add, batch, None, payload)
         if snap is None:
             return
         try:
@@ -412,9 +442,10 @@ class EventStream:
             return
         if self.publisher is not None:
             self.publisher.answer_snapshots(seq, wire)
+        rec = self.recorder  # None if the batch's write just failed
         if rec is not None and (key or not self._recording_ok or rec.keyframe_due):
-            rec.keyframe(wire, seq, self.epoch)  # after the batch's delta: a resync point
-            self._recording_ok = True
+            self._record(rec.keyframe, wire, seq, self.epoch)  # after the batch's delta
+            self._recording_ok = True  # a resync point
 
     def _wire_snapshot(self, snap: dict[str, Any],
                        meta: tuple[int, float, dict[str, Any]]) -> dict[str, Any]:
@@ -493,6 +524,8 @@ def _unpack_recorded(batch: dict[str, Any], recorded: RecordedStep,
 
 _DROPPED = "dropped_batches"  # StepStats.dropped_batches: the stream's own counter
 assert _DROPPED in StepStats.__struct_fields__
+_RECORDING_ERROR = "recording_error"  # StepStats.recording_error: set once it stopped
+assert _RECORDING_ERROR in StepStats.__struct_fields__
 _EXTRA_KINDS = frozenset((S.SEQ_ADD, S.SEQ_FINISH, S.SEQ_PREEMPT, S.HIT, S.HOST_HIT))
 
 

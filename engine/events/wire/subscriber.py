@@ -109,6 +109,8 @@ class Subscriber:
         self.restarts = 0  # publisher restarts (epoch changes) seen
         self.apply_errors = 0  # well-formed batches the mirror rejected
         self.publisher_dropped = 0  # batches the publisher says it dropped
+        # why the publisher's recording stopped early (None: it did not, or has none)
+        self.publisher_recording_error: str | None = None
         # batches this mirror never applied one by one because a resync snapshot covered
         # them (lost on the way, or dropped by the publisher): within one epoch,
         # last_seq == the first snapshot's seq + batches_applied + skipped_batches
@@ -347,6 +349,9 @@ class Subscriber:
             dropped = StepStats.read(stats).dropped_batches
         if dropped is not None:
             self.publisher_dropped = dropped
+        failed = stats.get("recording_error") if type(stats) is dict else None
+        if type(failed) is str:
+            self.publisher_recording_error = failed[:200]  # shown in a banner: bounded
 
     # ------------------------------------------------------------ DEALER replies
     def _on_reply(self, frames: list[bytes], updates: list[Update]) -> None:
