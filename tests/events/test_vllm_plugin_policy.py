@@ -9,6 +9,7 @@ and vLLM's call still returns."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import types
@@ -123,6 +124,13 @@ def test_any_version_with_the_shapes_it_reads_is_wrapped(monkeypatch, version):
     assert all(a is not b for a, b in zip(_originals(), before, strict=True))
 
 
+def test_a_method_another_plugin_wrapped_with_functools_wraps_is_read_through(monkeypatch):
+    monkeypatch.setenv(plugin.ENV_RECORD, "run.kvtrace")
+    _fake_vllm(monkeypatch, "0.33.0", WrappedWithWraps)
+    plugin.register()
+    assert plugin._state["patched"]
+
+
 def test_further_parameters_are_forwarded_untouched(monkeypatch, tmp_path):
     """vLLM 0.33's changes the plugin does not read: a constructor that gained
     ``num_hash_lookahead_tokens`` before ``medium`` (not wrapped), methods with further
@@ -193,6 +201,17 @@ class ChangedPreempt(Scheduler):
         return None
 
 
+class OpaquelyWrapped(Scheduler):
+    def update_from_output(self, *args, **kw):  # another plugin's, without functools.wraps
+        return "vllm's result"
+
+
+class WrappedWithWraps(Scheduler):
+    @functools.wraps(Scheduler.update_from_output)
+    def update_from_output(self, *args, **kw):  # another plugin's, saying what it wraps
+        return "vllm's result"
+
+
 @dataclasses.dataclass
 class RenamedBlock:
     block_id: int
@@ -216,6 +235,8 @@ class RenamedBlock:
      "(scheduler_output)"),
     ("preempt", ChangedPreempt, BlockPool, KVCacheBlock,
      "Scheduler._preempt_request takes (victim)"),
+    ("opaque wrapper", OpaquelyWrapped, BlockPool, KVCacheBlock,
+     "Scheduler.update_from_output takes (*args) where the plugin reads (scheduler_output)"),
     ("block fields", Scheduler, BlockPool, RenamedBlock, "KVCacheBlock lacks _block_hash"),
     ("no block type", Scheduler, BlockPool, None, "KVCacheBlock is missing"),
 ])

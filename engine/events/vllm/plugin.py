@@ -138,7 +138,10 @@ def register() -> None:
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
     except Exception:  # noqa: BLE001 - reported by differences() as a missing block type
         KVCacheBlock = None
-    diffs = differences({"Scheduler": Scheduler, "BlockPool": BlockPool}, KVCacheBlock)
+    try:
+        diffs = differences({"Scheduler": Scheduler, "BlockPool": BlockPool}, KVCacheBlock)
+    except Exception as e:  # noqa: BLE001 - whatever vLLM holds there, stay off
+        diffs = [f"its classes could not be read ({e!r})"]
     if not hasattr(RequestStatus, "RUNNING"):
         diffs.append("RequestStatus.RUNNING is missing")
     if diffs:
@@ -165,9 +168,12 @@ def differences(classes: dict[str, Any], block_cls: Any) -> list[str]:
         except (TypeError, ValueError):
             out.append(f"{where}.{name} has no readable signature")
             continue
-        positional = [p.name for p in params[1:] if p.kind in (
-            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        positional = [p.name if p.kind != p.VAR_POSITIONAL else "*" + p.name
+                      for p in params[1:] if p.kind in (
+                          p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
         if positional[:len(wanted)] != list(wanted):
+            # *args: a wrapper (another plugin's) that does not say what it wraps
+            # (functools.wraps sets __wrapped__, which inspect.signature follows)
             got = ", ".join(positional[:len(wanted)] or ["nothing"])
             out.append(f"{where}.{name} takes ({got}) where the plugin reads "
                        f"({', '.join(wanted)})")
