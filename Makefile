@@ -47,8 +47,8 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_BASE) $(STAMP)
 # throwaway venv, never one of our dependencies. vLLM 0.33 has no CPU build; its wheel
 # pins a CUDA torch 2.14, so it goes in with --no-deps beside our CPU torch (the pin in
 # constraints.txt), with the pure-Python packages its scheduler imports (ranges from
-# vLLM 0.33's own requirements, pinned by VLLM033_PINS). ~3.1 GB and ~9 minutes once on a
-# loaded 2-core box (a 336 MB wheel), cached by the stamps like .venv-vllm.
+# vLLM 0.33's own requirements, pinned by VLLM033_PINS). ~3.1 GB and 5-9 minutes once on
+# a loaded 2-core box (a 336 MB wheel), cached by the stamps like .venv-vllm.
 VLLM033_VENV := .venv-vllm033
 VLLM033_PIN := vllm==0.33.0
 VLLM033_DEPS := "transformers>=5.16.1,<5.21" msgspec pyzmq cachetools psutil pydantic regex \

@@ -4,12 +4,13 @@
 vLLM 0.33 has no CPU build, so this is the scheduler-level check: ``vllm_plugin/drive033.py``
 builds vLLM 0.33's real ``Scheduler``, ``KVCacheManager`` and ``BlockPool`` without a
 model, as vLLM's own unit tests do, and steps them with made-up model outputs over a
-24-block pool (prefix hits, evictions, preemptions, aborts, a ``reset_prefix_cache``), the
-plugin recording and ``vllm_plugin/vllm_expect.py`` writing vLLM's own state at every
-batch. The acceptance property is test_vllm_plugin.py's: the state rebuilt from the
-recording equals vLLM's (every block's ref count and hash, every request's table, status
-and computed tokens) after every step, the plugin reading only what each step touched
-and its full-read check (every 4 steps here) never finding a difference. Three configs:
+24-block pool (prefix hits, evictions, preemptions, aborts, ``reset_prefix_cache`` with
+and without running requests), the plugin recording and ``vllm_plugin/vllm_expect.py``
+writing vLLM's own state at every batch. The acceptance property is test_vllm_plugin.py's:
+the state rebuilt from the recording equals vLLM's (every block's ref count and hash,
+every request's table, status and computed tokens) after every step, the plugin reading
+only what each step touched and its full-read check (every 4 steps here) never finding a
+difference; and the requests the reset preempted are said preempted by a reset. Configs:
 full attention; a hybrid model (a full-attention and a sliding-window group sharing the
 pool); lookahead block hashes. About a minute each on the loaded 2-core box, most of it
 vLLM's imports.
@@ -25,6 +26,8 @@ from pathlib import Path
 import pytest
 
 from kvscope.engine.events import schema as S
+from kvscope.engine.events.causes import R_RESET, REASON
+from kvscope.engine.events.wire.recording import Recording
 from tests.events.test_vllm_plugin import _check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +73,12 @@ def test_state_from_the_plugins_events_equals_vllm033s_at_every_step(
     assert bool(result["full_unhashed_blocks"]) == (case == "lookahead"), result
     assert bool(result["null_headed_tables"]) == (case == "hybrid"), result
     counts = _check(rec, expect, version="0.33.", num_blocks=24, block_size=16)
+    # the reset that preempted the running requests named itself as their cause
+    assert result["running_at_reset"], result
+    with Recording(rec) as recording:
+        reasons = [ev.get("cause", {}).get(REASON) for b in recording.batches()
+                   for ev in b["events"] if ev["kind"] == S.SEQ_PREEMPT]
+    assert reasons.count(R_RESET) >= result["running_at_reset"], reasons
     print(f"\n{case}: {result}\n{counts}")
     for kind in (S.TIER_INIT, S.SEQ_ADD, S.SEQ_START, S.ALLOC, S.HIT, S.STORE, S.EVICT,
                  S.FREE, S.SEQ_PREEMPT, S.SEQ_RESUME, S.SEQ_FINISH, S.SEQ_TOKENS):

@@ -376,3 +376,40 @@ def test_a_full_block_hashed_steps_later_is_stored_then() -> None:
         assert state.canonical() == canonical_of(read_page_table(vllm.scheduler, RUNNING))
     assert kinds == [[S.ALLOC], [], [S.STORE]]
     assert state.canonical()["tiers"]["gpu"]["hash"][b.block_id] == hash_int(b._block_hash)
+
+
+@pytest.mark.parametrize("same_blocks", [False, True])
+def test_a_request_preempted_and_readmitted_within_a_step_is_said(same_blocks) -> None:
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts every running
+    request between two steps and the next schedule() re-admits them: running at both
+    boundaries. The plugin's hook noted the preemption; the step says preempt, free,
+    resume and the new table, even when the new table has the very same block ids."""
+    vllm = FakeVllm(8, 1, random.Random(0))
+    r = Request("a", 40)
+    vllm.scheduler.requests["a"] = r
+    r.status = RUNNING
+    old = [vllm.take(), vllm.take()]
+    vllm.managers[0].req_to_blocks["a"] = old
+    r.num_computed_tokens = 32
+    differ, sink, state = PageTableDiffer(), ListSink(), KVState()
+    differ.step(read_page_table(vllm.scheduler, RUNNING), sink)
+    state.apply({"v": S.PROTOCOL_VERSION, "step": 0, "events": sink.drain()})
+    vllm.release(vllm.managers[0].req_to_blocks.pop("a"))  # preempted: freed
+    differ.preempt_causes["a"] = {"reason": "reset"}
+    if same_blocks:
+        for b in old:
+            b.ref_cnt = 1
+        new = list(old)
+    else:
+        new = [vllm.take()]
+    vllm.managers[0].req_to_blocks["a"] = new  # re-admitted by the next schedule()
+    r.num_computed_tokens = 16
+    differ.step(read_page_table(vllm.scheduler, RUNNING), sink)
+    events = sink.drain()
+    mine = [e for e in events if e.get("seq") == "a" or "a" in e.get("seqs", ())]
+    assert [e["kind"] for e in mine] == [S.SEQ_PREEMPT, S.FREE, S.SEQ_RESUME, S.ALLOC,
+                                         S.SEQ_TOKENS]
+    assert mine[0]["cause"] == {"reason": "reset"} and not differ.preempt_causes
+    state.apply({"v": S.PROTOCOL_VERSION, "step": 1, "events": events})
+    assert state.canonical() == canonical_of(read_page_table(vllm.scheduler, RUNNING))
+    assert state.seqs["a"].preemptions == 1

@@ -344,7 +344,14 @@ class Producer:
     def note_preemption(self, scheduler: Any, request: Any) -> None:
         """Before vLLM frees the victim's blocks: who needed them, what was free."""
         try:
-            needed_by = sys._getframe(2).f_locals.get("request")  # schedule()'s loop request
+            # noted even without a cause: the step boundary tells a request preempted and
+            # re-admitted within the step from one that kept running by this entry
+            self.differ.preempt_causes[request.request_id] = {}
+            caller = sys._getframe(2)
+            if caller.f_code.co_name == "reset_prefix_cache":  # reset_running_requests=True
+                self.differ.preempt_causes[request.request_id] = {C.REASON: C.R_RESET}
+                return
+            needed_by = caller.f_locals.get("request")  # schedule()'s loop request
             cause = {C.POLICY: _policy(scheduler), C.REASON: C.R_ALLOCATE,
                      C.FREE_BLOCKS: self.pool.get_num_free_blocks()}
             rid = getattr(needed_by, "request_id", None)

