@@ -9,7 +9,13 @@ The model notes the blocks each operation hands vLLM's BlockPool (what the plugi
 wrappers note), so every run drives two producers side by side: the full read every
 step (the reference) and the incremental one (engine.events.vllm.tracker: only what a
 step touched, checked by the full read every few steps); both must rebuild the full
-read's state after every step, and the tracker's own table must equal it."""
+read's state after every step, and the tracker's own table must equal it.
+
+The model runs as vLLM 0.32 or 0.33 where the two differ in what the reader sees: 0.32
+counts the null block's ref_cnt (touch and free_blocks count it, so it drifts), 0.33 keeps
+it out of both and frees a sliding-window table without its leading null blocks
+(pop_blocks_for_free trims them); with 0.33's lookahead block hashes a full block stays
+unhashed for a step or more and is hashed later, while held."""
 
 from __future__ import annotations
 
@@ -55,8 +61,11 @@ class Request:
 class FakeVllm:
     """Just enough of vLLM's v1 scheduler state, changed the way vLLM changes it."""
 
-    def __init__(self, n: int, groups: int, rng: random.Random) -> None:
+    def __init__(self, n: int, groups: int, rng: random.Random,
+                 version: str = "0.33") -> None:
         self.rng = rng
+        self.v032 = version == "0.32"
+        self.late: list[Block] = []  # full blocks whose (lookahead) hash comes later
         self.blocks = [Block(i) for i in range(n)]
         self.blocks[0].is_null = True
         pool = NS(blocks=self.blocks, null_block=self.blocks[0])
@@ -87,14 +96,21 @@ class FakeVllm:
     def release(self, blocks: list[Block]) -> None:
         for b in blocks:
             self.touched.ids.add(b.block_id)
-            if not b.is_null:
+            if not b.is_null or self.v032:  # 0.32 counts the null block down too
                 b.ref_cnt -= 1
+
+    def pop_for_free(self, table: dict[str, list[Block]], rid: str) -> list[Block]:
+        blocks = table.pop(rid, [])
+        if self.v032:
+            return blocks
+        i = next((i for i, b in enumerate(blocks) if not b.is_null), len(blocks))
+        return blocks[i:]  # 0.33: without the leading null blocks
 
     def op(self) -> None:
         rng, sch = self.rng, self.scheduler
         live = [r for r in sch.requests.values() if not r.is_finished()]
         kind = rng.choice(["add", "add", "run", "run", "grow", "grow", "grow", "preempt",
-                           "finish", "finish", "defer", "drain", "reset", "null"])
+                           "finish", "finish", "defer", "drain", "reset", "null", "late"])
         if kind == "add" or not live:
             rid = f"r{self.next}"
             self.next += 1
@@ -103,6 +119,13 @@ class FakeVllm:
         r = rng.choice(live)
         tables = [m.req_to_blocks for m in self.managers]
         if kind == "run" and r.status is not RUNNING:
+            if len(tables) > 1 and rng.random() < 0.3:  # a window hit's skipped prefix
+                nulls = [self.blocks[0]] * rng.randint(1, 2)
+                for b in nulls:
+                    self.touched.ids.add(0)
+                    if self.v032:  # touch counts the null block up (0.33 skips it)
+                        b.ref_cnt += 1
+                tables[-1].setdefault(r.request_id, []).extend(nulls)
             for t in tables:  # hits on a shared prefix, then fresh blocks
                 for k in range(rng.randint(0, 3)):
                     key = b"p%d" % k + b"\0\0\0\0"
@@ -119,7 +142,9 @@ class FakeVllm:
                 if b is None:
                     return
                 t.setdefault(r.request_id, []).append(b)
-                if rng.random() < 0.6:  # full: it enters the prefix cache
+                if not self.v032 and rng.random() < 0.2:  # full, its lookahead not yet
+                    self.late.append(b)
+                elif rng.random() < 0.6:  # full: it enters the prefix cache
                     key = (b"p%d" % rng.randint(0, 5) if rng.random() < 0.5
                            else rng.randbytes(8)) + b"\0\0\0\0"
                     if key not in self.cache:
@@ -127,20 +152,27 @@ class FakeVllm:
                         self.touched.ids.add(b.block_id)
                         self.cache[key] = b
             r.num_computed_tokens += rng.randint(1, 16)
+        elif kind == "late" and self.late:  # the lookahead tokens exist: hashed now
+            b = self.late.pop(rng.randrange(len(self.late)))
+            key = rng.randbytes(8) + b"\0\0\0\0"
+            if b.ref_cnt > 0 and b._block_hash is None:  # still held (else freed)
+                b._block_hash = key
+                self.touched.ids.add(b.block_id)
+                self.cache[key] = b
         elif kind == "preempt" and r.status is RUNNING:
             for t in tables:
-                self.release(t.pop(r.request_id, []))
+                self.release(self.pop_for_free(t, r.request_id))
             r.status, r.num_computed_tokens = PREEMPTED, 0
         elif kind == "finish":
             r.status = STOPPED
             r.num_output_tokens = 3
             for t in tables:
-                self.release(t.pop(r.request_id, []))
+                self.release(self.pop_for_free(t, r.request_id))
             del sch.requests[r.request_id]
         elif kind == "defer" and r.status is RUNNING:  # freed after the step runs
             r.status = STOPPED
             for t in tables:
-                sch.deferred_frees.append((0, t.pop(r.request_id, [])))
+                sch.deferred_frees.append((0, self.pop_for_free(t, r.request_id)))
             del sch.requests[r.request_id]
         elif kind == "drain" and sch.deferred_frees:
             self.release(sch.deferred_frees.pop(0)[1])
@@ -159,9 +191,10 @@ class FakeVllm:
                 t[i] = self.blocks[0]
 
 
-def run(seed: int, steps: int, n: int = 24, groups: int = 1) -> tuple[KVState, dict]:
+def run(seed: int, steps: int, n: int = 24, groups: int = 1,
+        version: str = "0.33") -> tuple[KVState, dict]:
     rng = random.Random(seed)
-    vllm = FakeVllm(n, groups, rng)
+    vllm = FakeVllm(n, groups, rng, version)
     reader = IncrementalReader(RUNNING, check_every=7)
     producers = [(PageTableDiffer(), ListSink(), KVState()) for _ in range(2)]
     counts: dict[str, int] = {}
@@ -198,15 +231,18 @@ def run(seed: int, steps: int, n: int = 24, groups: int = 1) -> tuple[KVState, d
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), groups=st.sampled_from([1, 2]))
-def test_rebuilt_state_equals_the_page_table_every_step(seed: int, groups: int) -> None:
-    run(seed, 60, groups=groups)
+@given(seed=st.integers(0, 2**32 - 1), groups=st.sampled_from([1, 2]),
+       version=st.sampled_from(["0.32", "0.33"]))
+def test_rebuilt_state_equals_the_page_table_every_step(seed: int, groups: int,
+                                                        version: str) -> None:
+    run(seed, 60, groups=groups, version=version)
 
 
-def test_a_long_run_covers_every_kind_it_translates() -> None:
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_a_long_run_covers_every_kind_it_translates(version: str) -> None:
     counts: dict[str, int] = {}
     for seed in range(4):
-        for k, v in run(seed, 300)[1].items():
+        for k, v in run(seed, 300, groups=1 + seed % 2, version=version)[1].items():
             counts[k] = counts.get(k, 0) + v
     for kind in (S.TIER_INIT, S.SEQ_ADD, S.SEQ_START, S.SEQ_RESUME, S.ALLOC, S.HIT, S.STORE,
                  S.EVICT, S.FREE, S.SEQ_PREEMPT, S.SEQ_FINISH, S.SEQ_TOKENS):
@@ -287,3 +323,93 @@ def test_a_held_block_losing_its_hash_is_counted_not_sent() -> None:
     state.apply({"v": 2, "step": 1, "events": sink.drain()})  # still a valid stream
     assert differ.unrepresentable == 1
     assert state.canonical() == differ.canonical()
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_the_null_block_reads_as_one_taken_block_whatever_vllm_counts(version) -> None:
+    """0.32's null block ref_cnt drifts with the window tables that touch and free it;
+    0.33's stays 0 (never counted): the reader shows 1 either way, held by RESERVED."""
+    vllm = FakeVllm(8, 2, random.Random(0), version)
+    r = Request("a", 10)
+    vllm.scheduler.requests["a"] = r
+    r.status = RUNNING
+    null = vllm.blocks[0]
+    if vllm.v032:
+        null.ref_cnt = 5
+    vllm.managers[1].req_to_blocks["a"] = [null, null, vllm.take()]
+    vllm.managers[0].req_to_blocks["a"] = [vllm.take()]
+    pt = read_page_table(vllm.scheduler, RUNNING)
+    assert pt.ref[0] == 1 and pt.unexplained == 0
+    assert pt.seqs["a/g1"].table == [1] and pt.seqs[RESERVED].table == [0]
+    reader = IncrementalReader(RUNNING)
+    reader.read(vllm.scheduler, vllm.touched)
+    vllm.touched.ids.add(0)  # a step that touched (0.32: counted) the null block again
+    null.ref_cnt += vllm.v032
+    incremental, dirty = reader.read(vllm.scheduler, vllm.touched)
+    assert dirty == {0} and incremental.ref[0] == 1
+    assert canonical_of(incremental) == canonical_of(read_page_table(vllm.scheduler,
+                                                                     RUNNING))
+
+
+def test_a_full_block_hashed_steps_later_is_stored_then() -> None:
+    """0.33's lookahead hashes: a full block is held unhashed for a step (an alloc, no
+    store), then hashed while held (a store of the block then, no alloc or hit)."""
+    vllm = FakeVllm(8, 1, random.Random(0), "0.33")
+    r = Request("a", 32)
+    vllm.scheduler.requests["a"] = r
+    r.status = RUNNING
+    b = vllm.take()
+    vllm.managers[0].req_to_blocks["a"] = [b]
+    reader = IncrementalReader(RUNNING)
+    differ, sink, state = PageTableDiffer(), ListSink(), KVState()
+    kinds = []
+    for step in range(3):
+        if step == 2:
+            b._block_hash = b"L" * 8 + b"\0\0\0\0"
+            vllm.touched.ids.add(b.block_id)
+        pt, dirty = reader.read(vllm.scheduler, vllm.touched)
+        differ.step(pt, sink, dirty)
+        events = sink.drain()
+        kinds.append([e["kind"] for e in events if e["kind"] in (S.ALLOC, S.STORE, S.HIT)
+                      and e.get("seq") != RESERVED])
+        state.apply({"v": S.PROTOCOL_VERSION, "step": step, "events": events})
+        assert state.canonical() == canonical_of(read_page_table(vllm.scheduler, RUNNING))
+    assert kinds == [[S.ALLOC], [], [S.STORE]]
+    assert state.canonical()["tiers"]["gpu"]["hash"][b.block_id] == hash_int(b._block_hash)
+
+
+@pytest.mark.parametrize("same_blocks", [False, True])
+def test_a_request_preempted_and_readmitted_within_a_step_is_said(same_blocks) -> None:
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts every running
+    request between two steps and the next schedule() re-admits them: running at both
+    boundaries. The plugin's hook noted the preemption; the step says preempt, free,
+    resume and the new table, even when the new table has the very same block ids."""
+    vllm = FakeVllm(8, 1, random.Random(0))
+    r = Request("a", 40)
+    vllm.scheduler.requests["a"] = r
+    r.status = RUNNING
+    old = [vllm.take(), vllm.take()]
+    vllm.managers[0].req_to_blocks["a"] = old
+    r.num_computed_tokens = 32
+    differ, sink, state = PageTableDiffer(), ListSink(), KVState()
+    differ.step(read_page_table(vllm.scheduler, RUNNING), sink)
+    state.apply({"v": S.PROTOCOL_VERSION, "step": 0, "events": sink.drain()})
+    vllm.release(vllm.managers[0].req_to_blocks.pop("a"))  # preempted: freed
+    differ.preempt_causes["a"] = {"reason": "reset"}
+    if same_blocks:
+        for b in old:
+            b.ref_cnt = 1
+        new = list(old)
+    else:
+        new = [vllm.take()]
+    vllm.managers[0].req_to_blocks["a"] = new  # re-admitted by the next schedule()
+    r.num_computed_tokens = 16
+    differ.step(read_page_table(vllm.scheduler, RUNNING), sink)
+    events = sink.drain()
+    mine = [e for e in events if e.get("seq") == "a" or "a" in e.get("seqs", ())]
+    assert [e["kind"] for e in mine] == [S.SEQ_PREEMPT, S.FREE, S.SEQ_RESUME, S.ALLOC,
+                                         S.SEQ_TOKENS]
+    assert mine[0]["cause"] == {"reason": "reset"} and not differ.preempt_causes
+    state.apply({"v": S.PROTOCOL_VERSION, "step": 1, "events": events})
+    assert state.canonical() == canonical_of(read_page_table(vllm.scheduler, RUNNING))
+    assert state.seqs["a"].preemptions == 1

@@ -79,7 +79,10 @@ def _sorted_reserved(canon: dict) -> dict:
     return {"tiers": canon["tiers"], "seqs": seqs}
 
 
-def _check(rec_path: Path, expect_path: Path) -> dict[str, int]:
+def _check(rec_path: Path, expect_path: Path, version: str = "0.32.", num_blocks: int = 24,
+           block_size: int = 32) -> dict[str, int]:
+    """The recording, batch by batch, against vLLM's state at each batch (vllm_expect.py);
+    also used for vLLM 0.33 (test_vllm033_plugin.py). Returns the events' kinds, counted."""
     lines = [json.loads(x) for x in expect_path.read_text().splitlines()]
     pids = {x["pid"] for x in lines}
     assert len(pids) == 1, f"vLLM's scheduler ran in several processes: {pids}"
@@ -88,8 +91,8 @@ def _check(rec_path: Path, expect_path: Path) -> dict[str, int]:
     causes: list[dict] = []
     with Recording(rec_path) as rec:
         engine = rec.header["engine"]
-        assert engine["name"] == "vllm" and engine["version"].startswith("0.32.")
-        assert engine["num_blocks"] == 24 and engine["block_size"] == 32
+        assert engine["name"] == "vllm" and engine["version"].startswith(version)
+        assert engine["num_blocks"] == num_blocks and engine["block_size"] == block_size
         state = KVState()
         batches = list(rec.batches())
         assert len(batches) == len(expected), (len(batches), len(expected))

@@ -168,7 +168,9 @@ class PageTableDiffer:
         self._cls = bytearray()
         self._counts = [0, 0, 0]
         self._started: set[str] = set()  # sequences that have run once (resume vs start)
-        self.preempt_causes: dict[str, dict[str, Any]] = {}  # filled by the plugin's hook
+        # request id -> the cause ({} if unknown) of each preemption since the last step,
+        # filled by the plugin's hook, emptied by step()
+        self.preempt_causes: dict[str, dict[str, Any]] = {}
         self.reset_pending = False  # set by the plugin's reset_prefix_cache hook
         self.preemptions = 0
         self.evictions = 0
@@ -202,17 +204,27 @@ class PageTableDiffer:
             if sid not in old_seqs:
                 emit(S.SEQ_ADD, seq=sid, prompt_tokens=s.prompt_tokens)
                 tables[sid], tokens[sid] = [], 0
+        # requests vLLM preempted in this step (the plugin's hook noted them) that are
+        # running again at its end: re-admitted within the step (a reset_prefix_cache
+        # that preempted every running request, then schedule()): preempted, freed, resumed
+        causes = self.preempt_causes
+        bounced: set[str] = set()
         for sid, old in old_seqs.items():
             s = new.seqs.get(sid)
             table = tables[sid]
             if s is not None and s.table is table and s.status == old.status:
                 continue  # the tracker's unchanged table (the common case)
-            if s is not None and old.status == "running" and s.status == "waiting":
-                cause = self.preempt_causes.pop(sid, None)
+            rid = getattr(old.request, "request_id", None)
+            bounce = (s is not None and rid in causes and old.status == "running"
+                      and s.status == "running")
+            if s is not None and old.status == "running" and (s.status == "waiting" or bounce):
+                cause = causes.get(sid)
                 self.preemptions += 1
                 emit(S.SEQ_PREEMPT, seq=sid, mode="recompute",
                      **({"cause": cause} if cause else {}))
-            if table and (s is None or s.table[:len(table)] != table):
+                if bounce:
+                    bounced.add(sid)
+            if table and (s is None or bounce or s.table[:len(table)] != table):
                 emit(S.FREE, tier=TIER, seq=sid, blocks=table)
                 for b in table:
                     ref[b] -= 1
@@ -225,8 +237,9 @@ class PageTableDiffer:
                      **_output_tokens(old.request))
                 del tables[sid], tokens[sid]
                 self._started.discard(sid)
+        causes.clear()  # every preemption of this step is said (or its request is gone)
         for sid, s in new.seqs.items():
-            if s.status == "running" and (sid not in old_seqs
+            if s.status == "running" and (sid not in old_seqs or sid in bounced
                                           or old_seqs[sid].status != "running"):
                 emit(S.SEQ_RESUME if sid in self._started else S.SEQ_START, seq=sid)
                 self._started.add(sid)

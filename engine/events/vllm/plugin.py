@@ -5,9 +5,12 @@ records a running vLLM's whole page table in kvscope's own protocol.
     KVSCOPE_RECORD=run.kvtrace vllm serve ...            # record (kvscope inspect run.kvtrace)
 
 Inert unless one of the two is set: ``register`` then returns before importing anything
-of vLLM, patches nothing and starts no thread. When set, it checks vLLM's version
-(``SUPPORTED``) and the symbols it wraps; on any mismatch it logs one warning and stays
-inert, so it never breaks vLLM.
+of vLLM, patches nothing and starts no thread. When set, it checks vLLM by capability, not
+by version string: every method it wraps must exist with the parameters its wrapper reads
+where the wrapper reads them (``SIGNATURES``, by ``inspect.signature``), and vLLM's block
+must have the fields the reader reads (``BLOCK_FIELDS``). On any difference it logs one
+warning and patches nothing, so it never breaks vLLM. Checked against vLLM 0.32 and 0.33
+(``CHECKED``); what differs between them and how the reader takes it is in docs/vllm.md.
 
 What it wraps (methods of vLLM's classes, never the classes themselves, so names other
 modules imported keep working): ``Scheduler.update_from_output`` (the end of an engine-
@@ -35,6 +38,8 @@ alone while the stream goes on publishing (engine.events.wire.stream).
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -52,8 +57,10 @@ log = logging.getLogger("kvscope.vllm")
 ENV_EVENTS = "KVSCOPE_EVENTS"  # endpoint to publish on (what `kvscope serve --events` takes)
 ENV_RECORD = "KVSCOPE_RECORD"  # recording path (.kvtrace)
 ENV_KEYS = "KVSCOPE_EVENTS_KEYS"  # CURVE key dir (`kvscope keys DIR`): needed off loopback
-# vLLM versions whose symbols this plugin was checked against (major.minor prefixes)
-SUPPORTED = ("0.32.",)
+# vLLM versions the plugin was run against (its fidelity tests); informative only: what
+# decides is the capability check below, so a later vLLM whose wrapped methods kept their
+# shape is read too, and one whose methods changed is left alone
+CHECKED = ("0.32.0", "0.33.0")
 PLUGIN_NAME = "kvscope"
 # BlockPool methods that change blocks' ref counts or hashes, each with how its blocks
 # are found: "result" (the list it returns), or the name of the parameter holding a
@@ -66,6 +73,23 @@ TRACKED = {
     "_insert_block_hash": (1, "block"),
     "_remove_cached_block_hashes": (0, "block"),
 }
+# Every method the plugin wraps, with the leading parameters (after self, in positional
+# order) that its wrapper reads or that TRACKED names; further parameters are vLLM's own
+# and forwarded untouched (*args, **kwargs). Same in vLLM 0.32 and 0.33.
+SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("Scheduler", "update_from_output"): ("scheduler_output",),
+    ("Scheduler", "finish_requests"): (),
+    ("Scheduler", "_preempt_request"): ("request",),
+    ("BlockPool", "reset_prefix_cache"): (),
+    ("BlockPool", "get_new_blocks"): ("num_blocks",),
+    ("BlockPool", "touch"): ("blocks",),
+    ("BlockPool", "free_blocks"): ("ordered_blocks",),
+    ("BlockPool", "unpin_blocks"): ("blocks",),
+    ("BlockPool", "_insert_block_hash"): ("block_hash_with_group_id", "block"),
+    ("BlockPool", "_remove_cached_block_hashes"): ("block",),
+}
+# What the page-table reader reads of vLLM's KVCacheBlock (pagetable.py, tracker.py)
+BLOCK_FIELDS = ("block_id", "ref_cnt", "_block_hash", "is_null")
 # Things vLLM cannot tell a scheduler-side observer; the inspector names them.
 UNSEEN = ("KV moved by offloading connectors on the workers",
           "blocks of pools other than the scheduler's main BlockPool")
@@ -103,34 +127,72 @@ _state: dict[str, Any] = {"patched": False}
 def register() -> None:
     """vLLM's entry point (``vllm.general_plugins``). Never raises."""
     cfg = Config()
-    if not cfg.enabled or _state["patched"]:
-        return
+    if not cfg.enabled or _state["patched"] or _state.get("refused"):
+        return  # refused: warned once in this process already
     try:
         import vllm
-        version = getattr(vllm, "__version__", "?")
-        if not version.startswith(SUPPORTED):
-            log.warning("kvscope: vLLM %s is not a supported version (%s); the kvscope "
-                        "plugin stays off", version, ", ".join(s + "x" for s in SUPPORTED))
-            return
+        version = str(getattr(vllm, "__version__", "?"))
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.request import RequestStatus
     except Exception as e:  # noqa: BLE001 - a plugin must never break vLLM
+        _state["refused"] = True
         log.warning("kvscope: cannot read vLLM (%s); the kvscope plugin stays off", e)
         return
-    missing = [f"{where}.{name}" for where, cls, name in (
-        ("Scheduler", Scheduler, "update_from_output"),
-        ("Scheduler", Scheduler, "finish_requests"),
-        ("Scheduler", Scheduler, "_preempt_request"),
-        ("BlockPool", BlockPool, "reset_prefix_cache"),
-        *(("BlockPool", BlockPool, name) for name in TRACKED))
-        if not callable(getattr(cls, name, None))]
-    if missing or not hasattr(RequestStatus, "RUNNING"):
-        log.warning("kvscope: vLLM %s lacks %s; the kvscope plugin stays off", version,
-                    ", ".join(missing) or "RequestStatus.RUNNING")
+    try:
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    except Exception:  # noqa: BLE001 - reported by differences() as a missing block type
+        KVCacheBlock = None
+    try:
+        diffs = differences({"Scheduler": Scheduler, "BlockPool": BlockPool}, KVCacheBlock)
+    except Exception as e:  # noqa: BLE001 - whatever vLLM holds there, stay off
+        diffs = [f"its classes could not be read ({e!r})"]
+    if not hasattr(RequestStatus, "RUNNING"):
+        diffs.append("RequestStatus.RUNNING is missing")
+    if diffs:
+        _state["refused"] = True
+        log.warning("kvscope: vLLM %s differs from what the kvscope plugin reads (%s; "
+                    "checked against vLLM %s); the kvscope plugin stays off", version,
+                    "; ".join(diffs), ", ".join(CHECKED))
         return
     _patch(Scheduler, BlockPool, RequestStatus.RUNNING, cfg, version)
     _state["patched"] = True
+
+
+def differences(classes: dict[str, Any], block_cls: Any) -> list[str]:
+    """How vLLM's classes differ from what the plugin wraps and reads (``SIGNATURES``,
+    ``BLOCK_FIELDS``): one line per difference; [] when the plugin can run."""
+    out: list[str] = []
+    for (where, name), wanted in SIGNATURES.items():
+        method = getattr(classes[where], name, None)
+        if not callable(method):
+            out.append(f"{where}.{name} is missing")
+            continue
+        try:
+            params = list(inspect.signature(method).parameters.values())
+        except (TypeError, ValueError):
+            out.append(f"{where}.{name} has no readable signature")
+            continue
+        positional = [p.name if p.kind != p.VAR_POSITIONAL else "*" + p.name
+                      for p in params[1:] if p.kind in (
+                          p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        if positional[:len(wanted)] != list(wanted):
+            # *args: a wrapper (another plugin's) that does not say what it wraps
+            # (functools.wraps sets __wrapped__, which inspect.signature follows)
+            got = ", ".join(positional[:len(wanted)] or ["nothing"])
+            out.append(f"{where}.{name} takes ({got}) where the plugin reads "
+                       f"({', '.join(wanted)})")
+    if block_cls is None:
+        out.append("vllm.v1.core.kv_cache_utils.KVCacheBlock is missing")
+    else:
+        try:
+            have = {f.name for f in dataclasses.fields(block_cls)}
+        except TypeError:
+            have = set(getattr(block_cls, "__annotations__", ()))
+        lacking = [f for f in BLOCK_FIELDS if f not in have]
+        if lacking:
+            out.append(f"KVCacheBlock lacks {', '.join(lacking)}")
+    return out
 
 
 def _patch(scheduler_cls: Any, pool_cls: Any, running: Any, cfg: Config,
@@ -309,7 +371,14 @@ class Producer:
     def note_preemption(self, scheduler: Any, request: Any) -> None:
         """Before vLLM frees the victim's blocks: who needed them, what was free."""
         try:
-            needed_by = sys._getframe(2).f_locals.get("request")  # schedule()'s loop request
+            # noted even without a cause: the step boundary tells a request preempted and
+            # re-admitted within the step from one that kept running by this entry
+            self.differ.preempt_causes[request.request_id] = {}
+            caller = sys._getframe(2)
+            if caller.f_code.co_name == "reset_prefix_cache":  # reset_running_requests=True
+                self.differ.preempt_causes[request.request_id] = {C.REASON: C.R_RESET}
+                return
+            needed_by = caller.f_locals.get("request")  # schedule()'s loop request
             cause = {C.POLICY: _policy(scheduler), C.REASON: C.R_ALLOCATE,
                      C.FREE_BLOCKS: self.pool.get_num_free_blocks()}
             rid = getattr(needed_by, "request_id", None)
@@ -378,6 +447,11 @@ def _header(scheduler: Any, version: str, rank: int) -> dict[str, Any]:
                    "block_size": groups[0]["block_size"] if groups else None,
                    "kv_cache_groups": groups, "null_block": 0,
                    "prefix_caching": bool(kvm.block_pool.enable_caching),
+                   # vLLM 0.33+: each block hash also covers this many tokens after the
+                   # block, so a full block stays unhashed until they exist
+                   "hash_lookahead_tokens": int(getattr(kvm.block_pool,
+                                                        "num_hash_lookahead_tokens", 0) or 0),
+                   "plugin_checked_against": list(CHECKED),
                    "unseen": list(UNSEEN)},
         "model": str(model) if model is not None else None,
         "producer": "kvscope vLLM plugin (engine.events.vllm.plugin)",

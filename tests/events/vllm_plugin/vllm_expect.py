@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -65,11 +66,14 @@ def install(path: str) -> None:
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
+    # functools.wraps: the plugin (loaded after this) reads the wrapped method's signature
+    @functools.wraps(update)
     def update_from_output(self, *args, **kw):
         out = update(self, *args, **kw)
         write(self, "step")
         return out
 
+    @functools.wraps(finish)
     def finish_requests(self, *args, **kw):
         out = finish(self, *args, **kw)
         if getattr(self, "_kvscope", None) is not None:  # the plugin closes a batch too
