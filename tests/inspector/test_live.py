@@ -282,6 +282,9 @@ def test_column_frames_reach_the_view_as_the_per_event_path_draws_them(qapp, qtb
     with EventStream("tcp://127.0.0.1:0", engine_lock=threading.Lock(),
                      snapshot_fn=lambda: truth.snapshot()) as stream:
         live = LiveSource(stream.endpoint, model, snapshot_endpoint=stream.snapshot_endpoint)
+        # a replay a loaded box serves late is waited for (a hang guard), not turned into
+        # a resync after 2 s: the batches its snapshot covered would never reach on_apply
+        live.sub.request_timeout_s = HANG_S
         seen: list[bool] = []  # per batch applied: it came as columns
         keep = live.sub.on_apply
         live.sub.on_apply = lambda b, s: (seen.append("columns" in b), keep(b, s))
