@@ -32,8 +32,12 @@ def run_steps(stream: EventStream, gen: SyntheticCache, n: int, subs=(), check=T
 
 def test_mirror_equals_publisher_after_every_step():
     gen = SyntheticCache(seed=11)
+    # request_timeout_s: a snapshot a loaded box serves late is waited for (a hang guard),
+    # not asked for again after 2 s (a second request, past the stream's 1 s snapshot
+    # interval, would take a second cache snapshot)
     with cache_stream(gen, EP, heartbeat_s=0.2) as stream, \
-            Subscriber(stream.endpoint, stream.snapshot_endpoint) as sub:
+            Subscriber(stream.endpoint, stream.snapshot_endpoint,
+                       request_timeout_s=HANG_S) as sub:
         poll_until([sub], synced_to([sub], 0))
         run_steps(stream, gen, 200, [sub])
         assert sub.errors == 0 and sub.status == "connected" and sub.epoch == stream.epoch
