@@ -34,9 +34,16 @@ def gib(blocks: int, loaded) -> float:
 
 
 def disk_engine(make_engine, loaded, directory, record, **kw):
-    return make_engine(block_size=BS, num_gpu_blocks=64, swap_space=gib(8, loaded),
-                       disk_cache_dir=str(directory), disk_cache_size=64 << 20,
-                       record_path=str(record), **kw)
+    """An engine with a disk tier that waits for its reads however slow the box: the
+    prefetch wait and the per-read deadline (2 s each by default, after which a read is a
+    miss) are hang guards here, so that a prefix read back is the outcome the tests see
+    on a loaded machine too (a slow read given up on is tests/disk/test_disk_io.py's)."""
+    eng = make_engine(block_size=BS, num_gpu_blocks=64, swap_space=gib(8, loaded),
+                      disk_cache_dir=str(directory), disk_cache_size=64 << 20,
+                      record_path=str(record), **{"disk_prefetch_wait_s": HANG_S, **kw})
+    if eng.disk_io is not None:
+        eng.disk_io.read_timeout_s = HANG_S
+    return eng
 
 
 def prompts(loaded):

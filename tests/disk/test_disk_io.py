@@ -28,7 +28,10 @@ def make(tmp_path, tensors, queue_blocks=8):
     specs = [(tuple(t.shape[1:]), str(t.dtype)) for t in tensors]
     payload = sum(t[0].numel() * t.element_size() for t in tensors)
     store = DiskStore(tmp_path, fingerprint("m", "bf16", BS, specs), BS, payload)
-    return DiskIO(store, tensors, queue_blocks)
+    # a read's deadline (2 s by default, then abandoned as a miss) is a hang guard here:
+    # a loaded box may take longer between a read's start and the test's look at it; the
+    # tests of abandoned reads set their own short one
+    return DiskIO(store, tensors, queue_blocks, read_timeout_s=HANG_S)
 
 
 def test_save_then_read_back_bit_exact(tmp_path):

@@ -17,8 +17,10 @@ def test_engine_publishes_vllm_events(make_engine, tmp_path):
     endpoint = f"ipc://{tmp_path}/kv"
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
            "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kvscope"}
+    # replay_timeout_s: a gap's replay that a loaded box serves late is waited for (a hang
+    # guard), not counted as missed after 2 s
     sub = VllmSubscriber(endpoint, replay_endpoint=f"ipc://{tmp_path}/replay",
-                         topic="kvscope")
+                         topic="kvscope", replay_timeout_s=HANG_S)
     eng = make_engine(block_size=4, num_gpu_blocks=14, watermark=0.0,
                       kv_events_config=json.dumps(cfg))
     pub = eng.events.consumers[0]

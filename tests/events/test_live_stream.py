@@ -32,8 +32,12 @@ def run_steps(stream: EventStream, gen: SyntheticCache, n: int, subs=(), check=T
 
 def test_mirror_equals_publisher_after_every_step():
     gen = SyntheticCache(seed=11)
+    # request_timeout_s: a snapshot a loaded box serves late is waited for (a hang guard),
+    # not asked for again after 2 s (a second request, past the stream's 1 s snapshot
+    # interval, would take a second cache snapshot)
     with cache_stream(gen, EP, heartbeat_s=0.2) as stream, \
-            Subscriber(stream.endpoint, stream.snapshot_endpoint) as sub:
+            Subscriber(stream.endpoint, stream.snapshot_endpoint,
+                       request_timeout_s=HANG_S) as sub:
         poll_until([sub], synced_to([sub], 0))
         run_steps(stream, gen, 200, [sub])
         assert sub.errors == 0 and sub.status == "connected" and sub.epoch == stream.epoch
@@ -219,3 +223,32 @@ def test_an_idle_streams_recording_is_on_disk_before_it_closes(tmp_path):
             assert rec.state_at(gen.step_no).canonical() == gen.canonical()
     finally:
         stream.close()
+
+
+def test_the_event_rate_is_read_safely_from_another_thread():
+    """The inspector's GUI thread reads ``events_per_s`` while the subscriber's thread
+    appends to the rate window: reading it never fails ("deque mutated during iteration"
+    made a live screenshot test fail on a loaded box)."""
+    import time
+
+    sub = Subscriber("tcp://127.0.0.1:1")  # never answered: only its rate window is used
+    stop = threading.Event()
+
+    def feed() -> None:  # what _apply does on the subscriber's thread, per batch
+        while not stop.is_set():
+            now = time.monotonic()
+            sub._rate.append((now, 1))
+            sub._trim_rate(now)
+            time.sleep(0.0001)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: len(sub._rate) > 1000, "a full rate window")
+        # the proof is that no read raises (a value's size would depend on the box's speed)
+        rates = [sub.events_per_s for _ in range(3000)]
+        assert len(rates) == 3000 and all(r >= 0.0 for r in rates)
+    finally:
+        stop.set()
+        t.join(HANG_S)
+        sub.close()

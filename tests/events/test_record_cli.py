@@ -33,6 +33,10 @@ def test_record_cli_writes_what_was_published(tmp_path, capsys, monkeypatch):
     class SeenSubscriber(subscriber.Subscriber):  # the recorder's, for the test to watch
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
+            # a replay that a loaded box serves late is waited for (a hang guard only),
+            # not turned into a resync after 2 s: its snapshot would cover the steps the
+            # recording must hold one by one
+            self.request_timeout_s = HANG_S
             recorders.append(self)
 
     monkeypatch.setattr(record, "time", clock)

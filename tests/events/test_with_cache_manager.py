@@ -10,6 +10,7 @@ from kvscope.engine.bench.event_workloads import ManagerWorkload
 from kvscope.engine.cache import KVCacheManager
 from kvscope.engine.events.wire import EventStream, Recording, Subscriber
 from tests.events.conftest import poll_until, synced_to
+from tests.waiting import HANG_S
 
 
 def test_manager_through_stream_and_recording(tmp_path):
@@ -21,7 +22,10 @@ def test_manager_through_stream_and_recording(tmp_path):
     stream.engine_lock = lock = threading.Lock()
     work = ManagerWorkload(manager, seed=3, max_running=16)
     truth = []
-    with stream, Subscriber(stream.endpoint, stream.snapshot_endpoint) as sub:
+    # request_timeout_s: a replay a loaded box serves late is waited for (a hang guard),
+    # not turned into a resync whose snapshot would hide the events of the steps it covers
+    with stream, Subscriber(stream.endpoint, stream.snapshot_endpoint,
+                            request_timeout_s=HANG_S) as sub:
         with lock:
             stream.end_step(0, {})  # the tier_init events
         truth.append(manager.snapshot())

@@ -32,6 +32,7 @@ class Engine:
         self.step = -1
         self._go = threading.Event()
         self._done = threading.Event()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def run_steps(self, n: int, interval: float = 0.004) -> None:
@@ -41,6 +42,8 @@ class Engine:
 
         def loop() -> None:
             for _ in range(n):
+                if self._stop.is_set():
+                    break
                 with self.stream.engine_lock:
                     self.step += 1
                     stats = self.cache.step(self.stream.sink)
@@ -55,7 +58,29 @@ class Engine:
         assert self._done.wait(HANG_S)
 
     def close(self) -> None:
+        self._stop.set()  # a run still publishing ends before its stream closes
+        if self._thread is not None:
+            self._thread.join(HANG_S)
         self.stream.close()
+
+
+class WatchClock:
+    """Stands in for ``inspector.app``'s clock in a timed watch (``--wait S``): it stands
+    still until ``ready()`` (the events the test needs were drawn), then runs as the real
+    one. The watch so lasts S seconds from when they arrived, however long a loaded box
+    took to bring them; ``hang_s`` of real time without them only stops a stuck test."""
+
+    def __init__(self, ready, hang_s: float = HANG_S) -> None:  # noqa: ANN001
+        self.ready = ready
+        self.hang_end = time.monotonic() + hang_s
+        self.since: float | None = None  # real time at which ready() first held
+        self.sleep = time.sleep
+
+    def monotonic(self) -> float:
+        now = time.monotonic()
+        if self.since is None and (self.ready() or now > self.hang_end):
+            self.since = now
+        return 0.0 if self.since is None else now - self.since
 
 
 def joined(live: LiveSource) -> bool:
@@ -99,7 +124,10 @@ def test_late_join_converges_and_survives_restart(window, qtbot, endpoints, arti
         engine.run_steps(120)
         engine.wait()
         qtbot.waitUntil(lambda: _converged(live, engine), timeout=HANG_MS)
-        assert live.sub.status == "connected" and not window.banner.isVisible()
+        # connected: a heartbeat or batch heard within stale_after_s (3 s); on a loaded box
+        # the subscriber's thread may be late to hear one, so wait for it (never for time)
+        qtbot.waitUntil(lambda: (live.tick(), live.sub.status == "connected"
+                                 and not window.banner.isVisible())[1], timeout=HANG_MS)
         rows = {r[0] for r in window.sequences.visible_rows()}
         assert rows == set(engine.cache.canonical()["seqs"])
         assert window.model.timeline.n > 0  # batches since joining reached the timeline
@@ -180,7 +208,9 @@ def test_protocol_mismatch_is_reported(window, qtbot, endpoints):  # noqa: ANN00
                      "state": {}})])
             pub.send_multipart([b"kv", (1).to_bytes(8, "big"), msgpack.packb(
                 {"v": FUTURE, "type": "heartbeat", "epoch": "x", "seq": 1, "time": 0.0})])
-            return window.banner.isVisible()
+            # the reason, not any banner: on a loaded box "no publisher answering" (after
+            # NO_ANSWER_S, 3 s) may show before the first message is read
+            return window.banner.isVisible() and "protocol version" in window.banner.text()
 
         qtbot.waitUntil(answer, timeout=HANG_MS)
         assert f"protocol version {FUTURE}" in window.banner.text()
@@ -210,7 +240,10 @@ def test_keys_a_keyed_engine_shows_to_the_keyed_inspector_only(window, qtbot, tm
     window.attach_live(blind, stream.endpoint)
     blind.start()
     try:
-        qtbot.waitUntil(lambda: window.banner.isVisible(), timeout=HANG_MS)
+        # the reason, not any banner: on a loaded box "no publisher answering" (after
+        # NO_ANSWER_S, 3 s) may show before the failed handshake is seen
+        qtbot.waitUntil(lambda: window.banner.isVisible()
+                        and "requires keys" in window.banner.text(), timeout=HANG_MS)
         assert "requires keys" in window.banner.text() and "kvscope keys" in window.banner.text()
         assert not blind.has_state
     finally:
@@ -257,6 +290,9 @@ def test_column_frames_reach_the_view_as_the_per_event_path_draws_them(qapp, qtb
     with EventStream("tcp://127.0.0.1:0", engine_lock=threading.Lock(),
                      snapshot_fn=lambda: truth.snapshot()) as stream:
         live = LiveSource(stream.endpoint, model, snapshot_endpoint=stream.snapshot_endpoint)
+        # a replay a loaded box serves late is waited for (a hang guard), not turned into
+        # a resync after 2 s: the batches its snapshot covered would never reach on_apply
+        live.sub.request_timeout_s = HANG_S
         seen: list[bool] = []  # per batch applied: it came as columns
         keep = live.sub.on_apply
         live.sub.on_apply = lambda b, s: (seen.append("columns" in b), keep(b, s))
@@ -293,7 +329,7 @@ def test_column_frames_reach_the_view_as_the_per_event_path_draws_them(qapp, qtb
 
 
 def test_a_live_screenshot_shows_what_the_stream_brought_while_watching(  # noqa: ANN001
-        window, qapp, endpoints, tmp_path):
+        window, qapp, endpoints, tmp_path, monkeypatch):
     """`kvscope inspect --connect E --screenshot P --wait S` watches the stream for S
     seconds before saving: the saved window has the batches since it joined (timelines,
     lifecycles), not only the snapshot's page table (which read as a stream that does not
@@ -302,12 +338,19 @@ def test_a_live_screenshot_shows_what_the_stream_brought_while_watching(  # noqa
 
     pub, snap = endpoints
     engine = Engine(pub, snap, seed=3)
-    engine.run_steps(2_500, interval=0.002)  # publishing throughout the watch
+    engine.run_steps(1_000_000, interval=0.002)  # publishing throughout the watch
+    # the watch's 5 s run from when the window has drawn batches since it joined: a
+    # loaded box may take longer to join (and the engine may be slow), which must make
+    # the test slower, never red; the batches drawn are what it waits for
+    clock = WatchClock(lambda: window.model.timeline.n > 0)
+    monkeypatch.setattr("kvscope.inspector.app.time", clock)
     try:
         t0 = time.monotonic()
         assert _open_live(qapp, window, pub, snap, str(tmp_path / "live.png"), 5.0) == 0
+        assert time.monotonic() < clock.hang_end, "no batch drawn: the watch hung"
         # the whole watch, though the state came at once (a lower bound: a slow box only
         # makes it longer), and the batches after the snapshot were drawn
+        assert clock.since is not None and time.monotonic() - clock.since >= 5.0
         assert time.monotonic() - t0 >= 5.0
         assert window.model.timeline.n > 0
         assert (tmp_path / "live.png").stat().st_size > 10_000

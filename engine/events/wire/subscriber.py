@@ -164,13 +164,16 @@ class Subscriber:
 
     @property
     def events_per_s(self) -> float:
-        """Events applied per second over the last ~2 s."""
+        """Events applied per second over the last ~2 s. Safe from another thread (a
+        GUI's): it reads a copy (list() of a deque is one step under the GIL) and leaves
+        the trimming to the subscriber's thread, which appends (iterating the deque
+        itself while that thread appended raised "deque mutated during iteration")."""
         now = time.monotonic()
-        self._trim_rate(now)
-        if not self._rate:
+        rate = [(t, n) for t, n in list(self._rate) if now - t <= 2.0]
+        if not rate:
             return 0.0
-        span = max(now - self._rate[0][0], 0.5)
-        return sum(n for _, n in self._rate) / span
+        span = max(now - rate[0][0], 0.5)
+        return sum(n for _, n in rate) / span
 
     @property
     def errors(self) -> int:
