@@ -25,6 +25,7 @@ from kvscope.engine.events import schema as S
 from kvscope.engine.events.schema import ProtocolError
 from kvscope.engine.events.state_groups import GroupHandlers
 from kvscope.engine.events.state_store import (
+    MAX_SEQS,
     MAX_TIER_BLOCKS,
     SMALL_IDS,
     SeqState,
@@ -57,6 +58,9 @@ class EventHandlers(GroupHandlers):
         sid = ev["seq"]
         if not isinstance(sid, str) or sid in self.seqs:
             raise ProtocolError(f"seq_add: bad or duplicate sequence id {sid!r}")
+        if len(self.seqs) >= MAX_SEQS:
+            raise ProtocolError(f"seq_add: {sid!r} would pass the mirror's limit of "
+                                f"{MAX_SEQS} live sequences; batch refused")
         self._save_item(self.seqs, sid)
         self._batch_dirty.add(sid)
         self.seqs[sid] = SeqState(
