@@ -131,6 +131,9 @@ class KVState(EventHandlers):
         self._clone_of: tuple[int, int] | None = None  # (id, clone number) of the source
         self._idx_key: list[int] | None = None
         self._idx_val: np.ndarray | None = None
+        # the batch being applied, for the geometry check at its first tier_init
+        # (None once done; see _check_geometry)
+        self._geometry_of: Any = None
 
     # ------------------------------------------------------------------ reading
     def block_codes(self, tier: str, idx: np.ndarray | None = None) -> np.ndarray:
@@ -396,13 +399,16 @@ class KVState(EventHandlers):
         if cols is not None:
             from kvscope.engine.events.state_columns import apply_columns  # its friend module
             # tier_init is never a hot kind: the columns' others hold every one
-            self._check_geometry(getattr(cols, "others", None))
-            apply_columns(self, batch, cols)
+            self._geometry_of = getattr(cols, "others", None)
+            try:
+                apply_columns(self, batch, cols)
+            finally:
+                self._geometry_of = None  # never holds a batch past its apply
             return
         events = batch.get("events", [])
         if not isinstance(events, list):
             raise ProtocolError("batch 'events' is not a list")
-        self._check_geometry(events)
+        self._geometry_of = events  # checked at the batch's first tier_init, if any
         self._begin_step(batch)
         try:
             self._apply_events(events)
@@ -412,11 +418,15 @@ class KVState(EventHandlers):
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             self._rollback()
             raise ProtocolError(f"malformed event: {e!r}") from e
+        finally:
+            self._geometry_of = None
         self._commit(batch)
 
     def _check_geometry(self, events: Any) -> None:
         """Refuse a batch whose tier_init events would take the mirror past
-        ``MAX_TOTAL_BLOCKS``, before anything is allocated (or journaled).
+        ``MAX_TOTAL_BLOCKS``, before any of them allocates anything: the handler of a
+        batch's first tier_init calls this with the whole batch (``_geometry_of``, set
+        by ``apply`` on both paths), so a batch without one pays nothing.
 
         The batch's geometry: every tier_init's ``num_blocks`` (a pool declared twice
         counts twice: each one is allocated while the replaced one waits in the undo

@@ -40,8 +40,14 @@ class EventHandlers(GroupHandlers):
     """One method per event kind (see the module docstring)."""
 
     seqs: dict[str, SeqState]
+    _geometry_of: Any  # KVState's: the batch whose geometry is still to be checked
+    _check_geometry: Callable[[Any], None]
 
     def _tier_init(self, ev: dict[str, Any]) -> None:
+        batch = self._geometry_of
+        if batch is not None:  # the batch's first tier_init: its whole geometry first
+            self._geometry_of = None
+            self._check_geometry(batch)
         name = ev["tier"]
         if name not in S.TIERS:
             raise ProtocolError(f"unknown tier {name!r}")
