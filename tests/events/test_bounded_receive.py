@@ -139,3 +139,33 @@ def test_the_vllm_reader_drops_a_message_past_the_limit() -> None:
         sub.close()
         pub.close(linger=0)
         ctx.term()
+
+
+def test_the_vllm_prefix_index_refuses_a_batch_past_its_limit(monkeypatch) -> None:
+    """What --connect-vllm builds from the stream: a batch whose stores would pass
+    MAX_HASHES is refused whole, the index as it was; a clear makes room again."""
+    from kvscope.engine.events.vllm import prefix_cache as P
+
+    cache = P.VllmPrefixCache()
+    flood = [W.block_stored(list(range(P.MAX_HASHES + 1)), None, [], 16, None)]
+    try:
+        cache.apply(0.0, flood, 0)
+    except P.IndexFull as e:
+        assert f"past {P.MAX_HASHES} hashes" in str(e)
+    else:
+        raise AssertionError("a store of MAX_HASHES + 1 hashes was applied")
+    assert cache.media == {} and cache.batches == 0 and cache.timeline == []
+
+    monkeypatch.setattr(P, "MAX_HASHES", 10)
+    cache.apply(1.0, [W.block_stored(list(range(8)), None, [], 16, None)], 1)
+    held = {m: dict(d) for m, d in cache.media.items()}
+    more = [W.block_stored([100, 101, 102], None, [], 16, None)]
+    try:
+        cache.apply(2.0, more, 2)
+    except P.IndexFull:
+        pass
+    else:
+        raise AssertionError("a batch past the index's limit was applied")
+    assert cache.media == held and cache.batches == 1 and len(cache.timeline) == 1
+    cache.apply(3.0, [W.all_blocks_cleared(), *more], 3)  # cleared first: room again
+    assert sum(map(len, cache.media.values())) == 3
