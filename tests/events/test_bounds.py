@@ -150,3 +150,33 @@ def test_the_hostile_geometry_batch_keeps_a_consumer_flat() -> None:
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert "batch refused" in got["out"], got
     assert got["peak_mib"] - got["base_mib"] < 32, got
+
+
+def test_the_routers_prefix_index_turns_off_past_its_limit_and_back_on(monkeypatch) -> None:
+    """The router's index of a replica's mirror holds at most MAX_INDEXED blocks: past
+    it, empty and saying why (the replica matches no prefix); back within it once the
+    mirror's cached blocks are, rebuilt equal to the mirror."""
+    from kvscope.engine.router import prefix_index as P
+
+    monkeypatch.setattr(P, "MAX_INDEXED", 20)
+    st, index = KVState(), P.PrefixIndex()
+
+    def step(events: list[dict]) -> None:
+        b = _batch(events, step=st.step + 1)
+        st.apply(b)
+        index.on_batch(b, st)
+
+    step([{"kind": "tier_init", "tier": "gpu", "num_blocks": 64, "block_size": 4}])
+    step([{"kind": "store", "tier": "gpu", "blocks": list(range(15)),
+           "hashes": list(range(1000, 1015))}])
+    assert len(index) == 15 and index.overflowed is None
+    step([{"kind": "store", "tier": "gpu", "blocks": list(range(15, 25)),
+           "hashes": list(range(2000, 2010))}])
+    assert len(index) == 0 and index.matched_blocks([1000]) == 0
+    assert index.overflowed is not None and "past its limit of 20" in index.overflowed
+    rebuilt = P.PrefixIndex()
+    rebuilt.rebuild(st)
+    assert rebuilt.overflowed is not None and len(rebuilt) == 0
+    step([{"kind": "evict", "tier": "gpu", "blocks": list(range(15, 25))}])
+    assert index.overflowed is None and len(index) == 15
+    assert dict(index.count) == {h: 1 for h in range(1000, 1015)}
