@@ -15,6 +15,11 @@ Invariants the mirror keeps (and ``apply`` enforces, raising ProtocolError other
 - a block's ref count equals the number of block-table entries pointing at it;
 - only blocks with ref 0 can be evicted; ``alloc``/``cow`` destinations are free
   (ref 0, no hash).
+Bounded by construction (``state_store``'s limits, each checked before anything is
+allocated and refused like any other bad batch, the state left as it was):
+- at most ``MAX_TIER_BLOCKS`` blocks a pool and ``MAX_TOTAL_BLOCKS`` over all pools (a
+  batch's or snapshot's declared geometry, ``_check_geometry``/``from_snapshot``);
+- at most ``MAX_SEQS`` live sequences (``seq_add`` past it is refused).
 A batch is applied atomically: if any event in it is rejected, the state is unchanged
 (an undo journal of the old values at the ids each handler overwrites: cost in proportion
 to what a batch touches, never to the cache's size).
@@ -48,7 +53,9 @@ from kvscope.engine.events import schema as S
 from kvscope.engine.events.schema import ProtocolError
 from kvscope.engine.events.state_handlers import HANDLERS, EventHandlers
 from kvscope.engine.events.state_store import (
+    MAX_SEQS,
     MAX_TIER_BLOCKS,
+    MAX_TOTAL_BLOCKS,
     NEVER,
     ORPHAN,
     Column,
@@ -63,7 +70,8 @@ from kvscope.engine.events.state_store import (
 # the names this module has always offered (``from kvscope.engine.events.state import``)
 __all__ = [
     "KVState", "Canonical", "TierState", "SeqState", "Column", "pack_ids", "unpack_ids",
-    "seq_owner_id", "ORPHAN", "NEVER", "MAX_TIER_BLOCKS", "ProtocolError",
+    "seq_owner_id", "ORPHAN", "NEVER", "MAX_TIER_BLOCKS", "MAX_TOTAL_BLOCKS", "MAX_SEQS",
+    "ProtocolError",
 ]
 
 _DIRTY_SLACK = 4096  # see KVState._dirty_seqs
@@ -123,6 +131,9 @@ class KVState(EventHandlers):
         self._clone_of: tuple[int, int] | None = None  # (id, clone number) of the source
         self._idx_key: list[int] | None = None
         self._idx_val: np.ndarray | None = None
+        # the batch being applied, for the geometry check at its first tier_init
+        # (None once done; see _check_geometry)
+        self._geometry_of: Any = None
 
     # ------------------------------------------------------------------ reading
     def block_codes(self, tier: str, idx: np.ndarray | None = None) -> np.ndarray:
@@ -219,6 +230,7 @@ class KVState(EventHandlers):
             st.step = int(snap["step"])
             st.time = float(snap.get("time", 0.0))
             st.stats = dict(snap.get("stats") or {})
+            _check_snapshot_size(snap)
             for name, t in snap["tiers"].items():
                 n = int(t["num_blocks"])
                 if not 0 <= n <= MAX_TIER_BLOCKS:
@@ -386,11 +398,17 @@ class KVState(EventHandlers):
         cols = batch.get("columns")
         if cols is not None:
             from kvscope.engine.events.state_columns import apply_columns  # its friend module
-            apply_columns(self, batch, cols)
+            # tier_init is never a hot kind: the columns' others hold every one
+            self._geometry_of = getattr(cols, "others", None)
+            try:
+                apply_columns(self, batch, cols)
+            finally:
+                self._geometry_of = None  # never holds a batch past its apply
             return
         events = batch.get("events", [])
         if not isinstance(events, list):
             raise ProtocolError("batch 'events' is not a list")
+        self._geometry_of = events  # checked at the batch's first tier_init, if any
         self._begin_step(batch)
         try:
             self._apply_events(events)
@@ -400,7 +418,46 @@ class KVState(EventHandlers):
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             self._rollback()
             raise ProtocolError(f"malformed event: {e!r}") from e
+        finally:
+            self._geometry_of = None
         self._commit(batch)
+
+    def _check_geometry(self, events: Any) -> None:
+        """Refuse a batch whose tier_init events would take the mirror past
+        ``MAX_TOTAL_BLOCKS``, before any of them allocates anything: the handler of a
+        batch's first tier_init calls this with the whole batch (``_geometry_of``, set
+        by ``apply`` on both paths), so a batch without one pays nothing.
+
+        The batch's geometry: every tier_init's ``num_blocks`` (a pool declared twice
+        counts twice: each one is allocated while the replaced one waits in the undo
+        journal) plus the blocks of the pools it leaves as they are. That bounds both
+        what the batch allocates and the mirror after it. Malformed tier_init events
+        are skipped here: their handler refuses them with its own message."""
+        if type(events) is not list:
+            return  # not a batch: refused later with the usual message
+        declared: list[tuple[str, int]] = []
+        for ev in events:
+            if type(ev) is not dict or ev.get("kind") != S.TIER_INIT:
+                continue
+            try:
+                name, n = ev["tier"], int(ev["num_blocks"])
+                g = ev.get("group", 0)
+                if name not in S.TIERS or type(g) is not int or not 0 <= g < 64:
+                    continue
+            except (KeyError, TypeError, ValueError, OverflowError):
+                continue
+            if 0 <= n <= MAX_TIER_BLOCKS:
+                declared.append((S.group_pool(name, g), n))
+        if not declared:
+            return
+        names = {name for name, _ in declared}
+        kept = sum(t.num_blocks for name, t in self.tiers.items() if name not in names)
+        total = kept + sum(n for _, n in declared)
+        if total > MAX_TOTAL_BLOCKS:
+            raise ProtocolError(
+                f"tier_init: {len(declared)} pools declare {total} blocks with those kept "
+                f"(a mirror holds at most {MAX_TOTAL_BLOCKS} blocks over all its tiers "
+                "and groups); batch refused")
 
     def _begin_step(self, batch: dict[str, Any]) -> None:
         step = batch.get("step", self.step + 1)
@@ -432,6 +489,27 @@ class KVState(EventHandlers):
         stats = batch.get("stats")
         if isinstance(stats, dict):
             self.stats = stats
+
+
+def _check_snapshot_size(snap: dict[str, Any]) -> None:
+    """Refuse a snapshot past the mirror's limits before building anything from it:
+    its tiers' declared blocks together (``MAX_TOTAL_BLOCKS``) and its sequences
+    (``MAX_SEQS``). A bad shape is left to the parser that follows."""
+    tiers, seqs = snap.get("tiers"), snap.get("seqs")
+    if isinstance(tiers, dict):
+        total = 0
+        for t in tiers.values():
+            try:
+                total += max(0, int(t["num_blocks"]))
+            except (KeyError, TypeError, ValueError, OverflowError):
+                continue
+        if total > MAX_TOTAL_BLOCKS:
+            raise ProtocolError(
+                f"snapshot: {len(tiers)} tiers declare {total} blocks (a mirror holds at "
+                f"most {MAX_TOTAL_BLOCKS} blocks over all its tiers and groups)")
+    if isinstance(seqs, list) and len(seqs) > MAX_SEQS:
+        raise ProtocolError(f"snapshot: {len(seqs)} sequences (a mirror holds at most "
+                            f"{MAX_SEQS} live sequences)")
 
 
 def _newest(seqs: dict[str, SeqState], ids: set[str]) -> list[str]:

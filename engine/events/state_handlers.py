@@ -25,6 +25,7 @@ from kvscope.engine.events import schema as S
 from kvscope.engine.events.schema import ProtocolError
 from kvscope.engine.events.state_groups import GroupHandlers
 from kvscope.engine.events.state_store import (
+    MAX_SEQS,
     MAX_TIER_BLOCKS,
     SMALL_IDS,
     SeqState,
@@ -39,8 +40,14 @@ class EventHandlers(GroupHandlers):
     """One method per event kind (see the module docstring)."""
 
     seqs: dict[str, SeqState]
+    _geometry_of: Any  # KVState's: the batch whose geometry is still to be checked
+    _check_geometry: Callable[[Any], None]
 
     def _tier_init(self, ev: dict[str, Any]) -> None:
+        batch = self._geometry_of
+        if batch is not None:  # the batch's first tier_init: its whole geometry first
+            self._geometry_of = None
+            self._check_geometry(batch)
         name = ev["tier"]
         if name not in S.TIERS:
             raise ProtocolError(f"unknown tier {name!r}")
@@ -57,6 +64,9 @@ class EventHandlers(GroupHandlers):
         sid = ev["seq"]
         if not isinstance(sid, str) or sid in self.seqs:
             raise ProtocolError(f"seq_add: bad or duplicate sequence id {sid!r}")
+        if len(self.seqs) >= MAX_SEQS:
+            raise ProtocolError(f"seq_add: {sid!r} would pass the mirror's limit of "
+                                f"{MAX_SEQS} live sequences; batch refused")
         self._save_item(self.seqs, sid)
         self._batch_dirty.add(sid)
         self.seqs[sid] = SeqState(

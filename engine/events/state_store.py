@@ -10,7 +10,8 @@ the other.
 
 Invariants of this storage (the meaning of events is ``KVState.apply``'s, not this
 module's; nothing here raises for a block's state, only for malformed input):
-- a tier's columns all have ``num_blocks`` entries, at most ``MAX_TIER_BLOCKS``;
+- a tier's columns all have ``num_blocks`` entries, at most ``MAX_TIER_BLOCKS``, and a
+  mirror's tiers hold at most ``MAX_TOTAL_BLOCKS`` blocks together (``KVState``);
 - ``hash_c[b]`` means something only where ``hashed_c[b]`` is 1; a hash outside int64
   lives in ``big_hashes`` (and ``hash_c[b]`` is 0 there);
 - ``fmt_c[b]`` indexes ``format_names``, whose entry 0 is the tier's own format;
@@ -41,6 +42,16 @@ NEVER = -(1 << 30)  # last-change column of a block no event has touched (ages a
 # cache is far smaller (a 1M-block pool is huge); a 30-byte tier_init from a hostile file
 # or publisher must not make the reader allocate gigabytes.
 MAX_TIER_BLOCKS = 1 << 22
+# The most blocks a mirror holds over all its pools together (every tier and cache
+# group: 26 bytes a block, ~208 MiB at the cap). The per-pool cap alone let 192 pools
+# (3 tiers x 64 groups) at 4M blocks each ask for ~20 GB in one 1.5 KB batch. A batch
+# (or snapshot) whose declared geometry passes this is refused before anything is
+# allocated (``KVState.apply``, ``KVState.from_snapshot``).
+MAX_TOTAL_BLOCKS = 1 << 23
+# The most live sequences a mirror holds (a SeqState is ~0.6 KB with its dict entry:
+# ~160 MiB at the cap). A real engine's waiting + running queues are far smaller; a
+# ``seq_add`` flood past it is refused, batch by batch, with the state unchanged.
+MAX_SEQS = 1 << 18
 _LITTLE = sys.byteorder == "little"
 SMALL_IDS = 24  # an id list longer than this takes the numpy path (both views agree)
 # little-endian int32 x k, for unpacking the short id lists of most events

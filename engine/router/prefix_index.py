@@ -11,6 +11,12 @@ resync) or a ``tier_init`` rebuilds the index from the whole mirror.
 Invariant (the tests check it against the mirror after every run): ``count[h]`` is the
 number of blocks, over all tiers, whose mirror hash is ``h``; ``by_block[(tier, b)]`` is
 the hash the index believes block ``b`` holds.
+
+Bounded: the index holds at most ``MAX_INDEXED`` blocks (the mirror may hold up to
+``MAX_TOTAL_BLOCKS``, 8M, hashed: ~2 GB as these dicts). Past it the index is emptied
+and ``overflowed`` says why: the replica then matches no prefix (the router routes it by
+load) until its mirror's cached blocks are within the limit again, checked at each
+batch, when the index is rebuilt from the mirror.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ from kvscope.engine.events.schema import ProtocolError
 from kvscope.engine.events.state import unpack_ids
 
 _BLOCK_LISTS = ("blocks", "src", "dst")
+# The most blocks one replica's index holds (a dict entry with its key tuple and a
+# Counter entry: ~250 bytes, ~250 MiB at the cap). A replica's cache is far smaller.
+MAX_INDEXED = 1 << 20
+
+
+def _cached_blocks(state: Any) -> int:
+    """How many blocks of the mirror hold a hash, over all tiers (one numpy pass)."""
+    return sum(int(np.count_nonzero(t.hashed_c.np)) for t in state.tiers.values())
 
 
 class PrefixIndex:
@@ -37,14 +51,21 @@ class PrefixIndex:
     def __init__(self) -> None:
         self.count: Counter[int] = Counter()
         self.by_block: dict[tuple[str, int], int] = {}
+        self.overflowed: str | None = None  # why the index is off (None: it is on)
 
     def __len__(self) -> int:
         return len(self.by_block)
 
     def rebuild(self, state: Any) -> None:
-        """Forget everything and read every cached block's hash from the mirror."""
+        """Forget everything and read every cached block's hash from the mirror (or,
+        past ``MAX_INDEXED`` of them, stay empty and say so in ``overflowed``)."""
         self.count.clear()
         self.by_block.clear()
+        n = _cached_blocks(state)
+        if n > MAX_INDEXED:
+            self._overflow(n)
+            return
+        self.overflowed = None
         for name, tier in state.tiers.items():
             for b, h in tier.hashes.items():
                 self.by_block[(name, b)] = h
@@ -54,6 +75,10 @@ class PrefixIndex:
         """Re-read the blocks this (already applied) batch touched. A batch holding
         ``columns`` (protocol 3, decoded) is read from them: its block ids are one array,
         each block re-read once (``_on_columns``); the same result as from its events."""
+        if self.overflowed is not None:
+            if _cached_blocks(state) <= MAX_INDEXED:
+                self.rebuild(state)
+            return
         cols = batch.get("columns")
         if isinstance(cols, StepColumns):
             self._on_columns(cols, state)
@@ -107,6 +132,8 @@ class PrefixIndex:
                 self._sync(name, blk, (big.get(blk, h) if big else h) if held else None)
 
     def _sync(self, tier: str, block: int, h: int | None) -> None:
+        if self.overflowed is not None:  # off since an earlier block of this batch
+            return
         key = (tier, block)
         old = self.by_block.get(key)
         if old == h:
@@ -117,8 +144,17 @@ class PrefixIndex:
                 del self.count[old]
             del self.by_block[key]
         if h is not None:
+            if len(self.by_block) >= MAX_INDEXED:
+                self._overflow(len(self.by_block) + 1)
+                return
             self.by_block[key] = h
             self.count[h] += 1
+
+    def _overflow(self, n: int) -> None:
+        self.count.clear()
+        self.by_block.clear()
+        self.overflowed = (f"prefix index off: {n} cached blocks, past its limit of "
+                           f"{MAX_INDEXED}; this replica is routed by load only")
 
     def matched_blocks(self, chain: list[int]) -> int:
         """How many leading hashes of a prompt's block chain this replica holds."""

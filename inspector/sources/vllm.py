@@ -18,7 +18,7 @@ from typing import Any
 from kvscope.engine.events.vllm.kv_events_recording import VllmRecordingWriter, read_batches
 from kvscope.engine.events.vllm.kv_events_subscriber import VllmBatch, VllmSubscriber
 from kvscope.engine.events.vllm.kv_events_wire import VllmWireError
-from kvscope.engine.events.vllm.prefix_cache import VllmPrefixCache
+from kvscope.engine.events.vllm.prefix_cache import IndexFull, VllmPrefixCache
 from kvscope.inspector.errors import InspectError
 
 MAX_QUEUED = 20_000  # batches held for the GUI; beyond this the oldest are dropped
@@ -63,6 +63,8 @@ class VllmLiveSource:
                 self.recorder.close()
             raise InspectError(str(e)) from None
         self._queue: deque[VllmBatch] = deque(maxlen=MAX_QUEUED)
+        self.refused: str | None = None  # the last batch the cache refused: why
+        self.refused_batches = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvscope-vllm-source",
                                         daemon=True)
@@ -82,10 +84,14 @@ class VllmLiveSource:
                 self.recorder.close()
 
     def drain(self) -> int:
-        """Apply the queued batches (GUI thread); returns how many."""
+        """Apply the queued batches (GUI thread); returns how many. A batch the cache
+        refuses (past its limit: ``IndexFull``) is counted and named in ``status``."""
         n = 0
         while self._queue:
-            apply_batch(self.cache, self._queue.popleft())
+            try:
+                apply_batch(self.cache, self._queue.popleft())
+            except IndexFull as e:
+                self.refused, self.refused_batches = str(e), self.refused_batches + 1
             n += 1
         return n
 
@@ -93,7 +99,8 @@ class VllmLiveSource:
         s = self.sub
         verb = "listening on" if s.bound else "connected to"
         return {"where": f"{verb} {s.endpoint}", "batches": self.cache.batches,
-                "last_seq": s.last_seq, "errors": s.errors, "last_error": s.last_error,
+                "last_seq": s.last_seq, "errors": s.errors + self.refused_batches,
+                "last_error": self.refused or s.last_error,
                 "gaps": s.gaps, "missed": s.missed, "restarts": s.restarts,
                 "recorded": self.recorder.messages if self.recorder else None}
 

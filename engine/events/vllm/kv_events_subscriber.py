@@ -16,6 +16,12 @@ request, replies until seq -1); batches already seen are skipped. A seq that goe
 BACKWARDS means a new publisher (vLLM restarts seq at 0): that batch comes with
 ``restarted`` True and the reader should drop what it holds. Undecodable messages are
 counted in ``errors`` (``last_error`` says why) and skipped; the subscriber goes on.
+
+Bounded (docs/events.md, "Limits"): each frame within ``max_bytes`` (``ZMQ_MAXMSGSIZE``:
+libzmq drops the peer past it) and each message within ``max_bytes`` over all its frames
+and ``max_frames`` frames (``receive.recv_bounded``: one past them is dropped as read,
+counted in ``errors`` and named in ``last_error``). What the reader builds from the
+batches (a ``KVState`` through the translator) has that state's own limits.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from typing import Any
 
 import zmq
 
+from kvscope.engine.events.schema import ProtocolError
 from kvscope.engine.events.vllm import kv_events_wire as W
+from kvscope.engine.events.wire.codec import DEFAULT_MAX_BYTES
+from kvscope.engine.events.wire.receive import DEFAULT_MAX_FRAMES, recv_bounded
 
 
 @dataclass
@@ -54,10 +63,13 @@ def decode_frames(topic: bytes, seq_bytes: bytes, payload: bytes,
 class VllmSubscriber:
     def __init__(self, endpoint: str, *, bind: bool = False, replay_endpoint: str | None = None,
                  topic: str = "", replay_timeout_s: float = 2.0,
-                 recorder: Any = None) -> None:
+                 recorder: Any = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_frames: int = DEFAULT_MAX_FRAMES) -> None:
         """``recorder``: optional ``VllmRecordingWriter``; every decodable message is
-        written to it as received (raw bytes), before ordering and replay."""
+        written to it as received (raw bytes), before ordering and replay.
+        ``max_bytes``/``max_frames``: the most one message may hold (module docstring)."""
         self.endpoint = endpoint
+        self.max_bytes, self.max_frames = max_bytes, max_frames
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s
         self.recorder = recorder
@@ -77,6 +89,7 @@ class VllmSubscriber:
         # the subscription itself each time a publisher's handshake completes.
         self._sub = self._ctx.socket(zmq.XSUB if self.bound else zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # a hostile frame dies in libzmq
         try:
             if self.bound:
                 self._monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -111,7 +124,11 @@ class VllmSubscriber:
                 self._sub.send(b"\x01" + self._topic)
             if self._sub not in ready:
                 continue
-            frames = self._sub.recv_multipart()
+            try:
+                frames = recv_bounded(self._sub, self.max_bytes, self.max_frames)
+            except ProtocolError as e:  # MessageTooLarge: dropped as it was read
+                self._error(str(e))
+                continue
             if len(frames) != 3:
                 self._error(f"message of {len(frames)} frames, expected 3")
                 continue
@@ -172,13 +189,18 @@ class VllmSubscriber:
             return []
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         out: list[VllmBatch] = []
         try:
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart((b"", W.encode_seq(start)))
             end = time.monotonic() + self.replay_timeout_s
             while dealer.poll(max(1, int((end - time.monotonic()) * 1000))):
-                frames = dealer.recv_multipart()
+                try:
+                    frames = recv_bounded(dealer, self.max_bytes, self.max_frames)
+                except ProtocolError as e:
+                    self._error(f"replay: {e}")
+                    continue
                 if len(frames) != 4:
                     self._error(f"replay reply of {len(frames)} frames, expected 4")
                     continue

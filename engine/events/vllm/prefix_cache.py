@@ -22,6 +22,9 @@ the committed vLLM 0.32 capture). So a hash is held while stores outnumber remov
 (``CachedBlock.copies``); ``duplicates`` counts such second stores. A removal of a hash
 the medium does not hold is counted (``unknown_removed``), never fatal: a consumer that
 joined late sees those.
+Bounded: the index holds at most ``MAX_HASHES`` hashes over all media; a batch whose
+stores would pass it (counted before anything is applied, each store as a new hash, a
+clear restarting the count) is refused whole with ``IndexFull``, the index as it was.
 """
 
 from __future__ import annotations
@@ -35,6 +38,16 @@ from kvscope.engine.events.vllm import kv_events_wire as W
 NOT_PUBLISHED = ("vLLM's KV events publish the prefix-cache index only: no block ids, "
                  "allocation, block tables, ref counts, preemption or swaps, and no cache "
                  "size (usage % is unknown).")
+
+
+# The most hashes the index holds over all media (a CachedBlock and its dict entry are
+# ~200 bytes: ~400 MiB at the cap). A vLLM cache of 2M blocks a medium is already huge;
+# a publisher that stores hashes without end must not grow a reader without end.
+MAX_HASHES = 1 << 21
+
+
+class IndexFull(ValueError):
+    """A batch whose stores would take the index past ``MAX_HASHES``: not applied."""
 
 
 @dataclass
@@ -78,6 +91,9 @@ class VllmPrefixCache:
         self.media = {m: {} for m in self.media}
 
     def apply(self, ts: float, events: list[dict[str, Any]], seq: int | None = None) -> None:
+        """Apply one batch's events in order. Raises ``IndexFull`` (the index unchanged)
+        when its stores would pass ``MAX_HASHES`` (module docstring)."""
+        self._check_room(events, seq)
         stored = removed = 0
         cleared = False
         for ev in events:
@@ -119,6 +135,20 @@ class VllmPrefixCache:
         self.last_seq, self.last_ts = seq, ts
         self.timeline.append(TimelinePoint(ts, stored, removed, cleared,
                                            {m: len(d) for m, d in self.media.items()}))
+
+    def _check_room(self, events: list[dict[str, Any]], seq: int | None) -> None:
+        held = sum(map(len, self.media.values()))
+        count = held
+        for ev in events:
+            kind = ev.get(W.TAG)
+            if kind == W.BLOCK_STORED:
+                count += len(ev["block_hashes"])
+                if count > MAX_HASHES:
+                    raise IndexFull(
+                        f"batch {seq} refused: its stores would take the prefix-cache "
+                        f"index past {MAX_HASHES} hashes (it holds {held})")
+            elif kind == W.ALL_BLOCKS_CLEARED:
+                count = 0
 
     # ------------------------------------------------------------------ reading
     def hashes(self, medium: str = W.MEDIUM_GPU) -> set[Any]:

@@ -21,6 +21,13 @@ missing batches (and falls back to a fresh snapshot when the publisher no longer
 them); a new epoch (publisher restart) or a batch the mirror rejects also leads to a
 fresh snapshot. Malformed messages are counted (``errors``) and skipped.
 
+Bounded by construction (docs/events.md, "Limits"): each message is received within
+``max_bytes`` over all its frames and ``max_frames`` frames (``receive.recv_bounded``;
+past them it is dropped as read), the buffer of batches waiting for a snapshot within
+``max_buffered``/``max_buffered_bytes``, and the mirror within ``KVState``'s limits (total
+blocks, live sequences, a snapshot's declared size). Whatever is refused for a limit
+is counted in ``errors`` and its reason kept in ``refused`` (and ``problem``).
+
 Overload is never silent: a subscriber that reads too slowly loses batches at its queue
 (``rcvhwm`` messages here, the publisher's ``sndhwm`` there, beyond which ZeroMQ's PUB
 drops for it alone), and a publisher whose engine outran it drops whole batches and
@@ -61,6 +68,7 @@ from kvscope.engine.events.stats import StepStats
 from kvscope.engine.events.wire import codec as C
 from kvscope.engine.events.wire.keys import HOW_TO_MAKE, ClientKeys, client_keys
 from kvscope.engine.events.wire.publisher import snapshot_endpoint_for
+from kvscope.engine.events.wire.receive import DEFAULT_MAX_FRAMES, MessageTooLarge, recv_bounded
 
 Update = dict[str, Any]
 
@@ -76,7 +84,8 @@ class Subscriber:
     def __init__(self, endpoint: str, snapshot_endpoint: str | None = None, *,
                  on_apply: Callable[[Update, KVState], None] | None = None,
                  stale_after_s: float = 3.0, request_timeout_s: float = 2.0,
-                 max_bytes: int = C.DEFAULT_MAX_BYTES, max_buffered: int = 100_000,
+                 max_bytes: int = C.DEFAULT_MAX_BYTES, max_frames: int = DEFAULT_MAX_FRAMES,
+                 max_buffered: int = 100_000,
                  max_buffered_bytes: int = 4 * C.DEFAULT_MAX_BYTES,
                  rcvhwm: int = 100_000, rcvbuf: int = 0,
                  keys: ClientKeys | str | None = None) -> None:
@@ -93,6 +102,10 @@ class Subscriber:
         self.state = KVState()
         self.lock = threading.Lock()
         self.codec = C.Codec(max_bytes)
+        self.max_frames = max_frames
+        # the last message, batch or snapshot refused for a limit or by the mirror:
+        # why (None: none was)
+        self.refused: str | None = None
         self.on_apply = on_apply
         self.stale_after_s = stale_after_s
         self.request_timeout_s = request_timeout_s
@@ -158,9 +171,9 @@ class Subscriber:
 
     @property
     def problem(self) -> str | None:
-        """Why nothing arrives, when a security handshake failed (None once one
-        succeeds, or when none failed)."""
-        return self._handshake_problem
+        """Why nothing arrives: a failed security handshake (None once one succeeds),
+        else the last message, batch or snapshot refused (``refused``), else None."""
+        return self._handshake_problem or self.refused
 
     @property
     def events_per_s(self) -> float:
@@ -193,10 +206,10 @@ class Subscriber:
         # One message at a time (received, decoded, handled, dropped): at most one
         # max_bytes message is held beyond what the buffer keeps.
         if ready.get(self._dealer) or self._dealer.poll(0):
-            for frames in _received(self._dealer, 10_000):
+            for frames in self._received(self._dealer, 10_000):
                 self._on_reply(frames, updates)
         if ready.get(self._sub) or self._sub.poll(0):
-            for frames in _received(self._sub, 10_000):
+            for frames in self._received(self._sub, 10_000):
                 self._on_pub(frames, updates)
         self._check_request_timeout()
         self._check_handshakes()
@@ -309,8 +322,9 @@ class Subscriber:
         with self.lock:
             try:
                 self.state.apply(batch)
-            except ProtocolError:
+            except ProtocolError as e:
                 self.apply_errors += 1
+                self.refused = f"batch {batch.get('seq')} refused: {e}"
                 ok = False
             else:
                 ok = True
@@ -387,8 +401,9 @@ class Subscriber:
     def _install(self, msg: dict[str, Any], updates: list[Update]) -> None:
         try:
             state = KVState.from_snapshot(msg["state"])
-        except ProtocolError:
+        except ProtocolError as e:
             self.codec.errors["snapshot"] += 1
+            self.refused = f"snapshot refused: {e}"[:500]
             self._request_snapshot()
             return
         info = msg.get("info")
@@ -470,10 +485,15 @@ class Subscriber:
             self._request_snapshot()
 
 
-def _received(sock: zmq.Socket, limit: int) -> Iterator[list[bytes]]:
-    """Up to ``limit`` waiting messages, received one at a time as the caller asks."""
-    for _ in range(limit):
-        try:
-            yield sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
+    def _received(self, sock: zmq.Socket, limit: int) -> Iterator[list[bytes]]:
+        """Up to ``limit`` waiting messages, received one at a time as the caller asks,
+        each within ``max_bytes`` and ``max_frames`` (one past them is dropped, counted
+        and its reason kept in ``refused``)."""
+        for _ in range(limit):
+            try:
+                yield recv_bounded(sock, self.codec.max_bytes, self.max_frames, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except MessageTooLarge as e:
+                self.codec.errors["size"] += 1
+                self.refused = f"{self.endpoint}: {e}"
