@@ -273,8 +273,11 @@ class EventStream:
             time.sleep(0.0002)
         return True
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Publish/record what is queued, close the recording (index) and the sockets."""
+    def close(self, timeout: float = 120.0) -> None:
+        """Publish/record what is queued, close the recording (index) and the sockets.
+
+        ``timeout`` is a hang guard only: the queue is drained whatever the box's speed
+        (at 10 s a loaded box's recording lost its last steps)."""
         if self._thread is None:
             return
         self._stop.set()
